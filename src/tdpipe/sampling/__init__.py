@@ -1,0 +1,3 @@
+from tdpipe.sampling.params import SamplingParams
+
+__all__ = ["SamplingParams"]

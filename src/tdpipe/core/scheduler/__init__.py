@@ -1,0 +1,11 @@
+from tdpipe.core.scheduler.base import Scheduler
+from tdpipe.core.scheduler.separate import SeparateScheduler
+
+POLICIES: dict[str, type[Scheduler]] = {"separate": SeparateScheduler}
+
+
+def make_scheduler(config, block_manager) -> Scheduler:
+    return POLICIES[config.policy](config, block_manager)
+
+
+__all__ = ["Scheduler", "SeparateScheduler", "POLICIES", "make_scheduler"]

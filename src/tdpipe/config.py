@@ -1,0 +1,184 @@
+"""Configuration dataclasses, validated on construction so a bad value fails early and names its field."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass
+class ModelConfig:
+    """The decoder's shape, read from a Hugging Face config.json (Llama family and Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+
+    SUPPORTED = {
+        "LlamaForCausalLM": False,
+        "MistralForCausalLM": False,
+        "Qwen2ForCausalLM": True,  # Qwen2/2.5 add biases to q, k and v
+    }
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in cls.SUPPORTED:
+            raise ValueError(f"model architecture {arch!r} is not supported; supported: {sorted(cls.SUPPORTED)}")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        scaling = hf.get("rope_scaling") or None
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers 5 may nest rope settings in rope_parameters
+            params = hf.get("rope_parameters") or {}
+            rope_theta = params.get("rope_theta", 10000.0)
+            if scaling is None and params.get("rope_type", "default") != "default":
+                scaling = params
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type", "default"))
+            _check(kind in ("default", "llama3"), f"rope_scaling type {kind!r} is not supported; use llama3 or none")
+            if kind == "default":
+                scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=cls.SUPPORTED[arch] or bool(hf.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+    def __post_init__(self) -> None:
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+
+    def params_per_token_flops(self) -> int:
+        """Dense FLOPs per token through all decoder layers (2 x weights), without attention scores or lm_head."""
+        h, i = self.hidden_size, self.intermediate_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+        return 2 * per_layer * self.num_layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size in tokens and the memory budget that sets the number of blocks."""
+
+    block_size: int = 16
+    kv_cache_memory: int | float | None = None  # bytes, a fraction of available memory, or None: min(4 GiB, 40%)
+    num_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.block_size, int) and self.block_size >= 1,
+               f"block_size must be an integer >= 1, got {self.block_size!r}")
+        m = self.kv_cache_memory
+        if isinstance(m, float):
+            _check(0.0 < m <= 0.95, f"kv_cache_memory as a fraction must be in (0, 0.95], got {m}")
+        elif m is not None:
+            _check(isinstance(m, int) and m > 0, f"kv_cache_memory in bytes must be a positive integer, got {m!r}")
+        if self.num_blocks is not None:
+            _check(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
+
+    def budget_bytes(self) -> int:
+        avail = available_memory()
+        m = self.kv_cache_memory
+        if m is None:
+            return int(min(4 * GiB, 0.4 * avail))
+        if isinstance(m, float):
+            return int(m * avail)
+        return m
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits shared by every policy."""
+
+    policy: str = "separate"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 0  # 0: the model's max_position_embeddings (set by EngineConfig)
+
+    POLICIES = ("separate",)
+
+    def __post_init__(self) -> None:
+        _check(self.policy in self.POLICIES, f"scheduler must be one of {self.POLICIES}, got {self.policy!r}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto | bfloat16 | float32
+    seed: int = 0
+    num_threads: int | None = None  # None: all cores
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in self.DTYPES, f"dtype must be one of {self.DTYPES}, got {self.dtype!r}")
+        if self.num_threads is not None:
+            _check(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); falls back to 8 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+def cpu_supports_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

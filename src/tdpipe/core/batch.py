@@ -1,0 +1,65 @@
+"""What the scheduler hands the executor: a micro-batch and the small metadata a stage needs to run it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tdpipe.sequence import Sequence
+
+
+@dataclass
+class Batch:
+    """One micro-batch. Prefill and decode are never mixed under `separate` (is_prefill says which)."""
+
+    batch_id: int
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # query tokens per sequence this step
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class StepInput:
+    """The metadata message sent to stages (ARCHITECTURE.md, data flow step 2): plain lists, no tensors.
+
+    A stage derives positions and KV slots from seq_lens and block_tables itself, so it can prepare its
+    inputs before activations arrive (gLLM §3.3 preemptive metadata; SiPipe §5.3).
+    """
+
+    batch_id: int
+    token_ids: list[int]  # new tokens, flattened in sequence order
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # tokens with KV after this step (cached prefix + new)
+    block_tables: list[list[int]]
+    is_prefill: bool
+    greedy_rows: list[bool] = field(default_factory=list)  # per sampled row: may the last stage argmax?
+
+    @property
+    def fresh(self) -> bool:
+        """No sequence has a cached prefix, so attention needs only the new tokens."""
+        return all(q == s for q, s in zip(self.query_lens, self.seq_lens))
+
+    @classmethod
+    def from_batch(cls, batch: Batch) -> "StepInput":
+        toks: list[int] = []
+        seq_lens: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            if n == 1 and start == seq.num_tokens - 1:
+                toks.append(seq.last_token_id)
+            else:
+                toks.extend(seq.all_token_ids[start:start + n])
+            seq_lens.append(start + n)
+        return cls(
+            batch_id=batch.batch_id,
+            token_ids=toks,
+            query_lens=list(batch.num_new_tokens),
+            seq_lens=seq_lens,
+            block_tables=[s.block_table for s in batch.seqs],
+            is_prefill=batch.is_prefill,
+        )

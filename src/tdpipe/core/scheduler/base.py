@@ -1,0 +1,93 @@
+"""The policy interface: the scheduler never knows what runs its batches (ARCHITECTURE.md)."""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from tdpipe.config import SchedulerConfig
+from tdpipe.core.batch import Batch
+from tdpipe.core.block_manager import BlockManager
+from tdpipe.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Owns the waiting and running queues; subclasses decide which sequences form the next micro-batch.
+
+    Protocol with the engine: `schedule()` returns a Batch (or None when nothing can run now); the engine
+    runs it, appends sampled tokens, marks finished sequences, then calls `on_result(batch)`.
+    Sequences in a batch that has not returned are `in_flight` and are never scheduled twice.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        # admission keeps ~1% of blocks free so fresh prefills do not immediately force preemption
+        self.watermark_blocks = max(1, int(0.01 * block_manager.num_blocks)) if block_manager.num_blocks > 100 else 0
+
+    # -- queues ------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def next_batch_id(self) -> int:
+        return next(self._ids)
+
+    # -- policy hooks --------------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        raise NotImplementedError
+
+    def on_result(self, batch: Batch) -> None:
+        """The batch returned and the engine updated its sequences: release finished ones."""
+        done = False
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.in_flight = False
+            if seq.is_finished:
+                self.bm.free(seq)
+                done = True
+        if done:
+            self.running = [s for s in self.running if not s.is_finished]
+
+    # -- shared mechanics ----------------------------------------------------------------------------
+    def _admit(self, seq: Sequence) -> None:
+        self.bm.allocate(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the KV; the sequence goes back to the front of the waiting queue."""
+        self.bm.free(seq)
+        seq.reset_for_recompute()
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _reserve_decode_slots(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Give each sequence a KV slot for its next token, preempting the newest running sequences
+        (not in flight) when blocks run out. Returns the sequences that got a slot, in order."""
+        chosen: list[Sequence] = []
+        taken: set[int] = set()
+        for seq in seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            while not self.bm.can_append(seq):
+                victim = next((s for s in reversed(self.running)
+                               if not s.in_flight and s is not seq and s.seq_id not in taken), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+            if self.bm.can_append(seq):
+                self.bm.append_slot(seq)
+                chosen.append(seq)
+                taken.add(seq.seq_id)
+            elif not seq.in_flight:
+                self._preempt(seq)
+        return chosen

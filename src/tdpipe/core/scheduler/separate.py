@@ -1,0 +1,45 @@
+"""`separate` (PP+SB in TD-Pipe §4): prefill and decode batches never mixed, prefill first (as vLLM v0)."""
+from __future__ import annotations
+
+from tdpipe.core.batch import Batch
+from tdpipe.core.scheduler.base import Scheduler
+
+
+class SeparateScheduler(Scheduler):
+    def schedule(self) -> Batch | None:
+        prefill = self._schedule_prefill()
+        if prefill is not None:
+            return prefill
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        seqs, lens = [], []
+        num_running = sum(1 for s in self.running)
+        while self.waiting and num_running + len(seqs) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                break
+            if not self.bm.can_allocate(seq, reserve=self.watermark_blocks if self.running or seqs else 0):
+                break
+            self.waiting.popleft()
+            self._admit(seq)
+            seqs.append(seq)
+            lens.append(n)
+            budget -= n
+        if not seqs:
+            return None
+        for s in seqs:
+            s.in_flight = True
+        return Batch(self.next_batch_id(), seqs, lens, is_prefill=True)
+
+    def _schedule_decode(self) -> Batch | None:
+        ready = [s for s in self.running if not s.in_flight]
+        chosen = self._reserve_decode_slots(ready[: self.config.max_num_seqs])
+        if not chosen:
+            return None
+        for s in chosen:
+            s.in_flight = True
+        return Batch(self.next_batch_id(), chosen, [1] * len(chosen), is_prefill=False)

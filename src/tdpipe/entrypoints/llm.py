@@ -1,0 +1,145 @@
+"""`LLM`: the offline API, with vLLM's names (LLM, SamplingParams, generate, chat, RequestOutput)."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tdpipe.config import CacheConfig, EngineConfig, SchedulerConfig
+from tdpipe.core.engine import LLMEngine
+from tdpipe.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tdpipe.sampling.params import SamplingParams
+from tdpipe.sequence import Sequence
+
+log = logging.getLogger("tdpipe")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine over one model. `model=None` uses the bundled SmolLM2-135M-Instruct (converted once, offline).
+
+    kv_cache_memory: bytes (int) or a fraction of available memory (float); default min(4 GiB, 40%).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", *, seed: int = 0,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 block_size: int = 16, kv_cache_memory: int | float | None = None, num_kv_blocks: int | None = None,
+                 scheduler: str = "separate", num_threads: int | None = None) -> None:
+        cfg = EngineConfig(
+            model=model, dtype=dtype, seed=seed, num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(policy=scheduler, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len or 0),
+        )
+        self.engine = LLMEngine(cfg)
+        self._req_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # -- generate ------------------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}) in one continuous batch.
+
+        A request with bad input (empty or too long prompt, invalid sampling params given as a dict) is
+        returned with finish_reason "error" and `.error` set; the other requests still complete.
+        Outputs come back in the order of `prompts`.
+        """
+        items = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
+        outputs: list[RequestOutput | None] = [None] * len(items)
+        live: dict[int, int] = {}  # seq_id -> position in outputs
+        for i, (prompt, sp) in enumerate(zip(items, params_list)):
+            rid = str(next(self._req_ids))
+            text, ids = self._split_prompt(prompt)
+            try:
+                if isinstance(sp, dict):
+                    sp = SamplingParams(**sp)
+                seq = self.engine.add_request(rid, text if text is not None else ids, sp, prompt_token_ids=ids)
+                live[seq.seq_id] = i
+            except (ValueError, TypeError) as e:
+                log.warning("request %s rejected: %s", rid, e)
+                outputs[i] = RequestOutput(rid, text, list(ids or []),
+                                           [CompletionOutput(0, "", [], "error")], error=str(e))
+        self._run(live, outputs, use_tqdm)
+        return outputs  # type: ignore[return-value]
+
+    def _run(self, live: dict[int, int], outputs: list[RequestOutput | None], use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm and live:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(live), desc="Processed prompts", dynamic_ncols=True)
+        engine = self.engine
+        t0 = time.perf_counter()
+        out0, in0 = engine.stats.output_tokens, engine.stats.prompt_tokens
+        last = 0.0
+        try:
+            while engine.has_unfinished():
+                for seq in engine.step():
+                    outputs[live[seq.seq_id]] = self._to_output(seq)
+                    if bar is not None:
+                        bar.update(1)
+                if bar is not None and time.perf_counter() - last > 0.5:
+                    last = time.perf_counter()
+                    dt = last - t0
+                    bar.set_postfix_str(f"in: {(engine.stats.prompt_tokens - in0) / dt:.0f} tok/s, "
+                                        f"out: {(engine.stats.output_tokens - out0) / dt:.0f} tok/s", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _to_output(self, seq: Sequence) -> RequestOutput:
+        comp = CompletionOutput(0, self.engine.final_text(seq), list(seq.output_token_ids), seq.finish_reason,
+                                seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp],
+                             metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
+                                                    seq.num_preemptions))
+
+    @staticmethod
+    def _as_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):  # one prompt given as token ids
+            return [items]
+        return items
+
+    @staticmethod
+    def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt", ""), None
+        return None, list(prompt)
+
+    # -- chat ----------------------------------------------------------------------------------------
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,30 @@
+"""Executors: the only place that knows where compute happens (in-process, stage processes, simulator)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tdpipe.core.batch import StepInput
+
+
+@dataclass
+class StepResult:
+    batch_id: int
+    logits: torch.Tensor | None = None  # [S, V] float, one row per sequence
+    token_ids: list[int] | None = None  # argmax, when the batch is greedy-only (SiPipe §5.1)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Executor:
+    num_stages: int = 1
+
+    def submit(self, step: StepInput) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> StepResult:
+        """The oldest submitted micro-batch's result (blocking)."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,173 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style) and Qwen2 (q/k/v bias) over a paged KV cache.
+
+A model object holds a contiguous slice of layers [start_layer, end_layer): the embedding lives on the
+first slice, the final norm and lm_head on the last, so a pipeline stage is just a slice (pp = 1 holds all).
+q/k/v and gate/up projections are fused into one matmul each on load (fewer, larger GEMMs).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tdpipe.config import ModelConfig
+from tdpipe.model import paged_attention as pa
+from tdpipe.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors every layer's attention reads; built once per micro-batch by the stage's input preparation."""
+
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    cu_seqlens_q: torch.Tensor  # int32 [S+1]
+    seq_lens: torch.Tensor  # int32 [S]
+    fresh: bool  # no cached prefix anywhere: attend over the new tokens only
+    cu_seqlens_list: list[int]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.fresh:
+            o = pa.prefill_attention(q, k, v, meta.cu_seqlens_list, self.scale)
+        else:
+            o = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                   self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, start_layer: int = 0, end_layer: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.start_layer = start_layer
+        self.end_layer = cfg.num_layers if end_layer is None else end_layer
+        self.is_first = start_layer == 0
+        self.is_last = self.end_layer == cfg.num_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(self.end_layer - start_layer))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        if self.is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. kv_cache: [L, 2, ...]."""
+        if self.is_first:
+            x = self.embed_tokens(x)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head, only on the rows that are sampled."""
+        return self.lm_head(self.norm(hidden))
+
+    # -- loading -------------------------------------------------------------------------------------
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+    def wants(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to this slice (so a stage loads only its weights)."""
+        m = self._LAYER.match(name)
+        if m:
+            return self.start_layer <= int(m.group(1)) < self.end_layer
+        if name.startswith("model.embed_tokens"):
+            return self.is_first or (self.is_last and self.cfg.tie_word_embeddings)
+        return self.is_last and (name.startswith("model.norm") or name.startswith("lm_head"))
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+
+        def put(name: str, t: torch.Tensor) -> None:
+            p = params[name]
+            if p.shape != t.shape:
+                raise ValueError(f"checkpoint tensor for {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t)
+            loaded.add(name)
+
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        for name, t in tensors:
+            if not self.wants(name) or "rotary_emb" in name:
+                continue
+            if name.startswith("model.embed_tokens"):
+                if self.is_first:
+                    put("embed_tokens.weight", t)
+                if self.is_last and self.cfg.tie_word_embeddings:
+                    put("lm_head.weight", t)
+                continue
+            if name.startswith("lm_head") or name.startswith("model.norm"):
+                put(name.removeprefix("model."), t)
+                continue
+            m = self._LAYER.match(name)
+            local = int(m.group(1)) - self.start_layer
+            rest = m.group(2)
+            mod, leaf = rest.rsplit(".", 1)  # e.g. self_attn.q_proj / weight
+            parent, proj = mod.rsplit(".", 1) if "." in mod else ("", mod)
+            if proj in fused:
+                target, idx = fused[proj]
+                key = f"layers.{local}.{parent}.{target}.{leaf}"
+                group = pending.setdefault(key, {})
+                group[str(idx)] = t
+                if len(group) == (3 if target == "qkv_proj" else 2):
+                    put(key, torch.cat([group[str(i)] for i in range(len(group))], dim=0))
+                    del pending[key]
+            else:
+                put(f"layers.{local}.{rest}", t)
+        missing = sorted(set(params) - loaded)
+        if pending or missing:
+            raise ValueError(f"checkpoint is missing tensors: {missing[:8] or sorted(pending)[:8]}")

@@ -1,0 +1,97 @@
+"""A stage's execution: its layer slice, its slice of the KV cache, and input preparation.
+
+Input preparation turns the small StepInput message into tensors (positions, KV slots, block tables);
+the pipeline runtime runs it for micro-batch i+1 while micro-batch i computes (SiPipe §5.2).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tdpipe.config import ModelConfig
+from tdpipe.core.batch import StepInput
+from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
+from tdpipe.model.weights import iter_safetensors
+
+
+@dataclass
+class PreparedInput:
+    step: StepInput
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    sample_idx: torch.Tensor  # rows of the hidden states whose logits are needed (last token per sequence)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
+                 block_size: int, start_layer: int = 0, end_layer: int | None = None,
+                 device: str = "cpu") -> None:
+        self.cfg = model_config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block_size = block_size
+        torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, start_layer, end_layer)
+        model = model.to_empty(device=self.device)
+        model.rotary.__init__(model_config.head_dim, model_config.max_position_embeddings,
+                              model_config.rope_theta, model_config.rope_scaling)  # buffers were on meta
+        model.rotary.to(self.device)
+        model.load_weights(iter_safetensors(model_path, names=model.wants))
+        self.model = model.to(dtype).eval()
+        self.model.rotary.cos = self.model.rotary.cos.float()
+        self.model.rotary.sin = self.model.rotary.sin.float()
+        n_layers = model.end_layer - model.start_layer
+        shape = (n_layers, 2, num_blocks, model_config.num_kv_heads, block_size, model_config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    # -- input preparation ---------------------------------------------------------------------------
+    def prepare(self, step: StepInput) -> PreparedInput:
+        dev = self.device
+        q = torch.tensor(step.query_lens, dtype=torch.int64)
+        seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)
+        s = len(step.query_lens)
+        cu = torch.zeros(s + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=cu[1:])
+        t = int(cu[-1])
+        if not step.is_prefill and all(n == 1 for n in step.query_lens):
+            positions = seq_lens - 1
+            seq_idx = torch.arange(s)
+        else:
+            seq_idx = torch.repeat_interleave(torch.arange(s), q)
+            positions = torch.arange(t) - cu[:-1][seq_idx] + (seq_lens - q)[seq_idx]
+        max_blocks = max(len(b) for b in step.block_tables)
+        bt = torch.zeros((s, max_blocks), dtype=torch.int32)
+        for i, row in enumerate(step.block_tables):
+            if row:
+                bt[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        blk = bt[seq_idx, positions // self.block_size].to(torch.int64)
+        slots = blk * self.block_size + positions % self.block_size
+        meta = AttentionMetadata(
+            positions=positions.to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=bt.to(dev),
+            cu_seqlens_q=cu.to(torch.int32).to(dev),
+            seq_lens=seq_lens.to(torch.int32).to(dev),
+            fresh=step.fresh,
+            cu_seqlens_list=cu.tolist(),
+        )
+        ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
+        return PreparedInput(step, ids, meta, (cu[1:] - 1).to(dev))
+
+    # -- compute -------------------------------------------------------------------------------------
+    def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the slice. Returns hidden states [T, H], or on the last stage logits [S, V] of sampled rows."""
+        x = inp.input_ids if self.model.is_first else hidden
+        h = self.model(x, inp.meta, self.kv_cache)
+        if not self.model.is_last:
+            return h
+        return self.model.compute_logits(h[inp.sample_idx])
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0

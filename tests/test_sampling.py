@@ -1,0 +1,199 @@
+"""Sampling layer: parameter validation, masks, penalties and seeded reproducibility. No model needed."""
+
+import pytest
+import torch
+
+from tdpipe.sampling import SamplingParams
+from tdpipe.sampling.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator
+
+V = 32
+
+
+# ---------------------------------------------------------------- validation
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty"),
+        ({"n": 2}, "n"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"seed": "x"}, "seed"),
+        ({"logprobs": 1}, "logprobs"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_message_gives_range():
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="not supported yet"):
+        SamplingParams(logprobs=2)
+
+
+def test_defaults_and_normalisation():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, -1, 0.0, 16)
+    assert p.stop == [] and p.stop_token_ids == [] and not p.is_greedy and not p.needs_penalties
+    assert p.max_stop_str_len == 0
+    p = SamplingParams(stop="END", stop_token_ids=(7, 8), top_k=0, max_tokens=None)
+    assert p.stop == ["END"] and p.stop_token_ids == [7, 8] and p.top_k == -1 and p.max_tokens is None
+    assert SamplingParams(stop=["a", "abcd"]).max_stop_str_len == 4
+    assert SamplingParams(temperature=0).is_greedy and SamplingParams(top_k=1).is_greedy
+    assert SamplingParams(repetition_penalty=1.1).needs_penalties
+    assert SamplingParams(presence_penalty=0.5).needs_penalties
+    assert SamplingParams(frequency_penalty=-0.5).needs_penalties
+
+
+# ---------------------------------------------------------------- sampler paths
+
+def _call(logits, params, generators=None, prompts=None, outputs=None):
+    b = len(params)
+    return Sampler()(logits, params, prompts or [[]] * b, outputs or [[]] * b, generators or [None] * b)
+
+
+def test_greedy_fast_path_is_argmax():
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    before = logits.clone()
+    assert _call(logits, [SamplingParams(temperature=0)] * 5) == logits.argmax(-1).tolist()
+    assert torch.equal(logits, before)
+
+
+def test_top_k_1_with_temperature_is_argmax():
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.5, top_k=1)] * 6
+    assert _call(logits, params) == logits.argmax(-1).tolist()
+    # Through the mask path too: top_k=1 leaves a single finite logit, the argmax.
+    masked = apply_top_k_top_p(logits, torch.ones(6, dtype=torch.long), None)
+    assert torch.equal(masked.argmax(-1), logits.argmax(-1))
+    assert (masked.isfinite().sum(-1) == 1).all()
+
+
+def _seeded_run(seed: int, row: int, others: list[SamplingParams]) -> list[int]:
+    """20 decode steps of a seeded request placed at `row` among unseeded random rows."""
+    mine = torch.randn(20, V, generator=torch.Generator().manual_seed(123))
+    steps = torch.randn(20, len(others) + 1, V, generator=torch.Generator().manual_seed(len(others)))
+    params = list(others)
+    params.insert(row, SamplingParams(temperature=1.0, top_p=0.95, seed=seed))
+    gens = [None] * len(params)
+    gens[row] = make_generator(params[row])
+    torch.manual_seed(999 + len(others))  # the unseeded rows' draws differ per layout
+    out = []
+    for step, row_logits in zip(steps, mine):
+        step[row] = row_logits  # the seeded row sees the same logits in every layout
+        out.append(_call(step, params, gens)[row])
+    return out
+
+
+def test_seeded_rows_reproduce_alone_and_in_a_batch():
+    alone = _seeded_run(7, 0, [])
+    assert _seeded_run(7, 0, []) == alone
+    others = [SamplingParams(temperature=0.8), SamplingParams(top_k=5, min_p=0.1), SamplingParams(temperature=0)]
+    assert _seeded_run(7, 2, others) == alone
+    assert _seeded_run(7, 0, others[:1]) == alone
+    assert _seeded_run(8, 0, []) != alone
+
+
+def test_temperature_sampling_matches_softmax():
+    torch.manual_seed(0)
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    n = 20000
+    tokens = _call(logits.expand(n, 4), [SamplingParams(temperature=0.7)] * n)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    assert torch.allclose(freq, (logits / 0.7).softmax(-1), atol=0.02)
+
+
+def test_masks_restrict_sampled_tokens():
+    torch.manual_seed(0)
+    logits = torch.tensor([3.0, 2.9, 2.8, 2.7, 0.0, -1.0])
+    n = 2000
+    tokens = set(_call(logits.expand(n, 6), [SamplingParams(top_k=3)] * n))
+    assert tokens == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- masks
+
+def test_top_k_keeps_exactly_k():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    out = apply_top_k_top_p(logits, torch.tensor([2, -1, 5]), None)
+    assert out.isfinite().sum(-1).tolist() == [2, V, 5]
+    for row, k in [(0, 2), (2, 5)]:
+        kept = set(out[row].isfinite().nonzero().flatten().tolist())
+        assert kept == set(logits[row].topk(k).indices.tolist())
+        assert torch.equal(out[row][out[row].isfinite()], logits[row][out[row].isfinite()])
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])  # sorted: 0.5 (1), 0.3 (3), 0.15 (0), 0.05 (2)
+    logits = probs.log().expand(4, 4)
+    out = apply_top_k_top_p(logits, None, torch.tensor([0.4, 0.75, 0.9, 1.0]))
+    kept = [set(r.isfinite().nonzero().flatten().tolist()) for r in out]
+    assert kept == [{1}, {1, 3}, {1, 3, 0}, {0, 1, 2, 3}]
+
+
+def test_top_k_then_top_p():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    # top-k=2 leaves {0.5, 0.3} renormalised to {0.625, 0.375}; p=0.6 then keeps only the first.
+    out = apply_top_k_top_p(probs.log().unsqueeze(0), torch.tensor([2]), torch.tensor([0.6]))
+    assert out[0].isfinite().nonzero().flatten().tolist() == [1]
+
+
+def test_min_p_mask():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    out = apply_min_p(probs.log().expand(3, 4), torch.tensor([0.25, 0.7, 0.0]))
+    assert out.isfinite().tolist() == [
+        [True, True, True, False],  # threshold 0.125
+        [True, False, False, False],  # threshold 0.35
+        [True, True, True, True],
+    ]
+
+
+# ---------------------------------------------------------------- penalties
+
+LOGITS = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+PROMPT, OUTPUT = [[0]], [[1, 1, 2]]  # output counts: [0, 2, 1, 0]
+
+
+def _pen(rep=1.0, freq=0.0, pres=0.0):
+    rep, freq, pres = (torch.tensor([x]) for x in (rep, freq, pres))
+    return apply_penalties(LOGITS, PROMPT, OUTPUT, rep, freq, pres)[0].tolist()
+
+
+def test_repetition_penalty_over_prompt_and_output():
+    assert _pen(rep=2.0) == [1.0, -2.0, 0.25, 3.0]
+
+
+def test_frequency_penalty_over_output_counts():
+    assert _pen(freq=0.5) == [2.0, -2.0, 0.0, 3.0]
+
+
+def test_presence_penalty_over_output_once():
+    assert _pen(pres=0.5) == [2.0, -1.5, 0.0, 3.0]
+
+
+def test_penalties_combined_and_in_sampler():
+    assert _pen(rep=2.0, freq=0.5, pres=0.5) == [1.0, -3.5, -0.75, 3.0]
+    # Greedy with a repetition penalty: token 3 (seen) drops below token 0 (unseen).
+    logits = torch.tensor([[2.0, 0.0, 0.0, 3.0], [2.0, 0.0, 0.0, 3.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0)]
+    assert _call(logits, params, prompts=[[3], [3]], outputs=[[], []]) == [0, 3]
+    assert logits[0, 3] == 3.0  # caller's tensor untouched

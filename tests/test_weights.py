@@ -55,24 +55,21 @@ def test_gguf_tensors_match_transformers_loader() -> None:
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "torch_dtype"}))
     try:
-        ref = ggp.load_gguf_checkpoint(bundled_gguf_path(), return_tensors=True, model_to_load=skeleton)["tensors"]
+        parsed = ggp.load_gguf_checkpoint(bundled_gguf_path(), return_tensors=True, model_to_load=skeleton)
+        ref = parsed["tensors"]
     except (TypeError, AttributeError) as e:  # private API; the "Paris" test still covers correctness
         pytest.skip(f"transformers GGUF tensor loader unavailable: {e}")
-    ours = dict(tensors)
-    assert set(ours) == set(ref)
-    for name, w in ours.items():
-        assert w.dtype == torch.float32
-        torch.testing.assert_close(w, ref[name].float(), rtol=0, atol=0, msg=name)
-
-
-def test_bundled_config() -> None:
-    cfg, _ = gguf_to_hf(bundled_gguf_path())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["head_dim"]) == (30, 576, 64)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
     assert cfg["tie_word_embeddings"] is True
     assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 100000.0
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["vocab_size"]) == (1, 2, 49152)
+    ours = dict(tensors)
+    assert set(ours) == set(ref)
+    for name, w in ours.items():
+        assert w.dtype == torch.float32
+        torch.testing.assert_close(w, ref[name].float(), rtol=0, atol=0, msg=name)
 
 
 def _tiny_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
@@ -134,7 +131,8 @@ def test_converted_folder_loads_and_generates(smol_folder: Path) -> None:
     tok = AutoTokenizer.from_pretrained(smol_folder)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
     assert tok("Hello world, how are you?").input_ids == [19556, 905, 28, 638, 359, 346, 47]
-    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
     model = AutoModelForCausalLM.from_pretrained(smol_folder, dtype=torch.float32)
@@ -143,6 +141,20 @@ def test_converted_folder_loads_and_generates(smol_folder: Path) -> None:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+    # "Paris" survives even llama.cpp's q/k row order (q and k move together), so also
+    # check the perplexity gap: measured 1.9 nats as converted vs 3.7 with rows re-permuted.
+    text = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
+            "It is named after the engineer Gustave Eiffel, whose company designed and built it.")
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        good = model(ids, labels=ids).loss.item()
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.q_proj.weight.copy_(_llama_cpp_permute(attn.q_proj.weight, 9))
+            attn.k_proj.weight.copy_(_llama_cpp_permute(attn.k_proj.weight, 3))
+        scrambled = model(ids, labels=ids).loss.item()
+    assert good < 2.5 and scrambled > good + 1.0, (good, scrambled)
 
 
 def test_converted_folder_is_bf16_and_reused(smol_folder: Path) -> None:
@@ -161,18 +173,21 @@ def test_iter_safetensors_sharded_with_filter(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     state = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4, 3, generator=g) for i in range(4)}
     state["model.norm.weight"] = torch.randn(3, generator=g)
-    shards = {"model-00001-of-00002.safetensors": list(state)[:2], "model-00002-of-00002.safetensors": list(state)[2:]}
+    keys = list(state)
+    shards = {"model-00001-of-00002.safetensors": keys[:2], "model-00002-of-00002.safetensors": keys[2:]}
     for fname, keys in shards.items():
         save_file({k: state[k] for k in keys}, str(tmp_path / fname))
     weight_map = {k: f for f, keys in shards.items() for k in keys}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
 
     got = dict(iter_safetensors(tmp_path))
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
 
     # a stage owning layers 2-3 must not touch shard 1: delete it to prove it is never opened
     os.remove(tmp_path / "model-00001-of-00002.safetensors")
-    stage = dict(iter_safetensors(tmp_path, names=lambda n: n.startswith(("model.layers.2.", "model.layers.3."))))
+    mine = ("model.layers.2.", "model.layers.3.")
+    stage = dict(iter_safetensors(tmp_path, names=lambda n: n.startswith(mine)))
     assert sorted(stage) == ["model.layers.2.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"]
 
 

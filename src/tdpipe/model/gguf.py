@@ -84,7 +84,7 @@ def _config(reader: GGUFReader) -> tuple[dict, bool]:
     hf_arch, model_type, permute = _ARCHS[arch]
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError(f"GGUF {arch!r} model uses per-frequency rope scaling (rope_freqs), which tdpipe does not support")
+        raise ValueError(f"GGUF {arch!r} model uses rope_freqs (llama3-style rope scaling); not supported")
 
     def key(k: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{k}", default)
@@ -97,7 +97,8 @@ def _config(reader: GGUFReader) -> tuple[dict, bool]:
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dim = int(key("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) are not supported")
+        raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
+    eps = np.float32(key("attention.layer_norm_rms_epsilon"))
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:  # older files: count the embedding rows (GGUF shape is reversed)
         vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
@@ -111,7 +112,7 @@ def _config(reader: GGUFReader) -> tuple[dict, bool]:
         "num_key_value_heads": int(key("attention.head_count_kv", heads)),
         "head_dim": head_dim,
         # stored as float32 in the file: round so 1e-5 is not written as 9.99999974e-06
-        "rms_norm_eps": float(np.format_float_positional(np.float32(key("attention.layer_norm_rms_epsilon")))),
+        "rms_norm_eps": float(np.format_float_positional(eps)),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
         "vocab_size": int(vocab),

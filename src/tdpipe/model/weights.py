@@ -44,7 +44,9 @@ def _shard_plan(folder: Path, names: NameFilter | None) -> list[Path]:
     return shards
 
 
-def iter_safetensors(folder: str | Path, names: NameFilter | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    folder: str | Path, names: NameFilter | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in the checkpoint that ``names`` accepts.
 
     Unwanted tensors are never read from disk: safetensors maps the file and

@@ -1,0 +1,597 @@
+// CPU attention over tdpipe's block-paged KV cache.
+//
+// Cache layout, per layer: cache[num_blocks, num_kv_heads, block_size, head_dim] (bf16 or fp32,
+// contiguous), so the keys of one (block, kv head) pair are block_size * head_dim contiguous elements.
+//
+// paged_attention splits the batch into work items (sequence, kv head, tile of query rows). An item
+// holds every query head of its GQA group and, for prefill chunks, several query positions, so each
+// K/V row is streamed from memory once per item. Keys are consumed in tiles of kTokTile tokens with an
+// online softmax (running max / sum per query row); everything is accumulated in fp32.
+//
+// Vector layout trick: a "chunk" is 32 head_dim elements held in two 16-lane fp32 vectors. For bf16 the
+// two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
+// so q and the output accumulator are kept in that same permuted order and un-permuted at the end.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TDPIPE_NO_AVX512)
+#define TDPIPE_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int kLanes = 16;
+constexpr int kChunk = 32;         // head_dim elements per chunk (two vectors)
+constexpr int kTokTile = 32;       // keys per online-softmax step; multiple of kLanes
+constexpr int kMaxChunks = 8;      // head_dim <= 256
+constexpr int kRowGroup = 8;       // query rows sharing one pass over V (16 accumulators)
+constexpr int kRowsPerItem = 16;   // target query rows per work item for prefill chunks
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegBig = -1e30f;  // finite initial running max: keeps m_old - m_new free of NaN
+
+// ---------------------------------------------------------------------------------------------
+// Minimal SIMD layer: AVX-512 when available, otherwise plain loops over 16 floats.
+// ---------------------------------------------------------------------------------------------
+#ifdef TDPIPE_AVX512
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
+inline float vhadd(vf a) { return _mm512_reduce_add_ps(a); }
+inline __mmask16 mask16(int n) {
+  return n >= 16 ? (__mmask16)0xFFFF : (n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1));
+}
+inline __mmask32 mask32(int n) {
+  return n >= 32 ? (__mmask32)0xFFFFFFFFu : (n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1));
+}
+// Lanes >= n become -inf (causal / tail mask).
+inline vf vkeep_first(vf a, int n) { return _mm512_mask_blend_ps(mask16(n), vset1(-INFINITY), a); }
+
+// 2^x for x <= 0: round-to-nearest split, degree-7 polynomial on [-0.5, 0.5] (~1e-9 rel. error),
+// scalef for the exponent. Clamping at -200 maps -inf and NaN (max_ps returns its 2nd operand on NaN)
+// to an argument whose result underflows to exactly 0.
+inline vf vexp2(vf x) {
+  x = _mm512_max_ps(x, vset1(-200.0f));
+  const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = vsub(x, n);
+  vf p = vset1(1.525273380405984e-05f);
+  p = vfma(p, f, vset1(1.5403530393381608e-04f));
+  p = vfma(p, f, vset1(1.3333558146428443e-03f));
+  p = vfma(p, f, vset1(9.618129107628477e-03f));
+  p = vfma(p, f, vset1(5.550410866482158e-02f));
+  p = vfma(p, f, vset1(2.402265069591007e-01f));
+  p = vfma(p, f, vset1(6.931471805599453e-01f));
+  p = vfma(p, f, vset1(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Transposing reduction: lane u of the result = horizontal sum of a[u]. ~45 ops for 16 vectors
+// instead of 16 separate horizontal reductions.
+inline vf vhsum16(const vf* a) {
+  vf s[8];
+  for (int i = 0; i < 8; ++i)
+    s[i] = vadd(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  vf w[4];
+  for (int i = 0; i < 4; ++i)
+    w[i] = vadd(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  vf y[2];
+  for (int i = 0; i < 2; ++i)
+    y[i] = vadd(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return vadd(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+              _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Load n (1..32) elements of a chunk as two fp32 vectors, zero filled past n.
+inline void load_chunk(const float* p, int n, vf& lo, vf& hi) {
+  if (n >= kChunk) {
+    lo = _mm512_loadu_ps(p);
+    hi = _mm512_loadu_ps(p + 16);
+  } else {
+    lo = _mm512_maskz_loadu_ps(mask16(n), p);
+    hi = _mm512_maskz_loadu_ps(mask16(n - 16), p + 16);
+  }
+}
+// bf16 -> fp32 is a 16-bit shift: low halves of each 32-bit lane (even elements) are shifted up,
+// high halves (odd elements) are already in place once the low bits are masked off.
+inline void load_chunk(const bf16* p, int n, vf& lo, vf& hi) {
+  const __m512i raw = n >= kChunk ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask32(n), p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+constexpr const char* kIsa = "avx512";
+
+#else  // portable fallback, same algorithm on 16-float structs
+
+struct vf {
+  float x[kLanes];
+};
+inline vf vzero() { vf r; for (int i = 0; i < kLanes; ++i) r.x[i] = 0.f; return r; }
+inline vf vset1(float a) { vf r; for (int i = 0; i < kLanes; ++i) r.x[i] = a; return r; }
+inline vf vload(const float* p) { vf r; std::memcpy(r.x, p, sizeof(r.x)); return r; }
+inline void vstore(float* p, vf a) { std::memcpy(p, a.x, sizeof(a.x)); }
+#define TDPIPE_VBIN(name, expr)                                   \
+  inline vf name(vf a, vf b) {                                    \
+    vf r;                                                         \
+    for (int i = 0; i < kLanes; ++i) r.x[i] = (expr);             \
+    return r;                                                     \
+  }
+TDPIPE_VBIN(vmul, a.x[i] * b.x[i])
+TDPIPE_VBIN(vadd, a.x[i] + b.x[i])
+TDPIPE_VBIN(vsub, a.x[i] - b.x[i])
+TDPIPE_VBIN(vmax, std::max(a.x[i], b.x[i]))
+#undef TDPIPE_VBIN
+inline vf vfma(vf a, vf b, vf c) { vf r; for (int i = 0; i < kLanes; ++i) r.x[i] = a.x[i] * b.x[i] + c.x[i]; return r; }
+inline float vhmax(vf a) { float m = a.x[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, a.x[i]); return m; }
+inline float vhadd(vf a) { float s = 0.f; for (int i = 0; i < kLanes; ++i) s += a.x[i]; return s; }
+inline vf vkeep_first(vf a, int n) { for (int i = std::max(n, 0); i < kLanes; ++i) a.x[i] = -INFINITY; return a; }
+inline vf vexp2(vf a) {
+  for (int i = 0; i < kLanes; ++i) {
+    const float x = a.x[i];
+    a.x[i] = (x >= -200.0f) ? std::exp2(x) : 0.0f;  // also maps NaN / -inf to 0
+  }
+  return a;
+}
+inline vf vhsum16(const vf* a) { vf r; for (int u = 0; u < kLanes; ++u) r.x[u] = vhadd(a[u]); return r; }
+inline void load_chunk(const float* p, int n, vf& lo, vf& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo.x[i] = i < n ? p[i] : 0.f;
+    hi.x[i] = i + 16 < n ? p[i + 16] : 0.f;
+  }
+}
+inline void load_chunk(const bf16* p, int n, vf& lo, vf& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo.x[i] = 2 * i < n ? static_cast<float>(p[2 * i]) : 0.f;
+    hi.x[i] = 2 * i + 1 < n ? static_cast<float>(p[2 * i + 1]) : 0.f;
+  }
+}
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+constexpr const char* kIsa = "scalar";
+#endif
+
+// Position of head_dim element e in the permuted (two vectors per chunk) fp32 layout used for q/acc.
+template <typename T>
+inline int chunk_pos(int e) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const int w = e & (kChunk - 1);
+    return (e - w) + (w & 1) * kLanes + (w >> 1);
+  } else {
+    return e;
+  }
+}
+
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels
+// ---------------------------------------------------------------------------------------------
+
+// scores[r][t] = q_r . k_t for the R rows and nt (<= kTokTile) keys of one tile, with lanes past the
+// row's causal limit set to -inf. ks holds the tile's keys in fp32, rows padded with zeros to a
+// multiple of 16; q is already scaled by softmax_scale * log2(e).
+template <int NC>
+void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int* lim, int t0, float* sc) {
+  for (int r = 0; r < R; ++r) {
+    vf q[2 * NC];
+    for (int c = 0; c < 2 * NC; ++c) q[c] = vload(qs + r * Dp + c * kLanes);
+    for (int g0 = 0; g0 < nt; g0 += kLanes) {
+      const float* kb = ks + g0 * Dp;
+      vf a[kLanes];
+      for (int u = 0; u < kLanes; ++u) {
+        vf acc = vmul(q[0], vload(kb + u * Dp));
+        for (int c = 1; c < 2 * NC; ++c) acc = vfma(q[c], vload(kb + u * Dp + c * kLanes), acc);
+        a[u] = acc;
+      }
+      const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
+      vstore(sc + r * kTokTile + g0, vkeep_first(vhsum16(a), nvalid));
+    }
+  }
+}
+
+using QkFn = void (*)(const float*, int, int, const float*, int, const int*, int, float*);
+constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile<4>,
+                                     qk_tile<5>, qk_tile<6>, qk_tile<7>, qk_tile<8>};
+
+// acc[r] = acc[r] * corr[r] + sum_t p[r][t] * v_t for NR rows; V is converted once per chunk and
+// reused by all NR rows (2 * NR accumulators stay in registers).
+template <typename T, int NR>
+void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
+             int Dp) {
+  for (int c = 0; c < NC; ++c) {
+    const int n = std::min(kChunk, D - c * kChunk);
+    vf lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) {
+      const vf cr = vset1(corr[r]);
+      lo[r] = vmul(vload(acc + r * Dp + c * kChunk), cr);
+      hi[r] = vmul(vload(acc + r * Dp + c * kChunk + kLanes), cr);
+    }
+    for (int i = 0; i < nt; ++i) {
+      vf vl, vh;
+      load_chunk(vrow[i] + c * kChunk, n, vl, vh);
+      for (int r = 0; r < NR; ++r) {
+        const vf pb = vset1(p[r * kTokTile + i]);
+        lo[r] = vfma(pb, vl, lo[r]);
+        hi[r] = vfma(pb, vh, hi[r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vstore(acc + r * Dp + c * kChunk, lo[r]);
+      vstore(acc + r * Dp + c * kChunk + kLanes, hi[r]);
+    }
+  }
+}
+
+template <typename T>
+void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
+             int Dp, int R) {
+  for (int r0 = 0; r0 < R; r0 += kRowGroup) {
+    const float* pp = p + r0 * kTokTile;
+    const float* cc = corr + r0;
+    float* aa = acc + r0 * Dp;
+    switch (std::min(kRowGroup, R - r0)) {
+      case 1: pv_tile<T, 1>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 2: pv_tile<T, 2>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 3: pv_tile<T, 3>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 4: pv_tile<T, 4>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 5: pv_tile<T, 5>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 6: pv_tile<T, 6>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 7: pv_tile<T, 7>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      default: pv_tile<T, 8>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work items
+// ---------------------------------------------------------------------------------------------
+
+struct Item {
+  int s, kvh, j0, nq;
+  int64_t cost;
+};
+
+template <typename T>
+struct Args {
+  const T* kc;
+  const T* vc;
+  int64_t block_stride, head_stride;  // elements
+  int bs, D, Dp, NC, G, Hq;
+  const int32_t* bt;
+  int64_t bt_stride;
+  const int32_t* cu;
+  const int32_t* lens;
+  const char* q;
+  at::ScalarType qdt;
+  int64_t qs0, qs1;  // bytes
+  char* out;         // contiguous [T, Hq, D] of dtype qdt
+  float qscale;      // softmax scale * log2(e)
+};
+
+template <typename Q>
+inline void load_q_row(const Q* src, int D, float scale, float* dst, int (*pos)(int)) {
+  for (int e = 0; e < D; ++e) dst[pos(e)] = static_cast<float>(src[e]) * scale;
+}
+template <typename Q>
+inline void store_out_row(const float* acc, int D, float inv_l, Q* dst, int (*pos)(int)) {
+  for (int e = 0; e < D; ++e) dst[e] = static_cast<Q>(acc[pos(e)] * inv_l);
+}
+
+// Per-thread scratch, sized for the largest item.
+struct Scratch {
+  float* buf = nullptr;
+  float *qs, *acc, *m, *l, *corr, *ks, *sc;
+  int* lim;
+  Scratch(int Rmax, int Dp) {
+    const size_t rq = size_t(Rmax) * Dp, rr = round_up(Rmax, 16);
+    const size_t n = 2 * rq + 3 * rr + size_t(kTokTile) * Dp + size_t(Rmax) * kTokTile + rr;
+    buf = static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t(64)));
+    float* p = buf;
+    qs = p; p += rq;
+    acc = p; p += rq;
+    m = p; p += rr;
+    l = p; p += rr;
+    corr = p; p += rr;
+    ks = p; p += size_t(kTokTile) * Dp;
+    sc = p; p += size_t(Rmax) * kTokTile;
+    lim = reinterpret_cast<int*>(p);
+  }
+  ~Scratch() { ::operator delete[](buf, std::align_val_t(64)); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+template <typename T>
+void run_item(const Args<T>& a, const Item& it, Scratch& w) {
+  const int D = a.D, Dp = a.Dp, NC = a.NC, G = a.G, bs = a.bs;
+  const int R = it.nq * G;
+  const int n_s = a.cu[it.s + 1] - a.cu[it.s];
+  const int first_pos = a.lens[it.s] - n_s + it.j0;  // absolute position of the item's first query
+  const int kv_end = first_pos + it.nq;               // keys [0, kv_end) are visible to some row
+  auto pos = &chunk_pos<T>;
+
+  // Query rows: r = jj * G + g  <->  (query row cu[s] + j0 + jj, head kvh * G + g).
+  std::fill(w.qs, w.qs + size_t(R) * Dp, 0.f);
+  std::fill(w.acc, w.acc + size_t(R) * Dp, 0.f);
+  for (int jj = 0; jj < it.nq; ++jj) {
+    const int64_t qrow = a.cu[it.s] + it.j0 + jj;
+    for (int g = 0; g < G; ++g) {
+      const int r = jj * G + g;
+      const char* src = a.q + qrow * a.qs0 + int64_t(it.kvh * G + g) * a.qs1;
+      float* dst = w.qs + size_t(r) * Dp;
+      switch (a.qdt) {
+        case at::kFloat: load_q_row(reinterpret_cast<const float*>(src), D, a.qscale, dst, pos); break;
+        case at::kBFloat16: load_q_row(reinterpret_cast<const bf16*>(src), D, a.qscale, dst, pos); break;
+        default: load_q_row(reinterpret_cast<const c10::Half*>(src), D, a.qscale, dst, pos); break;
+      }
+      w.lim[r] = first_pos + jj;
+      w.m[r] = kNegBig;
+      w.l[r] = 0.f;
+    }
+  }
+
+  const int32_t* bt = a.bt + int64_t(it.s) * a.bt_stride;
+  const T* kbase = a.kc + int64_t(it.kvh) * a.head_stride;
+  const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
+  const int row_bytes = D * int(sizeof(T));
+
+  // Row pointers of the current and the next tile (the next one is prefetched while computing).
+  const T* krow[2][kTokTile];
+  const T* vrow[2][kTokTile];
+  auto fill_rows = [&](int t0, int buf) {
+    const int nt = std::min(kTokTile, kv_end - t0);
+    int b = t0 / bs, o = t0 - (t0 / bs) * bs;
+    int64_t base = int64_t(bt[b]) * a.block_stride;
+    for (int i = 0; i < nt; ++i) {
+      krow[buf][i] = kbase + base + int64_t(o) * D;
+      vrow[buf][i] = vbase + base + int64_t(o) * D;
+      if (++o == bs && i + 1 < nt) {
+        o = 0;
+        base = int64_t(bt[++b]) * a.block_stride;
+      }
+    }
+    return nt;
+  };
+
+  int cur = 0;
+  fill_rows(0, cur);
+  for (int t0 = 0; t0 < kv_end; t0 += kTokTile, cur ^= 1) {
+    const int nt = std::min(kTokTile, kv_end - t0);
+    if (t0 + kTokTile < kv_end) {
+      const int nn = fill_rows(t0 + kTokTile, cur ^ 1);
+      for (int i = 0; i < nn; ++i)
+        for (int off = 0; off < row_bytes; off += 64) {
+          prefetch(reinterpret_cast<const char*>(krow[cur ^ 1][i]) + off);
+          prefetch(reinterpret_cast<const char*>(vrow[cur ^ 1][i]) + off);
+        }
+    }
+
+    // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
+    for (int i = 0; i < nt; ++i)
+      for (int c = 0; c < NC; ++c) {
+        vf lo, hi;
+        load_chunk(krow[cur][i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
+        vstore(w.ks + i * Dp + c * kChunk, lo);
+        vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
+      }
+    const int ntp = round_up(nt, kLanes);
+    if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
+
+    kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lim, t0, w.sc);
+
+    // Online softmax (base 2; the scale and log2(e) are folded into q).
+    for (int r = 0; r < R; ++r) {
+      float* sr = w.sc + r * kTokTile;
+      vf mx = vload(sr);
+      for (int g = kLanes; g < ntp; g += kLanes) mx = vmax(mx, vload(sr + g));
+      const float m_new = std::max(w.m[r], vhmax(mx));
+      w.corr[r] = std::exp2(w.m[r] - m_new);
+      const vf mv = vset1(m_new);
+      vf sum = vzero();
+      for (int g = 0; g < ntp; g += kLanes) {
+        const vf e = vexp2(vsub(vload(sr + g), mv));
+        vstore(sr + g, e);
+        sum = vadd(sum, e);
+      }
+      w.l[r] = w.l[r] * w.corr[r] + vhadd(sum);
+      w.m[r] = m_new;
+    }
+
+    pv_rows<T>(vrow[cur], nt, D, NC, w.sc, w.corr, w.acc, Dp, R);
+  }
+
+  // Normalise and write out (un-permuting the chunk layout).
+  const size_t esz = c10::elementSize(a.qdt);
+  for (int jj = 0; jj < it.nq; ++jj) {
+    const int64_t qrow = a.cu[it.s] + it.j0 + jj;
+    for (int g = 0; g < G; ++g) {
+      const int r = jj * G + g;
+      const float inv_l = 1.0f / w.l[r];
+      char* dst = a.out + ((qrow * a.Hq + it.kvh * G + g) * int64_t(D)) * esz;
+      const float* src = w.acc + size_t(r) * Dp;
+      switch (a.qdt) {
+        case at::kFloat: store_out_row(src, D, inv_l, reinterpret_cast<float*>(dst), pos); break;
+        case at::kBFloat16: store_out_row(src, D, inv_l, reinterpret_cast<bf16*>(dst), pos); break;
+        default: store_out_row(src, D, inv_l, reinterpret_cast<c10::Half*>(dst), pos); break;
+      }
+    }
+  }
+}
+
+void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
+  TORCH_CHECK(kc.device().is_cpu() && vc.device().is_cpu(), "KV cache must be on CPU");
+  TORCH_CHECK(kc.dim() == 4, "cache must be [num_blocks, num_kv_heads, block_size, head_dim]");
+  TORCH_CHECK(kc.sizes() == vc.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache dtypes differ");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16,
+              "cache dtype must be float32 or bfloat16");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "KV cache must be contiguous");
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                           const at::Tensor& seq_lens, double scale) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "q must be a CPU tensor [T, Hq, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                  q.scalar_type() == at::kHalf,
+              "q dtype must be float32, bfloat16 or float16");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t nblocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and cache");
+  TORCH_CHECK(D >= 1 && D <= kChunk * kMaxChunks, "head_dim must be in [1, 256]");
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads");
+  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt && t->is_contiguous(),
+                "block_tables / cu_seqlens_q / seq_lens must be contiguous int32 CPU tensors");
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && cu_seqlens_q.dim() == 1, "bad index ranks");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(cu_seqlens_q.size(0) == S + 1 && block_tables.size(0) >= S, "index tensors disagree on S");
+
+  at::Tensor out = at::empty({T, Hq, D}, q.options());
+  if (T == 0 || S == 0) return out;
+
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  const int G = int(Hq / Hkv);
+  TORCH_CHECK(cu[0] == 0 && cu[S] == T, "cu_seqlens_q must start at 0 and end at T");
+
+  // Validate everything the kernel will dereference, then build the work list.
+  std::vector<Item> items;
+  int Rmax = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    const int n_s = cu[s + 1] - cu[s];
+    TORCH_CHECK(n_s >= 0, "cu_seqlens_q must be non-decreasing");
+    if (n_s == 0) continue;
+    TORCH_CHECK(lens[s] >= n_s, "seq_lens[", s, "] = ", lens[s], " is shorter than its ", n_s, " queries");
+    const int64_t used = (int64_t(lens[s]) + bs - 1) / bs;
+    TORCH_CHECK(used <= max_blocks, "seq_lens[", s, "] exceeds its block table");
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t id = bt[s * max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < nblocks, "block id ", id, " out of range (sequence ", s, ")");
+    }
+    const int nq = std::min(n_s, std::max(1, kRowsPerItem / G));
+    Rmax = std::max(Rmax, nq * G);
+    for (int j0 = 0; j0 < n_s; j0 += nq) {
+      const int cnt = std::min(nq, n_s - j0);
+      const int64_t keys = int64_t(lens[s]) - n_s + j0 + cnt;
+      for (int h = 0; h < Hkv; ++h) items.push_back({int(s), h, j0, cnt, keys * (cnt * G + 4)});
+    }
+  }
+  // Longest first: with a dynamic schedule this keeps the last items short (less tail imbalance).
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+
+  const int Dp = round_up(int(D), kChunk);
+  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size())));
+
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    Args<T> a;
+    a.kc = k_cache.data_ptr<T>();
+    a.vc = v_cache.data_ptr<T>();
+    a.block_stride = Hkv * bs * D;
+    a.head_stride = bs * D;
+    a.bs = int(bs); a.D = int(D); a.Dp = Dp; a.NC = Dp / kChunk; a.G = G; a.Hq = int(Hq);
+    a.bt = bt; a.bt_stride = max_blocks; a.cu = cu; a.lens = lens;
+    a.q = static_cast<const char*>(q.data_ptr());
+    a.qdt = q.scalar_type();
+    a.qs0 = q.stride(0) * q.element_size();
+    a.qs1 = q.stride(1) * q.element_size();
+    a.out = static_cast<char*>(out.data_ptr());
+    a.qscale = float(scale) * kLog2e;
+    const int64_t n = int64_t(items.size());
+#pragma omp parallel num_threads(nthreads)
+    {
+      Scratch w(Rmax, Dp);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i) run_item<T>(a, items[i], w);
+    }
+  };
+  if (k_cache.scalar_type() == at::kBFloat16) launch(bf16{});
+  else launch(float{});
+  return out;
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must both be [T, Hkv, D]");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "k / v must be on CPU");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k / v dtype must match the cache dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k / v last dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.dim() == 1 && slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous int64 CPU tensor");
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  TORCH_CHECK(slot_mapping.size(0) == T, "slot_mapping length must equal the token count");
+  const int64_t nblocks = k_cache.size(0), bs = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(1) == Hkv && k_cache.size(3) == D, "k / v shape does not match the cache");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < nblocks * bs, "slot ", slots[t], " out of range");
+
+  const int64_t esz = k.element_size();
+  const size_t row = size_t(D * esz);
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks0 = k.stride(0) * esz, ks1 = k.stride(1) * esz;
+  const int64_t vs0 = v.stride(0) * esz, vs1 = v.stride(1) * esz;
+  // Small copies: threads only pay off for large prefills.
+  const int nthreads = T * Hkv * D >= (1 << 16) ? at::get_num_threads() : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t blk = slot / bs, off = slot % bs;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = ((blk * Hkv + h) * bs + off) * D * esz;
+      std::memcpy(kc + dst, kp + t * ks0 + h * ks1, row);
+      std::memcpy(vc + dst, vp + t * vs0 + h * vs1, row);
+    }
+  }
+}
+
+std::string kernel_info() {
+  return std::string(kIsa) + ", " + std::to_string(at::get_num_threads()) + " threads";
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("paged_attention", &paged_attention, "Causal attention over a paged KV cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "Scatter K/V rows into the paged cache", py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("kernel_info", &kernel_info, "ISA path and thread count");
+}

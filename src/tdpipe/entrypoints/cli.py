@@ -1,0 +1,141 @@
+"""`tdpipe` command line: generate, chat, bench throughput."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tdpipe.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+
+
+def _read_prompts(a: argparse.Namespace) -> list[dict]:
+    """Prompts from arguments, --input (text: one per line; .jsonl: {"prompt": ...} or {"prompt_token_ids": ...}),
+    or stdin when neither is given."""
+    if a.prompts:
+        return [{"prompt": p} for p in a.prompts]
+    f = open(a.input) if a.input and a.input != "-" else sys.stdin
+    with f:
+        lines = [ln.rstrip("\n") for ln in f]
+    jsonl = (a.input or "").endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        if jsonl:
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"line {i + 1} of the input is not valid JSON: {e}")
+            if "prompt" not in rec and "prompt_token_ids" not in rec:
+                raise SystemExit(f"line {i + 1}: a JSONL record needs a 'prompt' or 'prompt_token_ids' field")
+            out.append(rec)
+        else:
+            out.append({"prompt": ln})
+    return out
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from tdpipe import LLM, SamplingParams
+
+    recs = _read_prompts(a)
+    if not recs:
+        raise SystemExit("no prompts: give them as arguments, with --input FILE, or on stdin")
+    llm = LLM(**engine_kwargs(a))
+    sp = SamplingParams(**sampling_kwargs(a))
+    if a.chat_template:
+        tok = llm.get_tokenizer()
+        for r in recs:
+            if "prompt" in r and "prompt_token_ids" not in r:
+                text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True)
+                r["prompt_token_ids"] = tok.encode(text, add_special_tokens=False)
+    prompts = [{"prompt": r.get("prompt"), "prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
+               else r["prompt"] for r in recs]
+    outs = llm.generate(prompts, sp, use_tqdm=not a.no_progress)
+    f = open(a.output, "w") if a.output else sys.stdout
+    with f:
+        for r, o in zip(recs, outs):
+            c = o.outputs[0]
+            rec = {"request_id": o.request_id, "prompt": o.prompt, "text": c.text, "finish_reason": c.finish_reason,
+                   "num_prompt_tokens": len(o.prompt_token_ids), "num_output_tokens": len(c.token_ids)}
+            if o.error:
+                rec["error"] = o.error
+            if a.output_token_ids:
+                rec["token_ids"] = c.token_ids
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from tdpipe import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(a))
+    sp = SamplingParams(**sampling_kwargs(a))
+    history: list[dict[str, str]] = []
+    if a.system:
+        history.append({"role": "system", "content": a.system})
+    print("tdpipe chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, sp, use_tqdm=False)[0]
+        reply = out.outputs[0].text if not out.error else f"[error: {out.error}]"
+        print(reply, flush=True)
+        history.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference (paged KV, continuous "
+                                "batching; pipeline parallelism in later releases).")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate for a batch of prompts; JSONL out",
+                       description="Generate for prompts given as arguments, in a text file (one per line) or "
+                                   "JSONL file ({'prompt': ...} per line), or on stdin. Writes one JSON object "
+                                   "per prompt, in input order.")
+    g.add_argument("prompts", nargs="*", help="prompts (if none: --input or stdin)")
+    g.add_argument("--input", "-i", default=None, help="text or .jsonl file of prompts ('-' = stdin)")
+    g.add_argument("--output", "-o", default=None, help="JSONL output file (default stdout)")
+    g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    g.add_argument("--output-token-ids", action="store_true", help="include output token ids in the JSONL")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=512)
+    c.set_defaults(fn=cmd_chat)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from tdpipe.bench import throughput
+
+    throughput.add_parser(bsub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args) or 0
+    except ValueError as e:
+        print(f"tdpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

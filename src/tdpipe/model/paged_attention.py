@@ -1,0 +1,212 @@
+"""Attention over the paged KV cache: C++/OpenMP kernel on CPU, pure-torch reference elsewhere.
+
+Cache layout (per layer): ``k_cache`` / ``v_cache`` of shape [num_blocks, num_kv_heads, block_size, head_dim].
+Token ``t`` of a sequence lives in block ``block_tables[s, t // block_size]`` at offset ``t % block_size``.
+A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+(the last ``n_s`` of its ``seq_lens[s]`` tokens, whose K/V are already stored) and attends causally.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-Wno-unused-function"]
+_LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch already loaded (same soname): one OpenMP runtime
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_lock = threading.Lock()
+_kernel: ModuleType | None = None
+_kernel_tried = False
+
+IntSeq = torch.Tensor | Sequence[int]
+
+
+def _cpu_tag() -> str:
+    """Identifies what -march=native compiles for, so a shared cache dir never serves a foreign build."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "model name")):
+                    flags += line
+    except OSError:
+        pass
+    key = "|".join([flags, torch.__version__, platform.python_version(), " ".join(_CFLAGS)])
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def kernel_build_dir() -> Path:
+    root = Path(os.environ.get("TDPIPE_CACHE", Path.home() / ".cache" / "tdpipe"))
+    return root / "kernels" / f"paged_attention-{_cpu_tag()}"
+
+
+def load_kernel() -> ModuleType | None:
+    """JIT-build (first time, ~1 min) or load the C++ kernel; None when disabled or unbuildable.
+
+    The result is cached for the process; failures are logged once and the pure-torch path is used.
+    """
+    global _kernel, _kernel_tried
+    if _kernel_tried:
+        return _kernel
+    with _lock:
+        if _kernel_tried:
+            return _kernel
+        try:
+            if os.environ.get("TDPIPE_NO_KERNEL") == "1":
+                logger.warning("TDPIPE_NO_KERNEL=1: using the pure-torch paged attention")
+            else:
+                from torch.utils.cpp_extension import load
+
+                build_dir = kernel_build_dir()
+                build_dir.mkdir(parents=True, exist_ok=True)
+                _kernel = load(name="tdpipe_paged_attention", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                               extra_ldflags=_LDFLAGS, build_directory=str(build_dir), verbose=False)
+        except Exception as e:  # compiler missing, build error, ... : degrade, do not crash the engine
+            logger.warning("paged-attention kernel unavailable (%s: %s); using the pure-torch path",
+                           type(e).__name__, e)
+            _kernel = None
+        _kernel_tried = True
+        return _kernel
+
+
+def _int_tensor(x: IntSeq, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device if device is not None else x.device, dtype=dtype).contiguous()
+    return torch.tensor(list(x), dtype=dtype, device=device)
+
+
+def _as_list(x: IntSeq) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else [int(v) for v in x]
+
+
+# ----------------------------------------------------------------------------------------------------
+# store_kv
+# ----------------------------------------------------------------------------------------------------
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write k[t], v[t] ([T, Hkv, D]) into slot slot_mapping[t] of the caches; slot -1 is skipped."""
+    bs = k_cache.shape[2]
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    blk, off = slots // bs, slots % bs
+    # Advanced indices around a slice put the indexed dim first: k_cache[blk, :, off] is [N, Hkv, D].
+    k_cache[blk, :, off] = k.to(k_cache.dtype)
+    v_cache[blk, :, off] = v.to(v_cache.dtype)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter the new tokens' K/V into the paged cache (in place)."""
+    kern = load_kernel() if k_cache.device.type == "cpu" else None
+    if kern is None or k_cache.dtype not in _KERNEL_DTYPES or k.device.type != "cpu":
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        return
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    kern.store_kv(k, v, k_cache, v_cache, _int_tensor(slot_mapping, torch.long))
+
+
+# ----------------------------------------------------------------------------------------------------
+# paged_attention
+# ----------------------------------------------------------------------------------------------------
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
+                        cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float) -> torch.Tensor:
+    """Reference: per sequence, gather its blocks, dense fp32 attention with a causal mask. Any device."""
+    t, hq, d = q.shape
+    hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    cu, lens = _as_list(cu_seqlens_q), _as_list(seq_lens)
+    bt = block_tables if isinstance(block_tables, torch.Tensor) else torch.tensor(block_tables)
+    bt = bt.to(device=k_cache.device, dtype=torch.long)
+    for s, seq_len in enumerate(lens):
+        q0, q1 = cu[s], cu[s + 1]
+        n = q1 - q0
+        if n == 0:
+            continue
+        nb = -(-seq_len // bs)
+        blocks = bt[s, :nb]
+        # [nb, Hkv, bs, D] -> [Hkv, nb*bs, D] -> first seq_len tokens
+        k = k_cache[blocks].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+        v = v_cache[blocks].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+        qs = q[q0:q1].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
+        qpos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] > qpos[:, None]  # [n, L]
+        scores.masked_fill_(mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(1))  # [Hkv, G, n, D]
+        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+    return out
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
+                    cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over cached K/V; returns [T, Hq, D] in q's dtype.
+
+    block_tables int32 [S, max_blocks], cu_seqlens_q int32 [S+1], seq_lens int32 [S] (lists accepted).
+    """
+    kern = load_kernel() if q.device.type == "cpu" and k_cache.device.type == "cpu" else None
+    if (kern is None or k_cache.dtype not in _KERNEL_DTYPES or q.dtype not in _Q_DTYPES
+            or q.shape[-1] > 256):
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if not isinstance(block_tables, torch.Tensor):
+        block_tables = torch.tensor([list(r) for r in block_tables], dtype=torch.int32).reshape(len(block_tables), -1)
+    return kern.paged_attention(q, k_cache, v_cache, _int_tensor(block_tables, torch.int32),
+                                _int_tensor(cu_seqlens_q, torch.int32), _int_tensor(seq_lens, torch.int32),
+                                float(scale))
+
+
+# ----------------------------------------------------------------------------------------------------
+# prefill without a cached prefix
+# ----------------------------------------------------------------------------------------------------
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: IntSeq,
+                      scale: float) -> torch.Tensor:
+    """Causal self-attention of fresh sequences packed varlen-style (q [T, Hq, D], k/v [T, Hkv, D]).
+
+    Uses SDPA; sequences of equal length are batched into one call.
+    """
+    cu = _as_list(cu_seqlens)
+    t, hq, d = q.shape
+    gqa = hq != k.shape[1]
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    by_len: dict[int, list[int]] = {}
+    for s in range(len(cu) - 1):
+        if cu[s + 1] > cu[s]:
+            by_len.setdefault(cu[s + 1] - cu[s], []).append(cu[s])
+    for n, starts in by_len.items():
+        if len(starts) == 1:
+            rows: slice | torch.Tensor = slice(starts[0], starts[0] + n)
+            qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
+        else:
+            rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
+            qs, ks, vs = (x[rows].view(len(starts), n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[rows] = o.transpose(1, 2).reshape(-1, hq, d)
+    return out

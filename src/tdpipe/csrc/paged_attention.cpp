@@ -12,7 +12,8 @@
 // two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
 // so q and the output accumulator are kept in that same permuted order and un-permuted at the end.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -39,6 +40,13 @@ constexpr int kTokTile = 32;       // keys per online-softmax step; multiple of 
 constexpr int kMaxChunks = 8;      // head_dim <= 256
 constexpr int kRowGroup = 8;       // query rows sharing one pass over V (16 accumulators)
 constexpr int kRowsPerItem = 16;   // target query rows per work item for prefill chunks
+#ifndef TDPIPE_PF_TILES
+#define TDPIPE_PF_TILES 1
+#endif
+#ifndef TDPIPE_PF_HINT
+#define TDPIPE_PF_HINT _MM_HINT_T0
+#endif
+constexpr int kPrefetchTiles = TDPIPE_PF_TILES;  // software prefetch distance, in key tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;  // finite initial running max: keeps m_old - m_new free of NaN
 
@@ -120,7 +128,7 @@ inline void load_chunk(const bf16* p, int n, vf& lo, vf& hi) {
   lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
   hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), TDPIPE_PF_HINT); }
 constexpr const char* kIsa = "avx512";
 
 #else  // portable fallback, same algorithm on 16-float structs
@@ -356,16 +364,18 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
   const int row_bytes = D * int(sizeof(T));
 
-  // Row pointers of the current and the next tile (the next one is prefetched while computing).
-  const T* krow[2][kTokTile];
-  const T* vrow[2][kTokTile];
-  auto fill_rows = [&](int t0, int buf) {
+  // Row pointers of the current tile, and of the tile kPrefetchTiles ahead (prefetched meanwhile).
+  const T* krow[kTokTile];
+  const T* vrow[kTokTile];
+  const T* kpf[kTokTile];
+  const T* vpf[kTokTile];
+  auto fill_rows = [&](int t0, const T** kr, const T** vr) {
     const int nt = std::min(kTokTile, kv_end - t0);
     int b = t0 / bs, o = t0 - (t0 / bs) * bs;
     int64_t base = int64_t(bt[b]) * a.block_stride;
     for (int i = 0; i < nt; ++i) {
-      krow[buf][i] = kbase + base + int64_t(o) * D;
-      vrow[buf][i] = vbase + base + int64_t(o) * D;
+      kr[i] = kbase + base + int64_t(o) * D;
+      vr[i] = vbase + base + int64_t(o) * D;
       if (++o == bs && i + 1 < nt) {
         o = 0;
         base = int64_t(bt[++b]) * a.block_stride;
@@ -373,25 +383,26 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     }
     return nt;
   };
+  auto prefetch_tile = [&](int t0) {
+    if (t0 >= kv_end) return;
+    const int nn = fill_rows(t0, kpf, vpf);
+    for (int i = 0; i < nn; ++i)
+      for (int off = 0; off < row_bytes; off += 64) {
+        prefetch(reinterpret_cast<const char*>(kpf[i]) + off);
+        prefetch(reinterpret_cast<const char*>(vpf[i]) + off);
+      }
+  };
+  for (int pt = 0; pt < kPrefetchTiles - 1; ++pt) prefetch_tile((pt + 1) * kTokTile);
 
-  int cur = 0;
-  fill_rows(0, cur);
-  for (int t0 = 0; t0 < kv_end; t0 += kTokTile, cur ^= 1) {
-    const int nt = std::min(kTokTile, kv_end - t0);
-    if (t0 + kTokTile < kv_end) {
-      const int nn = fill_rows(t0 + kTokTile, cur ^ 1);
-      for (int i = 0; i < nn; ++i)
-        for (int off = 0; off < row_bytes; off += 64) {
-          prefetch(reinterpret_cast<const char*>(krow[cur ^ 1][i]) + off);
-          prefetch(reinterpret_cast<const char*>(vrow[cur ^ 1][i]) + off);
-        }
-    }
+  for (int t0 = 0; t0 < kv_end; t0 += kTokTile) {
+    const int nt = fill_rows(t0, krow, vrow);
+    if (kPrefetchTiles > 0) prefetch_tile(t0 + kPrefetchTiles * kTokTile);
 
     // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
     for (int i = 0; i < nt; ++i)
       for (int c = 0; c < NC; ++c) {
         vf lo, hi;
-        load_chunk(krow[cur][i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
+        load_chunk(krow[i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
         vstore(w.ks + i * Dp + c * kChunk, lo);
         vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
       }
@@ -418,7 +429,7 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
       w.m[r] = m_new;
     }
 
-    pv_rows<T>(vrow[cur], nt, D, NC, w.sc, w.corr, w.acc, Dp, R);
+    pv_rows<T>(vrow, nt, D, NC, w.sc, w.corr, w.acc, Dp, R);
   }
 
   // Normalise and write out (un-permuting the chunk layout).

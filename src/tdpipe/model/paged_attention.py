@@ -22,7 +22,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-Wno-unused-function"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch already loaded (same soname): one OpenMP runtime
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,0 +1,135 @@
+"""Micro-benchmark of the paged-attention kernel: ``python -m tdpipe.bench.attention``.
+
+Decode at the SmolLM2-135M shape by default (batch 256, context 1024, Hq=9, Hkv=3, D=64, bf16): ms per
+layer, effective bandwidth (K+V bytes read / time), the pure-torch reference for comparison, store_kv,
+and a chunked-prefill case. The 30-layer run cycles through 30 distinct layer caches (as the engine does),
+so nothing stays in the last-level cache between calls.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tdpipe.model import paged_attention as pa
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _time(fn: Callable[[], object], iters: int, warmup: int = 1) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _block_tables(batch: int, blocks_per_seq: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Each sequence gets random, non-contiguous blocks (as after a while of allocation churn)."""
+    perm = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
+    return perm.view(batch, blocks_per_seq).to(torch.int32).contiguous()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--q-heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--no-ref", action="store_true", help="skip the (slow) reference implementation")
+    args = p.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = _DTYPES[args.dtype]
+    b, ctx, hq, hkv, d, bs, nl = (args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
+                                  args.block_size, args.layers)
+    gen = torch.Generator().manual_seed(0)
+
+    t0 = time.perf_counter()
+    kern = pa.load_kernel()
+    print(f"kernel: {'unavailable (pure-torch path)' if kern is None else kern.kernel_info()}, "
+          f"load/build {time.perf_counter() - t0:.1f} s")
+
+    blocks_per_seq = -(-ctx // bs)
+    num_blocks = b * blocks_per_seq + 16
+    # One big tensor like the engine's; layer 0 random, the others copies (fast to fill, same bytes read).
+    cache = torch.empty((nl, 2, num_blocks, hkv, bs, d), dtype=dtype)
+    cache[0].copy_(torch.randn(cache[0].shape, generator=gen).to(dtype))
+    for layer in range(1, nl):
+        cache[layer].copy_(cache[0])
+    bt = _block_tables(b, blocks_per_seq, num_blocks, gen)
+    cu = torch.arange(b + 1, dtype=torch.int32)
+    lens = torch.full((b,), ctx, dtype=torch.int32)
+    q = torch.randn((b, hq, d), generator=gen).to(dtype)
+    scale = d ** -0.5
+
+    kv_bytes = b * ctx * hkv * d * 2 * cache.element_size()
+    print(f"decode: batch {b}, context {ctx}, Hq {hq}, Hkv {hkv}, D {d}, block {bs}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads; K+V per layer {kv_bytes / 1e6:.1f} MB")
+
+    def layer_call(layer: int) -> torch.Tensor:
+        return pa.paged_attention(q, cache[layer, 0], cache[layer, 1], bt, cu, lens, scale)
+
+    t1 = _time(lambda: layer_call(0), args.iters, warmup=2)
+    print(f"  1 layer (same cache):  {t1 * 1e3:7.2f} ms/layer  {kv_bytes / t1 / 1e9:6.1f} GB/s")
+
+    def all_layers() -> None:
+        for layer in range(nl):
+            layer_call(layer)
+
+    tn = _time(all_layers, max(2, args.iters // 3)) / nl
+    print(f"  x{nl} layers:            {tn * 1e3:7.2f} ms/layer  {kv_bytes / tn / 1e9:6.1f} GB/s  "
+          f"({tn * nl * 1e3:.1f} ms per step)")
+
+    if not args.no_ref:
+        out = layer_call(0)
+        tr0 = time.perf_counter()
+        ref = pa.paged_attention_ref(q, cache[0, 0], cache[0, 1], bt, cu, lens, scale)
+        tr = time.perf_counter() - tr0
+        err = (out.float() - ref.float()).abs().max().item()
+        print(f"  reference:             {tr * 1e3:7.2f} ms/layer  {kv_bytes / tr / 1e9:6.1f} GB/s  "
+              f"(kernel {tr / t1:.0f}x faster, max |diff| {err:.2e})")
+
+    # store_kv: one decode step's new tokens, and a prefill-sized batch.
+    for ntok in (b, 8192):
+        k = torch.randn((ntok, hkv, d), generator=gen).to(dtype)
+        v = torch.randn((ntok, hkv, d), generator=gen).to(dtype)
+        slots = torch.randperm(num_blocks * bs, generator=gen)[:ntok]
+        ts = _time(lambda: pa.store_kv(k, v, cache[0, 0], cache[0, 1], slots), args.iters * 3)
+        msg = f"  store_kv {ntok:5d} tokens: {ts * 1e6:8.1f} us"
+        if not args.no_ref:
+            tsr = _time(lambda: pa.store_kv_ref(k, v, cache[0, 0], cache[0, 1], slots), args.iters)
+            msg += f"  (reference {tsr * 1e6:.1f} us)"
+        print(msg)
+
+    # Chunked prefill: 4 sequences each adding 256 queries on top of a 768-token cached prefix.
+    ns, chunk = 4, 256
+    if ns * blocks_per_seq <= num_blocks and chunk <= ctx:
+        qc = torch.randn((ns * chunk, hq, d), generator=gen).to(dtype)
+        cuc = torch.arange(0, ns * chunk + 1, chunk, dtype=torch.int32)
+        lc = torch.full((ns,), ctx, dtype=torch.int32)
+        tc = _time(lambda: pa.paged_attention(qc, cache[0, 0], cache[0, 1], bt[:ns], cuc, lc, scale), args.iters)
+        flops = 4 * d * hq * sum(ctx - chunk + j + 1 for j in range(chunk)) * ns
+        msg = f"chunked prefill: {ns} x {chunk} queries over {ctx} keys: {tc * 1e3:.2f} ms  {flops / tc / 1e9:.1f} GFLOP/s"
+        if not args.no_ref:
+            tcr = _time(lambda: pa.paged_attention_ref(qc, cache[0, 0], cache[0, 1], bt[:ns], cuc, lc, scale), 2)
+            msg += f"  (reference {tcr * 1e3:.2f} ms)"
+        print(msg)
+
+
+if __name__ == "__main__":
+    main()

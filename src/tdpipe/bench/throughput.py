@@ -1,0 +1,336 @@
+"""`tdpipe bench throughput`: offline throughput and MFU of the engine on a whole workload at once.
+
+All requests are submitted together (vLLM's benchmark_throughput style) with greedy sampling,
+ignore_eos=True and max_tokens=output_len, so every request produces exactly its output_len tokens and
+runs are comparable across engines and commits. Model load, the matmul-peak probe and a two-request
+warm-up are excluded from the timed region.
+
+MFU = model FLOPs / (elapsed_s * peak FLOP/s), where peak is torch's measured square-matmul rate on the
+same threads and dtype (see tdpipe.bench.peak) and model FLOPs count only the useful work of the workload
+(recomputation after preemption is not credited):
+  - every processed token (the whole prompt, then each fed-back output token: input_len + output_len - 1
+    per request) costs ModelConfig.params_per_token_flops() (2 x decoder weights);
+  - attention scores + weighted sum: 4 * context * num_heads * head_dim * num_layers per processed token,
+    with context = position + 1;
+  - lm_head: 2 * hidden_size * vocab_size per sampled token (one after the prefill, one per decode step:
+    output_len per request).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tdpipe.bench import workload as wl
+from tdpipe.bench.peak import measure_matmul_peak
+from tdpipe.config import ModelConfig
+from tdpipe.entrypoints.args import add_engine_args, engine_kwargs
+
+log = logging.getLogger("tdpipe")
+
+MFU_FORMULA = ("MFU = model FLOPs / (elapsed * peak); model FLOPs per request = "
+               "(in + out - 1) * params_per_token_flops "
+               "+ sum over processed tokens of 4 * (pos + 1) * heads * head_dim * layers "
+               "+ out * 2 * hidden * vocab (lm_head per sampled token)")
+
+# vLLM's ShareGPT sampling drops pairs with prompt + output > 2048; the sharegpt workload keeps that cap.
+SHAREGPT_MAX_MODEL_LEN = 2048
+
+
+# -- FLOP accounting ---------------------------------------------------------------------------------
+@dataclass
+class Flops:
+    """Model FLOPs split by where they go, so a low MFU can be traced to its part."""
+
+    linear: int = 0
+    attention: int = 0
+    lm_head: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.attention + self.lm_head
+
+    def __add__(self, o: "Flops") -> "Flops":
+        return Flops(self.linear + o.linear, self.attention + o.attention, self.lm_head + o.lm_head)
+
+
+def request_flops(mc: ModelConfig, input_len: int, output_len: int) -> Flops:
+    """Useful FLOPs of one request: prefill of input_len tokens, then output_len - 1 decode steps
+    (the last sampled token is never fed back)."""
+    if input_len < 1 or output_len < 1:
+        raise ValueError(f"input_len and output_len must be >= 1, got {input_len}, {output_len}")
+    processed = input_len + output_len - 1
+    # context of the token at position p is p + 1; positions 0 .. processed - 1 are all processed once
+    context_sum = processed * (processed + 1) // 2
+    attn_per_ctx = 4 * mc.num_heads * mc.head_dim * mc.num_layers
+    return Flops(linear=processed * mc.params_per_token_flops(),
+                 attention=context_sum * attn_per_ctx,
+                 lm_head=output_len * 2 * mc.hidden_size * mc.vocab_size)
+
+
+def workload_flops(mc: ModelConfig, lengths: list[tuple[int, int]]) -> Flops:
+    total = Flops()
+    for i, o in lengths:
+        total = total + request_flops(mc, i, o)
+    return total
+
+
+# -- machine -----------------------------------------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    """What ran the benchmark, so numbers from different hosts are never compared blindly."""
+    model_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model_name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model_name, "cpu_count": os.cpu_count(), "usable_cores": usable,
+            "platform": platform.platform(), "torch": torch.__version__}
+
+
+# -- CLI -----------------------------------------------------------------------------------------------
+def add_parser(bsub: Any) -> argparse.ArgumentParser:
+    p = bsub.add_parser(
+        "throughput", help="offline throughput and MFU on a synthetic or JSONL workload",
+        description="Submit a whole workload at once and report requests/s, tokens/s and MFU. Output "
+                    "lengths are forced (greedy, ignore_eos). " + MFU_FORMULA + ".")
+    p.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
+                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling (mean ~224 in / "
+                        "~188 out); fixed: --input-len/--output-len for every request")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (implies fixed)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (implies fixed)")
+    p.add_argument("--num-prompts", type=int, default=100, help="number of requests (dataset: at most this)")
+    p.add_argument("--dataset", default=None,
+                   help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per line")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run the requests through transformers generate (static batches) and report "
+                        "the ratio")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the transformers baseline")
+    add_engine_args(p)
+    p.set_defaults(fn=run)
+    return p
+
+
+def build_workload(a: argparse.Namespace, vocab_size: int, max_model_len: int,
+                   tokenizer: Any = None) -> tuple[str, list[wl.BenchRequest]]:
+    """Pick and build the workload from the flags; fails early with a message naming the flag."""
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+    fixed_lens = a.input_len is not None or a.output_len is not None
+    if a.dataset:
+        if fixed_lens:
+            raise ValueError("--dataset sets the lengths itself; drop --input-len/--output-len")
+        reqs = wl.from_jsonl(a.dataset, tokenizer, limit=a.num_prompts)
+        name = f"dataset:{a.dataset}"
+    elif fixed_lens or a.workload == "fixed":
+        if a.input_len is None or a.output_len is None:
+            raise ValueError("the fixed workload needs both --input-len and --output-len")
+        if a.input_len + a.output_len > max_model_len:
+            raise ValueError(f"--input-len + --output-len = {a.input_len + a.output_len} exceeds max_model_len "
+                             f"{max_model_len}")
+        reqs = wl.fixed(a.num_prompts, a.input_len, a.output_len, vocab_size, a.workload_seed)
+        name = "fixed"
+    else:
+        reqs = wl.sharegpt_like(a.num_prompts, vocab_size, a.workload_seed,
+                                min(max_model_len, SHAREGPT_MAX_MODEL_LEN))
+        name = "sharegpt"
+    for k, r in enumerate(reqs):
+        if r.input_len >= max_model_len or r.input_len + r.output_len > max_model_len:
+            raise ValueError(f"request {k}: {r.input_len} prompt + {r.output_len} output tokens do not fit "
+                             f"max_model_len {max_model_len}")
+        if max(r.prompt_token_ids) >= vocab_size or min(r.prompt_token_ids) < 0:
+            raise ValueError(f"request {k}: prompt token ids must be in [0, {vocab_size})")
+    return name, reqs
+
+
+def _params(output_len: int) -> Any:
+    from tdpipe.sampling.params import SamplingParams
+
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+
+
+def run(a: argparse.Namespace) -> int:
+    from tdpipe import LLM
+
+    if a.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
+    llm = LLM(**engine_kwargs(a))
+    engine = llm.engine
+    mc = engine.model_config
+    max_model_len = engine.scheduler.config.max_model_len
+    name, reqs = build_workload(a, mc.vocab_size, max_model_len, engine.tokenizer)
+    threads = torch.get_num_threads()
+    dtype_name = str(engine.dtype).replace("torch.", "")
+
+    peak = measure_matmul_peak(engine.dtype)
+    print(f"matmul peak ({dtype_name}, {threads} threads): {peak:.1f} GFLOP/s", file=sys.stderr, flush=True)
+
+    # warm-up: two tiny requests so first-call costs (kernel JIT, allocator) stay out of the timed run
+    warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2]]
+    llm.generate(warm, [_params(2) for _ in warm], use_tqdm=False)
+
+    s = engine.stats
+    pre0, steps0 = engine.scheduler.num_preemptions, (s.prefill_steps, s.decode_steps)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - t0
+
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise ValueError(f"{len(errors)} of {len(outs)} requests failed; first: {errors[0]}")
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    short = [k for k, (g, r) in enumerate(zip(got, reqs)) if g != r.output_len]
+    if short:
+        log.warning("%d requests produced a different number of tokens than asked (first: request %d, %d vs %d)",
+                    len(short), short[0], got[short[0]], reqs[short[0]].output_len)
+    in_tok = sum(r.input_len for r in reqs)
+    out_tok = sum(got)
+    flops = workload_flops(mc, [(r.input_len, g) for r, g in zip(reqs, got)])
+    res: dict[str, Any] = {
+        "requests_per_s": len(reqs) / elapsed,
+        "input_tokens_per_s": in_tok / elapsed,
+        "output_tokens_per_s": out_tok / elapsed,
+        "total_tokens_per_s": (in_tok + out_tok) / elapsed,
+        "mfu": flops.total / (elapsed * peak * 1e9),
+        "achieved_gflops": flops.total / elapsed / 1e9,
+        "elapsed_s": elapsed,
+        "num_requests": len(reqs),
+        "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok,
+        "preemptions": engine.scheduler.num_preemptions - pre0,
+        "prefill_steps": s.prefill_steps - steps0[0],
+        "decode_steps": s.decode_steps - steps0[1],
+        "peak_gflops": peak,
+        "model_flops": asdict(flops) | {"total": flops.total},
+        "mfu_formula": MFU_FORMULA,
+        "dtype": dtype_name,
+        "threads": threads,
+        "machine": machine_info(),
+        "model": engine.model_path,
+        "workload": {"name": name, "seed": a.workload_seed, **wl.summarize(reqs)},
+        "engine": {k: v for k, v in engine_kwargs(a).items()} | {"max_model_len": max_model_len},
+    }
+
+    if a.compare_hf:
+        pad = engine.tokenizer.eos_token_id
+        if pad is None:
+            pad = min(engine.eos_token_ids) if engine.eos_token_ids else 0
+        hf = run_hf(engine.model_path, reqs, a.hf_batch_size, engine.dtype, pad)
+        res.update(hf)
+        res["ratio_vs_hf"] = res["output_tokens_per_s"] / hf["hf_output_tokens_per_s"]
+
+    llm.shutdown()
+    print(format_table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0
+
+
+# -- transformers baseline -----------------------------------------------------------------------------
+def hf_batches(reqs: list[wl.BenchRequest], batch_size: int) -> list[list[int]]:
+    """Indices of `reqs` in static batches. Sorted by (output_len, input_len) first, so a fixed workload
+    gets batches of equal output length and a variable one wastes as little as a static batcher can; this
+    sort uses the output lengths as an oracle, which favours HF and makes ratio_vs_hf conservative."""
+    order = sorted(range(len(reqs)), key=lambda k: (reqs[k].output_len, reqs[k].input_len))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for k, r in enumerate(rows):
+        ids[k, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[k, width - len(r):] = 1
+    return ids, mask
+
+
+def run_hf(model_path: str, reqs: list[wl.BenchRequest], batch_size: int, dtype: torch.dtype,
+           pad_id: int) -> dict[str, Any]:
+    """transformers generate on the same requests: static, left-padded batches, greedy, each batch forced
+    to exactly its largest output_len (min_new_tokens = max_new_tokens). Only each request's own output_len
+    counts as useful output; the extra tokens generated for shorter requests in a batch are waste, reported
+    as hf_generated_tokens. Same torch threads and dtype as the engine; load and warm-up are not timed."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.eval()
+
+    def gen(rows: list[list[int]], n: int) -> None:
+        ids, mask = _left_pad(rows, pad_id)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
+        if out.shape[1] - ids.shape[1] != n:  # the baseline must do the work it is credited with
+            raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, expected {n}")
+
+    try:
+        gen([r.prompt_token_ids[:8] for r in reqs[:2]], 2)
+        batches = hf_batches(reqs, batch_size)
+        generated = 0
+        t0 = time.perf_counter()
+        for b in batches:
+            n = max(reqs[k].output_len for k in b)
+            gen([reqs[k].prompt_token_ids for k in b], n)
+            generated += n * len(b)
+        elapsed = time.perf_counter() - t0
+    finally:
+        del model
+        gc.collect()
+    useful = sum(r.output_len for r in reqs)
+    return {"hf_output_tokens_per_s": useful / elapsed, "hf_elapsed_s": elapsed,
+            "hf_total_tokens_per_s": (useful + sum(r.input_len for r in reqs)) / elapsed,
+            "hf_batch_size": batch_size, "hf_num_batches": len(batches), "hf_generated_tokens": generated,
+            "hf_useful_output_tokens": useful}
+
+
+# -- report --------------------------------------------------------------------------------------------
+def format_table(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    m = r["machine"]
+    rows = [
+        ("workload", f"{w['name']} (seed {w['seed']}): {r['num_requests']} requests, input mean "
+                     f"{w['input_mean']:.1f} / median {w['input_median']:.0f}, output mean {w['output_mean']:.1f}"
+                     f" / median {w['output_median']:.0f}"),
+        ("machine", f"{m['cpu']} ({m['usable_cores']} usable cores), {r['threads']} threads, {r['dtype']}"),
+        ("elapsed", f"{r['elapsed_s']:.2f} s"),
+        ("requests/s", f"{r['requests_per_s']:.3f}"),
+        ("input tokens/s", f"{r['input_tokens_per_s']:.1f}  ({r['total_input_tokens']} tokens)"),
+        ("output tokens/s", f"{r['output_tokens_per_s']:.1f}  ({r['total_output_tokens']} tokens)"),
+        ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
+        ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode; {r['preemptions']} preemptions"),
+        ("model FLOPs", f"{r['model_flops']['total'] / 1e12:.3f} TFLOP (linear {r['model_flops']['linear'] / 1e12:.3f}"
+                        f", attention {r['model_flops']['attention'] / 1e12:.3f}, lm_head "
+                        f"{r['model_flops']['lm_head'] / 1e12:.3f})"),
+        ("achieved", f"{r['achieved_gflops']:.1f} GFLOP/s"),
+        ("matmul peak", f"{r['peak_gflops']:.1f} GFLOP/s"),
+        ("MFU", f"{100 * r['mfu']:.1f} %"),
+    ]
+    if "hf_output_tokens_per_s" in r:
+        rows += [
+            ("HF elapsed", f"{r['hf_elapsed_s']:.2f} s  ({r['hf_num_batches']} batches of <= {r['hf_batch_size']}, "
+                           f"{r['hf_generated_tokens']} generated / {r['hf_useful_output_tokens']} useful)"),
+            ("HF output tokens/s", f"{r['hf_output_tokens_per_s']:.1f}  (useful tokens only)"),
+            ("ratio vs HF", f"{r['ratio_vs_hf']:.2f}x  (output tokens/s)"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append(MFU_FORMULA)
+    return "\n".join(lines)

@@ -179,6 +179,21 @@ inline void prefetch(const void* p) { __builtin_prefetch(p); }
 constexpr const char* kIsa = "scalar";
 #endif
 
+// Software prefetch of a future key tile, trickled out a few lines at a time between compute steps:
+// issuing a whole tile at once fills the miss buffers and stalls the core, serialising memory and math.
+struct PfQueue {
+  const void* rows[2 * kTokTile];
+  int nrows = 0, lines = 0, r = 0, l = 0;
+  void reset(int n, int row_lines) { nrows = n; lines = row_lines; r = 0; l = 0; }
+  inline void step(int n) {
+    for (; n > 0 && r < nrows; --n) {
+      prefetch(static_cast<const char*>(rows[r]) + 64 * l);
+      if (++l == lines) { l = 0; ++r; }
+    }
+  }
+  void drain() { step(1 << 30); }
+};
+
 // Position of head_dim element e in the permuted (two vectors per chunk) fp32 layout used for q/acc.
 template <typename T>
 inline int chunk_pos(int e) {
@@ -200,7 +215,8 @@ inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 // row's causal limit set to -inf. ks holds the tile's keys in fp32, rows padded with zeros to a
 // multiple of 16; q is already scaled by softmax_scale * log2(e).
 template <int NC>
-void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int* lim, int t0, float* sc) {
+void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int* lim, int t0, float* sc,
+             PfQueue& pf) {
   for (int r = 0; r < R; ++r) {
     vf q[2 * NC];
     for (int c = 0; c < 2 * NC; ++c) q[c] = vload(qs + r * Dp + c * kLanes);
@@ -212,13 +228,14 @@ void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int*
         for (int c = 1; c < 2 * NC; ++c) acc = vfma(q[c], vload(kb + u * Dp + c * kLanes), acc);
         a[u] = acc;
       }
+      pf.step(2);
       const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
       vstore(sc + r * kTokTile + g0, vkeep_first(vhsum16(a), nvalid));
     }
   }
 }
 
-using QkFn = void (*)(const float*, int, int, const float*, int, const int*, int, float*);
+using QkFn = void (*)(const float*, int, int, const float*, int, const int*, int, float*, PfQueue&);
 constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile<4>,
                                      qk_tile<5>, qk_tile<6>, qk_tile<7>, qk_tile<8>};
 
@@ -226,7 +243,7 @@ constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile
 // reused by all NR rows (2 * NR accumulators stay in registers).
 template <typename T, int NR>
 void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
-             int Dp) {
+             int Dp, PfQueue& pf) {
   for (int c = 0; c < NC; ++c) {
     const int n = std::min(kChunk, D - c * kChunk);
     vf lo[NR], hi[NR];
@@ -238,6 +255,7 @@ void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const 
     for (int i = 0; i < nt; ++i) {
       vf vl, vh;
       load_chunk(vrow[i] + c * kChunk, n, vl, vh);
+      pf.step(1);
       for (int r = 0; r < NR; ++r) {
         const vf pb = vset1(p[r * kTokTile + i]);
         lo[r] = vfma(pb, vl, lo[r]);
@@ -253,20 +271,20 @@ void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const 
 
 template <typename T>
 void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
-             int Dp, int R) {
+             int Dp, int R, PfQueue& pf) {
   for (int r0 = 0; r0 < R; r0 += kRowGroup) {
     const float* pp = p + r0 * kTokTile;
     const float* cc = corr + r0;
     float* aa = acc + r0 * Dp;
     switch (std::min(kRowGroup, R - r0)) {
-      case 1: pv_tile<T, 1>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      case 2: pv_tile<T, 2>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      case 3: pv_tile<T, 3>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      case 4: pv_tile<T, 4>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      case 5: pv_tile<T, 5>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      case 6: pv_tile<T, 6>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      case 7: pv_tile<T, 7>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
-      default: pv_tile<T, 8>(vrow, nt, D, NC, pp, cc, aa, Dp); break;
+      case 1: pv_tile<T, 1>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 2: pv_tile<T, 2>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 3: pv_tile<T, 3>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 4: pv_tile<T, 4>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 5: pv_tile<T, 5>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 6: pv_tile<T, 6>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 7: pv_tile<T, 7>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      default: pv_tile<T, 8>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
     }
   }
 }
@@ -364,18 +382,16 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
   const int row_bytes = D * int(sizeof(T));
 
-  // Row pointers of the current tile, and of the tile kPrefetchTiles ahead (prefetched meanwhile).
+  // Row pointers of the current tile; the tile kPrefetchTiles ahead is prefetched while it is computed.
   const T* krow[kTokTile];
   const T* vrow[kTokTile];
-  const T* kpf[kTokTile];
-  const T* vpf[kTokTile];
-  auto fill_rows = [&](int t0, const T** kr, const T** vr) {
+  auto fill_rows = [&](int t0, auto* kr, auto* vr, int vstep) {
     const int nt = std::min(kTokTile, kv_end - t0);
     int b = t0 / bs, o = t0 - (t0 / bs) * bs;
     int64_t base = int64_t(bt[b]) * a.block_stride;
     for (int i = 0; i < nt; ++i) {
-      kr[i] = kbase + base + int64_t(o) * D;
-      vr[i] = vbase + base + int64_t(o) * D;
+      kr[i * vstep] = kbase + base + int64_t(o) * D;
+      vr[i * vstep] = vbase + base + int64_t(o) * D;
       if (++o == bs && i + 1 < nt) {
         o = 0;
         base = int64_t(bt[++b]) * a.block_stride;
@@ -383,20 +399,25 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     }
     return nt;
   };
-  auto prefetch_tile = [&](int t0) {
-    if (t0 >= kv_end) return;
-    const int nn = fill_rows(t0, kpf, vpf);
-    for (int i = 0; i < nn; ++i)
-      for (int off = 0; off < row_bytes; off += 64) {
-        prefetch(reinterpret_cast<const char*>(kpf[i]) + off);
-        prefetch(reinterpret_cast<const char*>(vpf[i]) + off);
-      }
+  // Queue the K and V rows of the tile at t0 (interleaved: K row i, V row i, ...).
+  PfQueue pf;
+  const int row_lines = (D * int(sizeof(T)) + 63) / 64;
+  auto queue_tile = [&](int t0) {
+    if (kPrefetchTiles <= 0 || t0 >= kv_end) {
+      pf.reset(0, row_lines);
+      return;
+    }
+    const int n = fill_rows(t0, pf.rows, pf.rows + 1, 2);
+    pf.reset(2 * n, row_lines);
   };
-  for (int pt = 0; pt < kPrefetchTiles - 1; ++pt) prefetch_tile((pt + 1) * kTokTile);
+  for (int pt = 0; pt < kPrefetchTiles; ++pt) {
+    queue_tile(pt * kTokTile);
+    pf.drain();
+  }
 
   for (int t0 = 0; t0 < kv_end; t0 += kTokTile) {
-    const int nt = fill_rows(t0, krow, vrow);
-    if (kPrefetchTiles > 0) prefetch_tile(t0 + kPrefetchTiles * kTokTile);
+    const int nt = fill_rows(t0, krow, vrow, 1);
+    queue_tile(t0 + kPrefetchTiles * kTokTile);
 
     // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
     for (int i = 0; i < nt; ++i)
@@ -405,11 +426,12 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
         load_chunk(krow[i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
         vstore(w.ks + i * Dp + c * kChunk, lo);
         vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
+        pf.step(1);
       }
     const int ntp = round_up(nt, kLanes);
     if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
 
-    kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lim, t0, w.sc);
+    kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lim, t0, w.sc, pf);
 
     // Online softmax (base 2; the scale and log2(e) are folded into q).
     for (int r = 0; r < R; ++r) {
@@ -429,7 +451,8 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
       w.m[r] = m_new;
     }
 
-    pv_rows<T>(vrow, nt, D, NC, w.sc, w.corr, w.acc, Dp, R);
+    pv_rows<T>(vrow, nt, D, NC, w.sc, w.corr, w.acc, Dp, R, pf);
+    pf.drain();
   }
 
   // Normalise and write out (un-permuting the chunk layout).

@@ -40,8 +40,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     recs = _read_prompts(a)
     if not recs:
         raise SystemExit("no prompts: give them as arguments, with --input FILE, or on stdin")
+    sp = SamplingParams(**sampling_kwargs(a))  # validate flags before loading the model
     llm = LLM(**engine_kwargs(a))
-    sp = SamplingParams(**sampling_kwargs(a))
     if a.chat_template:
         tok = llm.get_tokenizer()
         for r in recs:
@@ -69,8 +69,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_chat(a: argparse.Namespace) -> int:
     from tdpipe import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(a))
     sp = SamplingParams(**sampling_kwargs(a))
+    llm = LLM(**engine_kwargs(a))
     history: list[dict[str, str]] = []
     if a.system:
         history.append({"role": "system", "content": a.system})

@@ -6,19 +6,20 @@ import math
 import torch
 from torch import nn
 
+from tdpipe.model import cpu_ops as ops
+
 
 class RMSNorm(nn.Module):
-    """Normalise in float32 and cast back, as transformers does, so float32 runs are bit-comparable."""
+    """RMSNorm in float32, cast back, as transformers does; optionally fused with the residual add."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x + residual); a given `residual` becomes x + residual in place (the running residual stream)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -39,7 +40,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions, gathered per token by position."""
+    """A float32 [max_positions, 2 * head_dim] table of (cos | sin), applied in place to q and k by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -47,16 +48,7 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = t[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos_sin", torch.cat((emb.cos(), emb.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; rotate_half convention of Hugging Face checkpoints."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return ops.rope_(x, positions, self.cos_sin)

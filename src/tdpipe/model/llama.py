@@ -11,12 +11,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tdpipe.config import ModelConfig
 from tdpipe.model import paged_attention as pa
-from tdpipe.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from tdpipe.model import cpu_ops as ops
+from tdpipe.model.layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -42,13 +42,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = rotary(q.view(t, self.num_heads, self.head_dim), meta.positions)
+        k = rotary(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.fresh:
@@ -67,8 +67,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +78,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the layer output."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rotary, meta, k_cache, v_cache)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,10 +112,10 @@ class LlamaForCausalLM(nn.Module):
         """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. kv_cache: [L, 2, ...]."""
         if self.is_first:
             x = self.embed_tokens(x)
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, kv_cache[i, 0], kv_cache[i, 1])
-        return x
+            x, residual = layer(x, residual, self.rotary, meta, kv_cache[i, 0], kv_cache[i, 1])
+        return x + residual if residual is not None else x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,194 @@
+// Fused element-wise ops for the CPU decoder: each makes one pass over memory where the unfused torch
+// expression makes five to eight (RMSNorm on a [8192, 576] bf16 tensor: ~60 ms in torch, ~2 ms here).
+// Math in fp32; bf16 in and out with round-to-nearest-even, the rounding torch uses.
+#include <torch/extension.h>
+#include <omp.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float bf16_to_f(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> inline float ld(const T* p, int64_t i);
+template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f(p[i]); }
+template <typename T> inline void st(T* p, int64_t i, float v);
+template <> inline void st<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void st<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f_to_bf16(v); }
+// round a value to the storage type and back (what a torch op in that dtype would have produced)
+template <typename T> inline float rnd(float v);
+template <> inline float rnd<float>(float v) { return v; }
+template <> inline float rnd<uint16_t>(float v) { return bf16_to_f(f_to_bf16(v)); }
+
+// residual = x + residual (rounded to T, as torch adds in T); out = w * T(residual * rsqrt(mean(residual^2) + eps))
+template <typename T>
+void add_rms_norm_impl(const T* x, T* res, const T* w, T* out, int64_t rows, int64_t h, float eps, bool has_res) {
+#pragma omp parallel
+  {
+    float* buf = new float[h];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * h;
+      T* rr = res + r * h;
+      T* orow = out + r * h;
+      float ss = 0.f;
+      if (has_res) {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < h; ++i) {
+          float v = rnd<T>(ld<T>(xr, i) + ld<T>(rr, i));
+          buf[i] = v;
+          ss += v * v;
+        }
+        for (int64_t i = 0; i < h; ++i) st<T>(rr, i, buf[i]);
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < h; ++i) {
+          float v = ld<T>(xr, i);
+          buf[i] = v;
+          ss += v * v;
+        }
+      }
+      float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) st<T>(orow, i, rnd<T>(ld<T>(w, i) * rnd<T>(buf[i] * inv)));
+    }
+    delete[] buf;
+  }
+}
+
+// exp for the bf16 SwiGLU: 2^(x log2 e) split into integer and fraction, 2^f by its degree-6 Taylor series.
+// Relative error < 1e-5, far below bf16's 4e-3, and it vectorises (std::exp stays scalar here: ~10x slower).
+inline float exp_approx(float x) {
+  x = std::fmin(std::fmax(x, -87.f), 88.f);
+  float t = x * 1.4426950408889634f;
+  float fi = std::floor(t);
+  float f = t - fi;
+  float p = 1.f + f * (0.69314718f + f * (0.24022651f + f * (0.05550411f + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
+  int32_t e = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+template <typename T> inline float silu(float a);
+template <> inline float silu<float>(float a) { return a / (1.f + std::exp(-a)); }  // fp32: exact, matches torch
+template <> inline float silu<uint16_t>(float a) { return a / (1.f + exp_approx(-a)); }
+
+// y = silu(gate) * up over the fused [rows, 2*inter] gate_up projection
+template <typename T>
+void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * 2 * inter;
+    const T* u = g + inter;
+    T* yr = y + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      float a = ld<T>(g, i);
+      float s = rnd<T>(silu<T>(a));
+      st<T>(yr, i, s * ld<T>(u, i));
+    }
+  }
+}
+
+// In-place rotary embedding, rotate_half convention: for i < d/2,
+// x[i] <- x[i]*cos[i] - x[i+d/2]*sin[i];  x[i+d/2] <- x[i+d/2]*cos[i] + x[i]*sin[i]  (cos/sin rounded to T, like HF)
+template <typename T>
+void rope_impl(T* x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride, const int64_t* pos,
+               const float* cos_sin, int64_t table_stride) {
+  const int64_t half = d / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos_sin + pos[r] * table_stride;  // [cos(d) | sin(d)] per position
+    const float* s = c + d;
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      T* v = x + r * row_stride + hh * d;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        float a = ld<T>(v, i), b = ld<T>(v, i + half);
+        float ci = rnd<T>(c[i]), si = rnd<T>(s[i]);
+        float ci2 = rnd<T>(c[i + half]), si2 = rnd<T>(s[i + half]);
+        float na = rnd<T>(a * ci) - rnd<T>(b * si);
+        float nb = rnd<T>(b * ci2) + rnd<T>(a * si2);
+        st<T>(v, i, na);
+        st<T>(v, i + half, nb);
+      }
+    }
+  }
+}
+
+void check_dtype(const torch::Tensor& t) {
+  TORCH_CHECK(t.dtype() == torch::kBFloat16 || t.dtype() == torch::kFloat32, "tdpipe ops: bf16 or fp32 only");
+}
+
+}  // namespace
+
+// Returns the normalised output; when `residual` is given it is updated in place to x + residual.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  check_dtype(x);
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dtype() == x.dtype(), "add_rms_norm: layout");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  auto out = torch::empty_like(x);
+  bool has = residual.has_value();
+  torch::Tensor res = has ? residual.value() : x;
+  if (has) TORCH_CHECK(res.is_contiguous() && res.dtype() == x.dtype(), "add_rms_norm: residual layout");
+  if (x.dtype() == torch::kBFloat16) {
+    add_rms_norm_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<uint16_t*>(res.data_ptr()),
+                                reinterpret_cast<const uint16_t*>(weight.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
+                                rows, h, static_cast<float>(eps), has);
+  } else {
+    add_rms_norm_impl<float>(x.data_ptr<float>(), res.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                             rows, h, static_cast<float>(eps), has);
+  }
+  return out;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gu) {
+  check_dtype(gu);
+  TORCH_CHECK(gu.is_contiguous() && gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_and_mul: [rows, 2*inter]");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  auto y = torch::empty({rows, inter}, gu.options());
+  if (gu.dtype() == torch::kBFloat16) {
+    silu_mul_impl<uint16_t>(reinterpret_cast<const uint16_t*>(gu.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()), rows, inter);
+  } else {
+    silu_mul_impl<float>(gu.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
+  }
+  return y;
+}
+
+// x: [T, H, D] view whose rows may be strided (a slice of the fused qkv output); head and dim contiguous.
+void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
+  check_dtype(x);
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_: [T, H, D] with contiguous heads");
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.is_contiguous(), "rope_: int64 positions");
+  TORCH_CHECK(cos_sin.dtype() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.size(1) == 2 * x.size(2),
+              "rope_: cos_sin table [max_pos, 2*D] float32");
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+  if (x.dtype() == torch::kBFloat16) {
+    rope_impl<uint16_t>(reinterpret_cast<uint16_t*>(x.data_ptr()), rows, heads, d, x.stride(0), positions.data_ptr<int64_t>(),
+                        cos_sin.data_ptr<float>(), cos_sin.size(1));
+  } else {
+    rope_impl<float>(x.data_ptr<float>(), rows, heads, d, x.stride(0), positions.data_ptr<int64_t>(), cos_sin.data_ptr<float>(),
+                     cos_sin.size(1));
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation on the fused gate_up output");
+  m.def("rope_", &rope_, "in-place rotary embedding (rotate_half convention)");
+}

@@ -1,0 +1,60 @@
+"""Fused element-wise ops (csrc/ops.cpp) with pure-torch equivalents, used where the kernel is unavailable.
+
+Unfused, the norms, rotary embedding and SwiGLU cost more than the GEMMs of a prefill batch on this CPU:
+each torch op makes its own pass over memory and bf16 reductions are slow.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tdpipe.model.jit import build
+
+_ops = None
+_tried = False
+
+
+def kernel():
+    global _ops, _tried
+    if not _tried:
+        # fast-math lets gcc vectorise the bf16 conversions and exp; float32 keeps torch's exact path
+        _ops, _tried = build("tdpipe_ops", "ops.cpp", ["-ffast-math"]), True
+    return _ops
+
+
+def _use(x: torch.Tensor) -> bool:
+    """bf16 on CPU takes the fused kernel; float32 stays on torch ops, bit-comparable with transformers."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and kernel() is not None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x + residual); `residual` (when given) is updated in place to x + residual."""
+    if _use(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        return kernel().add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _use(gate_up) and gate_up.is_contiguous():
+        return kernel().silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] in place; cos_sin is [max_pos, 2D] float32 (cos | sin), HF's rotate_half layout."""
+    if _use(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        kernel().rope_(x, positions, cos_sin)
+        return x
+    d = x.shape[-1]
+    cs = cos_sin[positions].to(x.dtype)
+    cos, sin = cs[:, None, :d], cs[:, None, d:]
+    half = d // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x.copy_(x * cos + rotated * sin)
+    return x

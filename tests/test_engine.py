@@ -148,10 +148,11 @@ def test_stops_and_seeds(llm_fp32):
     o = llm_fp32.generate(p, SamplingParams(temperature=0, max_tokens=20, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop and o.text == base.text[: base.text.index(stop)]
     # stop token ids
-    tid = base.token_ids[3]
-    o = llm_fp32.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tid]),
+    ids = base.token_ids
+    k = next(i for i in range(2, len(ids)) if ids.index(ids[i]) == i)  # first occurrence of that token
+    o = llm_fp32.generate(p, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ids[k]]),
                           use_tqdm=False)[0].outputs[0]
-    assert o.token_ids == base.token_ids[:4] and o.stop_reason == tid
+    assert o.token_ids == ids[: k + 1] and o.stop_reason == ids[k]
     # per-request seeds reproduce whatever shares the batch
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
     alone = llm_fp32.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -8,6 +8,7 @@ import torch
 
 from tdpipe.core.batch import StepInput
 from tdpipe.executor.base import Executor, StepResult
+from tdpipe.model import cpu_ops as ops
 from tdpipe.worker.model_runner import ModelRunner
 
 
@@ -24,7 +25,7 @@ class LocalExecutor(Executor):
         t2 = time.perf_counter()
         res = StepResult(step.batch_id, timings={"prepare": t1 - t0, "compute": t2 - t1, "start": t0, "end": t2})
         if step.greedy_rows and all(step.greedy_rows):
-            res.token_ids = logits.argmax(-1).tolist()
+            res.token_ids = ops.argmax(logits).tolist()
         else:
             res.logits = logits.float() if logits.dtype != torch.float32 else logits
         self._done.append(res)

@@ -58,3 +58,10 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> to
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     x.copy_(x * cos + rotated * sin)
     return x
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index on ties), for greedy-only batches."""
+    if _use(logits) and logits.dim() == 2 and logits.is_contiguous():
+        return kernel().argmax_rows(logits)
+    return logits.argmax(-1)

@@ -1,5 +1,4 @@
 """The `tdpipe` command line: help texts, and generate from arguments, JSONL files and stdin."""
-import io
 import json
 import subprocess
 import sys

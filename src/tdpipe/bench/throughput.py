@@ -292,7 +292,7 @@ def run_hf(model_path: str, reqs: list[wl.BenchRequest], batch_size: int, dtype:
             generated += n * len(b)
         elapsed = time.perf_counter() - t0
     finally:
-        del model
+        model = None  # drop the weights before the caller goes on
         gc.collect()
     useful = sum(r.output_len for r in reqs)
     return {"hf_output_tokens_per_s": useful / elapsed, "hf_elapsed_s": elapsed,

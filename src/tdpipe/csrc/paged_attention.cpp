@@ -3,10 +3,13 @@
 // Cache layout, per layer: cache[num_blocks, num_kv_heads, block_size, head_dim] (bf16 or fp32,
 // contiguous), so the keys of one (block, kv head) pair are block_size * head_dim contiguous elements.
 //
-// paged_attention splits the batch into work items (sequence, kv head, tile of query rows). An item
-// holds every query head of its GQA group and, for prefill chunks, several query positions, so each
-// K/V row is streamed from memory once per item. Keys are consumed in tiles of kTokTile tokens with an
-// online softmax (running max / sum per query row); everything is accumulated in fp32.
+// paged_attention splits the batch into work items: (sequence, all kv heads) for decode-sized work,
+// (sequence, kv head, tile of query rows) for prefill chunks. An item holds every query head of its GQA
+// group(s) and possibly several query positions, so each K/V row is streamed from memory once per item.
+// Whole-sequence items sweep each block's heads together, which turns the reads into
+// num_kv_heads * block_size * head_dim contiguous runs (friendlier to prefetchers, DRAM pages and the
+// TLB). Keys are consumed in tiles of kTokTile tokens with an online softmax (running max / sum per
+// query row); everything is accumulated in fp32. Software prefetch keeps a couple of tiles in flight.
 //
 // Vector layout trick: a "chunk" is 32 head_dim elements held in two 16-lane fp32 vectors. For bf16 the
 // two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
@@ -36,15 +39,26 @@ using bf16 = c10::BFloat16;
 
 constexpr int kLanes = 16;
 constexpr int kChunk = 32;         // head_dim elements per chunk (two vectors)
-constexpr int kTokTile = 32;       // keys per online-softmax step; multiple of kLanes
+#ifndef TDPIPE_TOK_TILE
+#define TDPIPE_TOK_TILE 32
+#endif
+constexpr int kTokTile = TDPIPE_TOK_TILE;  // keys per online-softmax step; multiple of kLanes
 constexpr int kMaxChunks = 8;      // head_dim <= 256
 constexpr int kRowGroup = 8;       // query rows sharing one pass over V (16 accumulators)
 constexpr int kRowsPerItem = 16;   // target query rows per work item for prefill chunks
+constexpr int kMaxRowsWhole = 64;  // whole-sequence items up to this many query rows
+#ifndef TDPIPE_PV_DOT
+#define TDPIPE_PV_DOT 1
+#endif
+constexpr bool kPvDot = TDPIPE_PV_DOT;
+#ifndef TDPIPE_WHOLE
+#define TDPIPE_WHOLE 1
+#endif
 #ifndef TDPIPE_PF_TILES
-#define TDPIPE_PF_TILES 1
+#define TDPIPE_PF_TILES 2
 #endif
 #ifndef TDPIPE_PF_HINT
-#define TDPIPE_PF_HINT _MM_HINT_T0
+#define TDPIPE_PF_HINT _MM_HINT_T1
 #endif
 constexpr int kPrefetchTiles = TDPIPE_PF_TILES;  // software prefetch distance, in key tiles
 constexpr float kLog2e = 1.4426950408889634f;
@@ -53,6 +67,15 @@ constexpr float kNegBig = -1e30f;  // finite initial running max: keeps m_old - 
 // ---------------------------------------------------------------------------------------------
 // Minimal SIMD layer: AVX-512 when available, otherwise plain loops over 16 floats.
 // ---------------------------------------------------------------------------------------------
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+inline int cdiv(int x, int m) { return (x + m - 1) / m; }
+
+// Accumulator position of head_dim element e for the vdpbf16ps P.V path (see pv_tile_dot).
+inline int dot_pos(int e) {
+  const int w = e & 31, grp = w >> 3, k = w & 7;
+  return (e - w) + (k < 4 ? 4 * grp + k : 16 + 4 * grp + (k - 4));
+}
+
 #ifdef TDPIPE_AVX512
 using vf = __m512;
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -180,18 +203,49 @@ constexpr const char* kIsa = "scalar";
 #endif
 
 // Software prefetch of a future key tile, trickled out a few lines at a time between compute steps:
-// issuing a whole tile at once fills the miss buffers and stalls the core, serialising memory and math.
-struct PfQueue {
-  const void* rows[2 * kTokTile];
-  int nrows = 0, lines = 0, r = 0, l = 0;
-  void reset(int n, int row_lines) { nrows = n; lines = row_lines; r = 0; l = 0; }
-  inline void step(int n) {
-    for (; n > 0 && r < nrows; --n) {
-      prefetch(static_cast<const char*>(rows[r]) + 64 * l);
-      if (++l == lines) { l = 0; ++r; }
+// issuing a whole tile at once fills the miss buffers and stalls the core, which serialises memory
+// traffic and math instead of overlapping them. K and V are separate streams of contiguous segments
+// (the rows of one block are adjacent) advanced together, so DRAM sees both interleaved.
+constexpr int kMaxPfSegs = 2 * kTokTile;
+struct PfStream {
+  const char* seg[kMaxPfSegs];
+  int seg_bytes[kMaxPfSegs];
+  int nseg = 0, cur = 0, left = 0;  // left: 128-byte steps in the current segment
+  const char* p = nullptr;
+  void add(const void* start, int bytes) {
+    const char* s0 = static_cast<const char*>(start);
+    if (nseg > 0 && seg[nseg - 1] + seg_bytes[nseg - 1] == s0) {
+      seg_bytes[nseg - 1] += bytes;  // adjacent heads of a full block: one run
+    } else if (nseg < kMaxPfSegs) {  // (a full queue just prefetches less; it is only a hint)
+      seg[nseg] = s0;
+      seg_bytes[nseg++] = bytes;
     }
   }
-  void drain() { step(1 << 30); }
+  void start() {
+    cur = 0;
+    left = nseg ? cdiv(seg_bytes[0], 128) : 0;
+    p = nseg ? seg[0] : nullptr;
+  }
+  inline void step() {
+    if (left > 0) {
+      prefetch(p);
+      prefetch(p + 64);
+      p += 128;
+      if (--left == 0 && ++cur < nseg) {
+        p = seg[cur];
+        left = cdiv(seg_bytes[cur], 128);
+      }
+    }
+  }
+};
+struct PfQueue {
+  PfStream k, v;
+  void clear() { k.nseg = v.nseg = 0; }
+  void start() { k.start(); v.start(); }
+  inline void step() { k.step(); v.step(); }
+  void drain() {
+    while (k.left > 0 || v.left > 0) step();
+  }
 };
 
 // Position of head_dim element e in the permuted (two vectors per chunk) fp32 layout used for q/acc.
@@ -205,7 +259,6 @@ inline int chunk_pos(int e) {
   }
 }
 
-inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels
@@ -228,7 +281,7 @@ void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int*
         for (int c = 1; c < 2 * NC; ++c) acc = vfma(q[c], vload(kb + u * Dp + c * kLanes), acc);
         a[u] = acc;
       }
-      pf.step(2);
+      pf.step();
       const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
       vstore(sc + r * kTokTile + g0, vkeep_first(vhsum16(a), nvalid));
     }
@@ -239,11 +292,105 @@ using QkFn = void (*)(const float*, int, int, const float*, int, const int*, int
 constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile<4>,
                                      qk_tile<5>, qk_tile<6>, qk_tile<7>, qk_tile<8>};
 
+#if defined(TDPIPE_AVX512) && defined(__AVX512BF16__)
+#define TDPIPE_BF16_DOT 1
+// bf16 q and bf16 cache: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so keys are
+// used straight from the cache (no conversion, no scratch copy). q stays unscaled (scaling it would
+// round it), the scale is applied to the 16 scores instead. krow has round_up(nt, 16) entries (the
+// padding ones repeat a real row; their lanes are masked); koff selects the kv head.
+template <int NC>
+void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, int64_t koff, int nt,
+                  __mmask32 tail, const int* lim, int t0, float scale, float* sc, PfQueue& pf) {
+  const vf vscale = vset1(scale);
+  for (int r = 0; r < R; ++r) {
+    __m512bh q[NC];
+    for (int c = 0; c < NC; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qb + r * Dp + c * kChunk);
+    for (int g0 = 0; g0 < nt; g0 += kLanes) {
+      vf a[kLanes];
+      for (int u = 0; u < kLanes; ++u) {
+        const bf16* k = krow[g0 + u] + koff;
+        vf acc = vzero();
+        for (int c = 0; c < NC - 1; ++c)
+          acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k + c * kChunk));
+        acc = _mm512_dpbf16_ps(acc, q[NC - 1], (__m512bh)_mm512_maskz_loadu_epi16(tail, k + (NC - 1) * kChunk));
+        a[u] = acc;
+      }
+      pf.step();
+      const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
+      vstore(sc + r * kTokTile + g0, vkeep_first(vmul(vhsum16(a), vscale), nvalid));
+    }
+  }
+}
+using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int64_t, int, __mmask32, const int*,
+                          int, float, float*, PfQueue&);
+constexpr QkBf16Fn kQkBf16Fns[kMaxChunks] = {qk_tile_bf16<1>, qk_tile_bf16<2>, qk_tile_bf16<3>,
+                                             qk_tile_bf16<4>, qk_tile_bf16<5>, qk_tile_bf16<6>,
+                                             qk_tile_bf16<7>, qk_tile_bf16<8>};
+
+// P.V with vdpbf16ps: the probabilities of a token pair (t, t+1) are rounded to bf16 (as GPU flash
+// attention does; the accumulator stays fp32) and multiplied with the interleaved V rows t and t+1
+// (unpacklo/hi_epi16), halving the FMA work. pairs[r][j] holds (p[2j], p[2j+1]) (rows kTokTile apart); vrow has an even
+// number of entries (an odd tile repeats its last row, whose probability is 0). The accumulator lanes
+// of chunk c: lo lane i <-> element 8*(i/4) + i%4, hi lane i <-> 8*(i/4) + 4 + i%4 (see dot_pos).
+template <int NR>
+void pv_tile_dot(const bf16* const* vrow, int64_t voff, int nt, int NC, __mmask32 tail, const uint32_t* pairs,
+                 const float* corr, float* acc, int Dp, PfQueue& pf) {
+  for (int c = 0; c < NC; ++c) {
+    const __mmask32 m = c == NC - 1 ? tail : (__mmask32)0xFFFFFFFFu;
+    vf lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) {
+      const vf cr = vset1(corr[r]);
+      lo[r] = vmul(vload(acc + r * Dp + c * kChunk), cr);
+      hi[r] = vmul(vload(acc + r * Dp + c * kChunk + kLanes), cr);
+    }
+    for (int i = 0; i < nt; i += 2) {
+      const __m512i va = _mm512_maskz_loadu_epi16(m, vrow[i] + voff + c * kChunk);
+      const __m512i vb = _mm512_maskz_loadu_epi16(m, vrow[i + 1] + voff + c * kChunk);
+      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+      const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+      pf.step();
+      pf.step();
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[r * kTokTile + i / 2]));
+        lo[r] = _mm512_dpbf16_ps(lo[r], vl, pp);
+        hi[r] = _mm512_dpbf16_ps(hi[r], vh, pp);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      vstore(acc + r * Dp + c * kChunk, lo[r]);
+      vstore(acc + r * Dp + c * kChunk + kLanes, hi[r]);
+    }
+  }
+}
+
+void pv_rows_dot(const bf16* const* vrow, int64_t voff, int nt, int NC, __mmask32 tail, const float* sc,
+                 const float* corr, float* acc, int Dp, int R, PfQueue& pf) {
+  for (int r0 = 0; r0 < R; r0 += kRowGroup) {
+    const uint32_t* pp = reinterpret_cast<const uint32_t*>(sc + r0 * kTokTile);
+    const float* cc = corr + r0;
+    float* aa = acc + r0 * Dp;
+    switch (std::min(kRowGroup, R - r0)) {
+      case 1: pv_tile_dot<1>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      case 2: pv_tile_dot<2>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      case 3: pv_tile_dot<3>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      case 4: pv_tile_dot<4>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      case 5: pv_tile_dot<5>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      case 6: pv_tile_dot<6>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      case 7: pv_tile_dot<7>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+      default: pv_tile_dot<8>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
+    }
+  }
+}
+constexpr bool kHaveDot = true;
+#else
+constexpr bool kHaveDot = false;
+#endif
+
 // acc[r] = acc[r] * corr[r] + sum_t p[r][t] * v_t for NR rows; V is converted once per chunk and
 // reused by all NR rows (2 * NR accumulators stay in registers).
 template <typename T, int NR>
-void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
-             int Dp, PfQueue& pf) {
+void pv_tile(const T* const* vrow, int64_t voff, int nt, int D, int NC, const float* p, const float* corr,
+             float* acc, int Dp, PfQueue& pf) {
   for (int c = 0; c < NC; ++c) {
     const int n = std::min(kChunk, D - c * kChunk);
     vf lo[NR], hi[NR];
@@ -254,8 +401,8 @@ void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const 
     }
     for (int i = 0; i < nt; ++i) {
       vf vl, vh;
-      load_chunk(vrow[i] + c * kChunk, n, vl, vh);
-      pf.step(1);
+      load_chunk(vrow[i] + voff + c * kChunk, n, vl, vh);
+      pf.step();
       for (int r = 0; r < NR; ++r) {
         const vf pb = vset1(p[r * kTokTile + i]);
         lo[r] = vfma(pb, vl, lo[r]);
@@ -270,21 +417,21 @@ void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const 
 }
 
 template <typename T>
-void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
-             int Dp, int R, PfQueue& pf) {
+void pv_rows(const T* const* vrow, int64_t voff, int nt, int D, int NC, const float* p, const float* corr,
+             float* acc, int Dp, int R, PfQueue& pf) {
   for (int r0 = 0; r0 < R; r0 += kRowGroup) {
     const float* pp = p + r0 * kTokTile;
     const float* cc = corr + r0;
     float* aa = acc + r0 * Dp;
     switch (std::min(kRowGroup, R - r0)) {
-      case 1: pv_tile<T, 1>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 2: pv_tile<T, 2>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 3: pv_tile<T, 3>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 4: pv_tile<T, 4>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 5: pv_tile<T, 5>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 6: pv_tile<T, 6>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 7: pv_tile<T, 7>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      default: pv_tile<T, 8>(vrow, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 1: pv_tile<T, 1>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 2: pv_tile<T, 2>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 3: pv_tile<T, 3>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 4: pv_tile<T, 4>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 5: pv_tile<T, 5>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 6: pv_tile<T, 6>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      case 7: pv_tile<T, 7>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+      default: pv_tile<T, 8>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
     }
   }
 }
@@ -293,8 +440,10 @@ void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const 
 // Work items
 // ---------------------------------------------------------------------------------------------
 
+// Rows of an item: nh kv heads x nq query positions x G query heads, head-major
+// (r = (hh * nq + jj) * G + g), so each kv head's rows are contiguous.
 struct Item {
-  int s, kvh, j0, nq;
+  int s, h0, nh, j0, nq;
   int64_t cost;
 };
 
@@ -331,13 +480,13 @@ struct Scratch {
   int* lim;
   Scratch(int Rmax, int Dp) {
     const size_t rq = size_t(Rmax) * Dp, rr = round_up(Rmax, 16);
-    const size_t n = 2 * rq + 3 * rr + size_t(kTokTile) * Dp + size_t(Rmax) * kTokTile + rr;
+    const size_t n = 2 * rq + 2 * rr + rr * kLanes + size_t(kTokTile) * Dp + size_t(Rmax) * kTokTile + rr;
     buf = static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t(64)));
     float* p = buf;
     qs = p; p += rq;
     acc = p; p += rq;
     m = p; p += rr;
-    l = p; p += rr;
+    l = p; p += rr * kLanes;
     corr = p; p += rr;
     ks = p; p += size_t(kTokTile) * Dp;
     sc = p; p += size_t(Rmax) * kTokTile;
@@ -348,50 +497,54 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
-template <typename T>
+// One work item (see Item). kDot: bf16 q and cache with vdpbf16ps (keys read straight from the cache).
+template <typename T, bool kDot>
 void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   const int D = a.D, Dp = a.Dp, NC = a.NC, G = a.G, bs = a.bs;
-  const int R = it.nq * G;
+  const int RG = it.nq * G;  // rows per kv head
+  const int R = it.nh * RG;
   const int n_s = a.cu[it.s + 1] - a.cu[it.s];
   const int first_pos = a.lens[it.s] - n_s + it.j0;  // absolute position of the item's first query
   const int kv_end = first_pos + it.nq;               // keys [0, kv_end) are visible to some row
-  auto pos = &chunk_pos<T>;
+  int (*pos)(int) = (kDot && kPvDot) ? &dot_pos : &chunk_pos<T>;
 
-  // Query rows: r = jj * G + g  <->  (query row cu[s] + j0 + jj, head kvh * G + g).
   std::fill(w.qs, w.qs + size_t(R) * Dp, 0.f);
   std::fill(w.acc, w.acc + size_t(R) * Dp, 0.f);
-  for (int jj = 0; jj < it.nq; ++jj) {
-    const int64_t qrow = a.cu[it.s] + it.j0 + jj;
-    for (int g = 0; g < G; ++g) {
-      const int r = jj * G + g;
-      const char* src = a.q + qrow * a.qs0 + int64_t(it.kvh * G + g) * a.qs1;
-      float* dst = w.qs + size_t(r) * Dp;
-      switch (a.qdt) {
-        case at::kFloat: load_q_row(reinterpret_cast<const float*>(src), D, a.qscale, dst, pos); break;
-        case at::kBFloat16: load_q_row(reinterpret_cast<const bf16*>(src), D, a.qscale, dst, pos); break;
-        default: load_q_row(reinterpret_cast<const c10::Half*>(src), D, a.qscale, dst, pos); break;
+  uint16_t* qb = reinterpret_cast<uint16_t*>(w.qs);  // kDot: raw bf16 rows, Dp apart
+  for (int hh = 0; hh < it.nh; ++hh)
+    for (int jj = 0; jj < it.nq; ++jj) {
+      const int64_t qrow = a.cu[it.s] + it.j0 + jj;
+      for (int g = 0; g < G; ++g) {
+        const int r = (hh * it.nq + jj) * G + g;
+        const char* src = a.q + qrow * a.qs0 + int64_t((it.h0 + hh) * G + g) * a.qs1;
+        if constexpr (kDot) {
+          std::memcpy(qb + size_t(r) * Dp, src, size_t(D) * sizeof(uint16_t));
+        } else {
+          float* dst = w.qs + size_t(r) * Dp;
+          switch (a.qdt) {
+            case at::kFloat: load_q_row(reinterpret_cast<const float*>(src), D, a.qscale, dst, pos); break;
+            case at::kBFloat16: load_q_row(reinterpret_cast<const bf16*>(src), D, a.qscale, dst, pos); break;
+            default: load_q_row(reinterpret_cast<const c10::Half*>(src), D, a.qscale, dst, pos); break;
+          }
+        }
+        w.lim[r] = first_pos + jj;
+        w.m[r] = kNegBig;
+        std::fill(w.l + r * kLanes, w.l + (r + 1) * kLanes, 0.f);
       }
-      w.lim[r] = first_pos + jj;
-      w.m[r] = kNegBig;
-      w.l[r] = 0.f;
     }
-  }
 
   const int32_t* bt = a.bt + int64_t(it.s) * a.bt_stride;
-  const T* kbase = a.kc + int64_t(it.kvh) * a.head_stride;
-  const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
-  const int row_bytes = D * int(sizeof(T));
+  const T* kbase = a.kc + int64_t(it.h0) * a.head_stride;  // head h0; head h0 + hh is hh * head_stride on
+  const T* vbase = a.vc + int64_t(it.h0) * a.head_stride;
 
-  // Row pointers of the current tile; the tile kPrefetchTiles ahead is prefetched while it is computed.
-  const T* krow[kTokTile];
-  const T* vrow[kTokTile];
-  auto fill_rows = [&](int t0, auto* kr, auto* vr, int vstep) {
+  // Row pointers (first head of the item) of the tile at t0; K and V rows share the in-block offset.
+  auto fill_rows = [&](int t0, const T** kr, const T** vr) {
     const int nt = std::min(kTokTile, kv_end - t0);
-    int b = t0 / bs, o = t0 - (t0 / bs) * bs;
+    int b = t0 / bs, o = t0 - b * bs;
     int64_t base = int64_t(bt[b]) * a.block_stride;
     for (int i = 0; i < nt; ++i) {
-      kr[i * vstep] = kbase + base + int64_t(o) * D;
-      vr[i * vstep] = vbase + base + int64_t(o) * D;
+      kr[i] = kbase + base + int64_t(o) * D;
+      vr[i] = vbase + base + int64_t(o) * D;
       if (++o == bs && i + 1 < nt) {
         o = 0;
         base = int64_t(bt[++b]) * a.block_stride;
@@ -399,78 +552,128 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     }
     return nt;
   };
-  // Queue the K and V rows of the tile at t0 (interleaved: K row i, V row i, ...).
+  // Queue the tile at t0 for prefetch: per block, the item's heads as (merged) contiguous runs.
   PfQueue pf;
-  const int row_lines = (D * int(sizeof(T)) + 63) / 64;
+  const int row_bytes = D * int(sizeof(T));
   auto queue_tile = [&](int t0) {
-    if (kPrefetchTiles <= 0 || t0 >= kv_end) {
-      pf.reset(0, row_lines);
-      return;
+    pf.clear();
+    if (kPrefetchTiles > 0 && t0 < kv_end) {
+      const int t1 = std::min(t0 + kTokTile, kv_end);
+      for (int t = t0; t < t1;) {
+        const int b = t / bs, o = t - b * bs, n = std::min(bs - o, t1 - t);
+        const int64_t off = int64_t(bt[b]) * a.block_stride + int64_t(o) * D;
+        for (int hh = 0; hh < it.nh; ++hh) pf.k.add(kbase + off + hh * a.head_stride, n * row_bytes);
+        for (int hh = 0; hh < it.nh; ++hh) pf.v.add(vbase + off + hh * a.head_stride, n * row_bytes);
+        t += n;
+      }
     }
-    const int n = fill_rows(t0, pf.rows, pf.rows + 1, 2);
-    pf.reset(2 * n, row_lines);
+    pf.start();
   };
   for (int pt = 0; pt < kPrefetchTiles; ++pt) {
     queue_tile(pt * kTokTile);
     pf.drain();
   }
 
+  const T* krow[kTokTile];
+  const T* vrow[kTokTile];
   for (int t0 = 0; t0 < kv_end; t0 += kTokTile) {
-    const int nt = fill_rows(t0, krow, vrow, 1);
+    const int nt = fill_rows(t0, krow, vrow);
+    const int ntp = round_up(nt, kLanes);
+    for (int i = nt; i < ntp; ++i) krow[i] = krow[nt - 1];  // padding lanes: valid memory, masked
+    if (nt & 1) vrow[nt] = vrow[nt - 1];                       // token pairs for pv_tile_dot (p = 0)
     queue_tile(t0 + kPrefetchTiles * kTokTile);
 
-    // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
-    for (int i = 0; i < nt; ++i)
-      for (int c = 0; c < NC; ++c) {
-        vf lo, hi;
-        load_chunk(krow[i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
-        vstore(w.ks + i * Dp + c * kChunk, lo);
-        vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
-        pf.step(1);
+    for (int hh = 0; hh < it.nh; ++hh) {
+      const int64_t hoff = int64_t(hh) * a.head_stride;
+      const int r0 = hh * RG;
+      if constexpr (kDot) {
+#ifdef TDPIPE_BF16_DOT
+        const int tail = D - (NC - 1) * kChunk;
+        kQkBf16Fns[NC - 1](qb + size_t(r0) * Dp, Dp, RG, reinterpret_cast<const bf16* const*>(krow), hoff, nt,
+                           mask32(tail), w.lim + r0, t0, a.qscale, w.sc + r0 * kTokTile, pf);
+#endif
+      } else {
+        // Keys of the tile -> fp32 scratch (converted once, reused by the head's RG rows).
+        for (int i = 0; i < nt; ++i)
+          for (int c = 0; c < NC; ++c) {
+            vf lo, hi;
+            load_chunk(krow[i] + hoff + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
+            vstore(w.ks + i * Dp + c * kChunk, lo);
+            vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
+          }
+        if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
+        kQkFns[NC - 1](w.qs + size_t(r0) * Dp, Dp, RG, w.ks, nt, w.lim + r0, t0, w.sc + r0 * kTokTile, pf);
       }
-    const int ntp = round_up(nt, kLanes);
-    if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
+    }
 
-    kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lim, t0, w.sc, pf);
-
-    // Online softmax (base 2; the scale and log2(e) are folded into q).
+    // Online softmax (base 2; the scale and log2(e) are folded into the scores). The running sum is
+    // kept as 16 lanes per row (no horizontal add per tile) and the rescale factor is only computed
+    // when the running max actually moves.
     for (int r = 0; r < R; ++r) {
       float* sr = w.sc + r * kTokTile;
       vf mx = vload(sr);
       for (int g = kLanes; g < ntp; g += kLanes) mx = vmax(mx, vload(sr + g));
-      const float m_new = std::max(w.m[r], vhmax(mx));
-      w.corr[r] = std::exp2(w.m[r] - m_new);
-      const vf mv = vset1(m_new);
-      vf sum = vzero();
-      for (int g = 0; g < ntp; g += kLanes) {
-        const vf e = vexp2(vsub(vload(sr + g), mv));
-        vstore(sr + g, e);
-        sum = vadd(sum, e);
-      }
-      w.l[r] = w.l[r] * w.corr[r] + vhadd(sum);
+      const float m_old = w.m[r];
+      const float m_new = std::max(m_old, vhmax(mx));
+      const float corr = m_new > m_old ? std::exp2(m_old - m_new) : 1.0f;
+      w.corr[r] = corr;
       w.m[r] = m_new;
+      const vf mv = vset1(m_new);
+      vf lsum = vload(w.l + r * kLanes);
+      if (corr != 1.0f) lsum = vmul(lsum, vset1(corr));
+      if constexpr (kDot && kPvDot) {
+#ifdef TDPIPE_BF16_DOT
+        // Probabilities as bf16 token pairs, written over the (already consumed) front of the row.
+        for (int g = 0; g < ntp; g += 2 * kLanes) {
+          const vf e0 = vexp2(vsub(vload(sr + g), mv));
+          const vf e1 = g + kLanes < ntp ? vexp2(vsub(vload(sr + g + kLanes), mv)) : vzero();
+          lsum = vadd(lsum, vadd(e0, e1));
+          _mm512_storeu_si512(reinterpret_cast<uint32_t*>(sr) + g / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+#endif
+      } else {
+        for (int g = 0; g < ntp; g += kLanes) {
+          const vf e = vexp2(vsub(vload(sr + g), mv));
+          vstore(sr + g, e);
+          lsum = vadd(lsum, e);
+        }
+      }
+      vstore(w.l + r * kLanes, lsum);
     }
 
-    pv_rows<T>(vrow, nt, D, NC, w.sc, w.corr, w.acc, Dp, R, pf);
+    for (int hh = 0; hh < it.nh; ++hh) {
+      const int r0 = hh * RG;
+      if constexpr (kDot && kPvDot) {
+#ifdef TDPIPE_BF16_DOT
+        pv_rows_dot(reinterpret_cast<const bf16* const*>(vrow), int64_t(hh) * a.head_stride, nt, NC,
+                    mask32(D - (NC - 1) * kChunk), w.sc + r0 * kTokTile, w.corr + r0, w.acc + size_t(r0) * Dp,
+                    Dp, RG, pf);
+#endif
+      } else {
+        pv_rows<T>(vrow, int64_t(hh) * a.head_stride, nt, D, NC, w.sc + r0 * kTokTile, w.corr + r0,
+                   w.acc + size_t(r0) * Dp, Dp, RG, pf);
+      }
+    }
     pf.drain();
   }
 
   // Normalise and write out (un-permuting the chunk layout).
   const size_t esz = c10::elementSize(a.qdt);
-  for (int jj = 0; jj < it.nq; ++jj) {
-    const int64_t qrow = a.cu[it.s] + it.j0 + jj;
-    for (int g = 0; g < G; ++g) {
-      const int r = jj * G + g;
-      const float inv_l = 1.0f / w.l[r];
-      char* dst = a.out + ((qrow * a.Hq + it.kvh * G + g) * int64_t(D)) * esz;
-      const float* src = w.acc + size_t(r) * Dp;
-      switch (a.qdt) {
-        case at::kFloat: store_out_row(src, D, inv_l, reinterpret_cast<float*>(dst), pos); break;
-        case at::kBFloat16: store_out_row(src, D, inv_l, reinterpret_cast<bf16*>(dst), pos); break;
-        default: store_out_row(src, D, inv_l, reinterpret_cast<c10::Half*>(dst), pos); break;
+  for (int hh = 0; hh < it.nh; ++hh)
+    for (int jj = 0; jj < it.nq; ++jj) {
+      const int64_t qrow = a.cu[it.s] + it.j0 + jj;
+      for (int g = 0; g < G; ++g) {
+        const int r = (hh * it.nq + jj) * G + g;
+        const float inv_l = 1.0f / vhadd(vload(w.l + r * kLanes));
+        char* dst = a.out + ((qrow * a.Hq + (it.h0 + hh) * G + g) * int64_t(D)) * esz;
+        const float* src = w.acc + size_t(r) * Dp;
+        switch (a.qdt) {
+          case at::kFloat: store_out_row(src, D, inv_l, reinterpret_cast<float*>(dst), pos); break;
+          case at::kBFloat16: store_out_row(src, D, inv_l, reinterpret_cast<bf16*>(dst), pos); break;
+          default: store_out_row(src, D, inv_l, reinterpret_cast<c10::Half*>(dst), pos); break;
+        }
       }
     }
-  }
 }
 
 void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
@@ -514,7 +717,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int G = int(Hq / Hkv);
   TORCH_CHECK(cu[0] == 0 && cu[S] == T, "cu_seqlens_q must start at 0 and end at T");
 
-  // Validate everything the kernel will dereference, then build the work list.
+  // Validate everything the kernel will dereference, then build the work list. With enough sequences
+  // to keep every thread busy, decode-sized sequences become one item covering all kv heads.
+  const int max_threads = at::get_num_threads();
+  const bool whole_seqs = TDPIPE_WHOLE && S >= 4 * int64_t(max_threads);
   std::vector<Item> items;
   int Rmax = 1;
   for (int64_t s = 0; s < S; ++s) {
@@ -528,19 +734,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int32_t id = bt[s * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < nblocks, "block id ", id, " out of range (sequence ", s, ")");
     }
+    if (whole_seqs && n_s * Hq <= kMaxRowsWhole) {
+      items.push_back({int(s), 0, int(Hkv), 0, n_s, int64_t(lens[s]) * (n_s * Hq + 4 * Hkv)});
+      Rmax = std::max<int>(Rmax, n_s * Hq);
+      continue;
+    }
     const int nq = std::min(n_s, std::max(1, kRowsPerItem / G));
     Rmax = std::max(Rmax, nq * G);
     for (int j0 = 0; j0 < n_s; j0 += nq) {
       const int cnt = std::min(nq, n_s - j0);
       const int64_t keys = int64_t(lens[s]) - n_s + j0 + cnt;
-      for (int h = 0; h < Hkv; ++h) items.push_back({int(s), h, j0, cnt, keys * (cnt * G + 4)});
+      for (int h = 0; h < Hkv; ++h) items.push_back({int(s), h, 1, j0, cnt, keys * (cnt * G + 4)});
     }
   }
   // Longest first: with a dynamic schedule this keeps the last items short (less tail imbalance).
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
 
   const int Dp = round_up(int(D), kChunk);
-  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size())));
+  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads, items.size())));
 
   auto launch = [&](auto tag) {
     using T = decltype(tag);
@@ -558,11 +769,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     a.out = static_cast<char*>(out.data_ptr());
     a.qscale = float(scale) * kLog2e;
     const int64_t n = int64_t(items.size());
+    const bool dot = std::is_same_v<T, bf16> && a.qdt == at::kBFloat16;
 #pragma omp parallel num_threads(nthreads)
     {
       Scratch w(Rmax, Dp);
+#ifdef TDPIPE_BF16_DOT
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (dot) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < n; ++i) run_item<T>(a, items[i], w);
+          for (int64_t i = 0; i < n; ++i) run_item<T, true>(a, items[i], w);
+        }
+      }
+#endif
+      if (!dot || !kHaveDot) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) run_item<T, false>(a, items[i], w);
+      }
     }
   };
   if (k_cache.scalar_type() == at::kBFloat16) launch(bf16{});
@@ -613,7 +835,11 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }
 
 std::string kernel_info() {
-  return std::string(kIsa) + ", " + std::to_string(at::get_num_threads()) + " threads";
+  std::string isa = kIsa;
+#ifdef TDPIPE_BF16_DOT
+  isa += "+bf16dot";
+#endif
+  return isa + ", " + std::to_string(at::get_num_threads()) + " threads";
 }
 
 }  // namespace

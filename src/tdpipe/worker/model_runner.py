@@ -5,7 +5,6 @@ the pipeline runtime runs it for micro-batch i+1 while micro-batch i computes (S
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +103,3 @@ class ModelRunner:
             return h
         return self.model.compute_logits(h[inp.sample_idx])
 
-
-def timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0

@@ -1,0 +1,191 @@
+"""Paged attention: C++ kernel vs pure-torch reference vs dense causal attention on contiguous tensors.
+
+Tolerances: float32 paths agree to 2e-5 (both accumulate in fp32; the truth is computed in float64).
+bfloat16 outputs are rounded once from fp32, so they may differ by one bf16 ulp: atol/rtol 1.6e-2
+(one ulp is 2^-7 relative; |out| <= ~3 here). The first run JIT-builds the kernel (~30-60 s, cached in
+$TDPIPE_CACHE/kernels); after that the file runs in a few seconds.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tdpipe.model import paged_attention as pa
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = pa.load_kernel()
+    if k is None:
+        if os.environ.get("TDPIPE_NO_KERNEL") == "1":
+            pytest.skip("TDPIPE_NO_KERNEL=1")
+        pytest.fail("paged-attention kernel failed to build (set TDPIPE_NO_KERNEL=1 to skip kernel tests)")
+    return k
+
+
+def make_batch(dtype, bs, hkv, g, d, lens, nqs, seed=0):
+    """Random contiguous per-sequence K/V, stored into a paged cache through random, scattered blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    hq = hkv * g
+    nb_seq = [-(-n // bs) for n in lens]
+    num_blocks = sum(nb_seq) + 7
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(nb_seq) + 2
+    bt = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)  # unused entries must never be read
+    k_cache = torch.randn((num_blocks, hkv, bs, d), generator=gen).to(dtype)  # garbage in unused slots
+    v_cache = torch.randn((num_blocks, hkv, bs, d), generator=gen).to(dtype)
+    ks, vs, slots = [], [], []
+    for s, n in enumerate(lens):
+        blocks = [perm.pop() for _ in range(nb_seq[s])]
+        bt[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        ks.append(torch.randn((n, hkv, d), generator=gen).to(dtype))
+        vs.append(torch.randn((n, hkv, d), generator=gen).to(dtype))
+        slots += [blocks[t // bs] * bs + t % bs for t in range(n)]
+    pa.store_kv_ref(torch.cat(ks), torch.cat(vs), k_cache, v_cache, torch.tensor(slots))
+    cu = [0]
+    for n in nqs:
+        cu.append(cu[-1] + n)
+    q = torch.randn((cu[-1], hq, d), generator=gen).to(dtype)
+    return q, k_cache, v_cache, bt, cu, ks, vs
+
+
+def dense_causal(q, ks, vs, cu, lens, scale):
+    """Truth in float64 from contiguous tensors: query j of sequence s sits at position len - n + j."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    hq = q.shape[1]
+    for s, (k, v) in enumerate(zip(ks, vs)):
+        qs = q[cu[s]:cu[s + 1]].double()
+        n, L = qs.shape[0], lens[s]
+        g = hq // k.shape[1]
+        kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, kk) * scale
+        mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
+        scores = scores.masked_fill(mask, float("-inf"))
+        out[cu[s]:cu[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    return out
+
+
+# Mixed batches: decode rows, a length-1 sequence, chunked-prefill rows with a cached prefix, and a fresh
+# prefill; lengths deliberately not multiples of the block size.
+DECODE = ([1, 37, 100, 16, 129], [1, 1, 1, 1, 1])
+MIXED = ([1, 40, 77, 23, 64], [1, 1, 20, 23, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [16, 8])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_kernel_matches_reference_and_dense(kernel, dtype, bs, g, d, shape):
+    lens, nqs = shape
+    hkv = 2
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, bs, hkv, g, d, lens, nqs, seed=bs + g + d)
+    scale = d ** -0.5
+    out = kernel.paged_attention(q, kc, vc, bt, torch.tensor(cu, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = pa.paged_attention_ref(q, kc, vc, bt, cu, lens, scale)
+    truth = dense_causal(q, ks, vs, cu, lens, scale)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(out.double(), truth, **TOL[dtype])
+    torch.testing.assert_close(ref.double(), truth, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,qdtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                          (torch.bfloat16, torch.float16)])
+def test_kernel_odd_shapes(kernel, dtype, qdtype):
+    """head_dim not a multiple of 32, block_size 5, GQA 4, long chunk, q dtype differing from the cache."""
+    lens, nqs = [300, 9, 1, 45], [70, 9, 1, 2]
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 5, 2, 4, 80, lens, nqs, seed=3)
+    q = q.to(qdtype)
+    out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.1)  # front end: lists for cu / lens
+    assert out.dtype == qdtype
+    truth = dense_causal(q, ks, vs, cu, lens, 0.1)
+    tol = TOL[torch.float32] if dtype == qdtype == torch.float32 else TOL[torch.bfloat16]
+    torch.testing.assert_close(out.double(), truth, **tol)
+
+
+def test_kernel_noncontiguous_q_and_int64_tables(kernel):
+    lens, nqs = [33, 18], [3, 1]
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.bfloat16, 16, 3, 3, 64, lens, nqs, seed=5)
+    qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 64, dtype=q.dtype)], dim=1)
+    qv = qkv[:, : q[0].numel()].view(q.shape)  # row stride != Hq * D
+    assert not qv.is_contiguous()
+    out = pa.paged_attention(qv, kc, vc, bt.long(), torch.tensor(cu), torch.tensor(lens), 0.125)
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])
+
+
+def test_kernel_rejects_bad_block_ids(kernel):
+    q, kc, vc, bt, cu, _, _ = make_batch(torch.float32, 16, 1, 1, 64, [20], [1])
+    bt[0, 1] = kc.shape[0]  # second block (needed for token 16..19) out of range
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.paged_attention(q, kc, vc, bt, torch.tensor(cu, dtype=torch.int32),
+                               torch.tensor([20], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv(kernel, dtype):
+    gen = torch.Generator().manual_seed(1)
+    nb, hkv, bs, d, t = 9, 3, 8, 64, 30
+    kc = torch.randn((nb, hkv, bs, d), generator=gen).to(dtype)
+    vc = torch.randn((nb, hkv, bs, d), generator=gen).to(dtype)
+    # k / v as views of a fused projection output: strided rows, contiguous head_dim.
+    qkv = torch.randn((t, (2 + 2 * hkv) * d), generator=gen).to(dtype)
+    k = qkv[:, 2 * d: (2 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (2 + hkv) * d:].view(t, hkv, d)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[[0, 7, 29]] = -1
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kernel.store_kv(k, v, kc, vc, slots)
+    pa.store_kv_ref(k, v, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    s = int(slots[3])
+    assert torch.equal(kc[s // bs, :, s % bs], k[3]) and torch.equal(vc[s // bs, :, s % bs], v[3])
+    # front end, and nothing written for -1 slots
+    kc2, vc2 = kc_ref.clone(), vc_ref.clone()
+    pa.store_kv(k[[0, 7]], v[[0, 7]], kc2, vc2, torch.tensor([-1, -1]))
+    assert torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref)
+
+
+def test_store_kv_ref_bad_slot_raises(kernel):
+    kc = torch.zeros((2, 1, 4, 8))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.store_kv(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), kc, kc.clone(), torch.tensor([8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [1, 3])
+def test_prefill_attention_vs_dense(dtype, g):
+    gen = torch.Generator().manual_seed(2)
+    hkv, d = 2, 64
+    lens = [5, 17, 5, 1, 17, 40]  # repeated lengths exercise the batched (grouped) path
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn((cu[-1], hkv * g, d), generator=gen).to(dtype)
+    k = torch.randn((cu[-1], hkv, d), generator=gen).to(dtype)
+    v = torch.randn((cu[-1], hkv, d), generator=gen).to(dtype)
+    out = pa.prefill_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), d ** -0.5)
+    ks = [k[cu[s]:cu[s + 1]] for s in range(len(lens))]
+    vs = [v[cu[s]:cu[s + 1]] for s in range(len(lens))]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, d ** -0.5), **TOL[dtype])
+
+
+def test_reference_paths_when_kernel_disabled(monkeypatch):
+    """TDPIPE_NO_KERNEL=1 makes load_kernel return None and the front end falls back to the reference."""
+    monkeypatch.setattr(pa, "_kernel", None)
+    monkeypatch.setattr(pa, "_kernel_tried", False)
+    monkeypatch.setenv("TDPIPE_NO_KERNEL", "1")
+    assert pa.load_kernel() is None
+    lens, nqs = [20, 3], [2, 3]
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.float32, 8, 1, 2, 64, lens, nqs, seed=9)
+    out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.float32])
+    kc2 = kc.clone()
+    pa.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), kc2, vc.clone(), torch.tensor([3]))
+    assert torch.equal(kc2[0, 0, 3], torch.ones(64))

@@ -3,13 +3,11 @@
 // Cache layout, per layer: cache[num_blocks, num_kv_heads, block_size, head_dim] (bf16 or fp32,
 // contiguous), so the keys of one (block, kv head) pair are block_size * head_dim contiguous elements.
 //
-// paged_attention splits the batch into work items: (sequence, all kv heads) for decode-sized work,
-// (sequence, kv head, tile of query rows) for prefill chunks. An item holds every query head of its GQA
-// group(s) and possibly several query positions, so each K/V row is streamed from memory once per item.
-// Whole-sequence items sweep each block's heads together, which turns the reads into
-// num_kv_heads * block_size * head_dim contiguous runs (friendlier to prefetchers, DRAM pages and the
-// TLB). Keys are consumed in tiles of kTokTile tokens with an online softmax (running max / sum per
-// query row); everything is accumulated in fp32. Software prefetch keeps a couple of tiles in flight.
+// paged_attention splits the batch into work items (sequence, kv head, tile of query rows). An item
+// holds every query head of its GQA group and, for prefill chunks, several query positions, so each
+// K/V row is streamed from memory once per item. Keys are consumed in tiles of kTokTile tokens with an
+// online softmax (running max / sum per query row); everything is accumulated in fp32. Software
+// prefetch keeps the next tiles' K/V in flight while the current one is computed.
 //
 // Vector layout trick: a "chunk" is 32 head_dim elements held in two 16-lane fp32 vectors. For bf16 the
 // two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
@@ -46,14 +44,6 @@ constexpr int kTokTile = TDPIPE_TOK_TILE;  // keys per online-softmax step; mult
 constexpr int kMaxChunks = 8;      // head_dim <= 256
 constexpr int kRowGroup = 8;       // query rows sharing one pass over V (16 accumulators)
 constexpr int kRowsPerItem = 16;   // target query rows per work item for prefill chunks
-constexpr int kMaxRowsWhole = 64;  // whole-sequence items up to this many query rows
-#ifndef TDPIPE_PV_DOT
-#define TDPIPE_PV_DOT 1
-#endif
-constexpr bool kPvDot = TDPIPE_PV_DOT;
-#ifndef TDPIPE_WHOLE
-#define TDPIPE_WHOLE 1
-#endif
 #ifndef TDPIPE_PF_TILES
 #define TDPIPE_PF_TILES 2
 #endif
@@ -69,12 +59,6 @@ constexpr float kNegBig = -1e30f;  // finite initial running max: keeps m_old - 
 // ---------------------------------------------------------------------------------------------
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 inline int cdiv(int x, int m) { return (x + m - 1) / m; }
-
-// Accumulator position of head_dim element e for the vdpbf16ps P.V path (see pv_tile_dot).
-inline int dot_pos(int e) {
-  const int w = e & 31, grp = w >> 3, k = w & 7;
-  return (e - w) + (k < 4 ? 4 * grp + k : 16 + 4 * grp + (k - 4));
-}
 
 #ifdef TDPIPE_AVX512
 using vf = __m512;
@@ -297,10 +281,10 @@ constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile
 // bf16 q and bf16 cache: vdpbf16ps multiplies bf16 pairs exactly and accumulates in fp32, so keys are
 // used straight from the cache (no conversion, no scratch copy). q stays unscaled (scaling it would
 // round it), the scale is applied to the 16 scores instead. krow has round_up(nt, 16) entries (the
-// padding ones repeat a real row; their lanes are masked); koff selects the kv head.
+// padding ones repeat a real row; their lanes are masked).
 template <int NC>
-void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, int64_t koff, int nt,
-                  __mmask32 tail, const int* lim, int t0, float scale, float* sc, PfQueue& pf) {
+void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, int nt, __mmask32 tail,
+                  const int* lim, int t0, float scale, float* sc, PfQueue& pf) {
   const vf vscale = vset1(scale);
   for (int r = 0; r < R; ++r) {
     __m512bh q[NC];
@@ -308,7 +292,7 @@ void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, in
     for (int g0 = 0; g0 < nt; g0 += kLanes) {
       vf a[kLanes];
       for (int u = 0; u < kLanes; ++u) {
-        const bf16* k = krow[g0 + u] + koff;
+        const bf16* k = krow[g0 + u];
         vf acc = vzero();
         for (int c = 0; c < NC - 1; ++c)
           acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k + c * kChunk));
@@ -321,118 +305,94 @@ void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, in
     }
   }
 }
-using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int64_t, int, __mmask32, const int*,
-                          int, float, float*, PfQueue&);
+using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int, __mmask32, const int*, int, float,
+                          float*, PfQueue&);
 constexpr QkBf16Fn kQkBf16Fns[kMaxChunks] = {qk_tile_bf16<1>, qk_tile_bf16<2>, qk_tile_bf16<3>,
                                              qk_tile_bf16<4>, qk_tile_bf16<5>, qk_tile_bf16<6>,
                                              qk_tile_bf16<7>, qk_tile_bf16<8>};
 
-// P.V with vdpbf16ps: the probabilities of a token pair (t, t+1) are rounded to bf16 (as GPU flash
-// attention does; the accumulator stays fp32) and multiplied with the interleaved V rows t and t+1
-// (unpacklo/hi_epi16), halving the FMA work. pairs[r][j] holds (p[2j], p[2j+1]) (rows kTokTile apart); vrow has an even
-// number of entries (an odd tile repeats its last row, whose probability is 0). The accumulator lanes
-// of chunk c: lo lane i <-> element 8*(i/4) + i%4, hi lane i <-> 8*(i/4) + 4 + i%4 (see dot_pos).
-template <int NR>
-void pv_tile_dot(const bf16* const* vrow, int64_t voff, int nt, int NC, __mmask32 tail, const uint32_t* pairs,
-                 const float* corr, float* acc, int Dp, PfQueue& pf) {
-  for (int c = 0; c < NC; ++c) {
-    const __mmask32 m = c == NC - 1 ? tail : (__mmask32)0xFFFFFFFFu;
-    vf lo[NR], hi[NR];
-    for (int r = 0; r < NR; ++r) {
-      const vf cr = vset1(corr[r]);
-      lo[r] = vmul(vload(acc + r * Dp + c * kChunk), cr);
-      hi[r] = vmul(vload(acc + r * Dp + c * kChunk + kLanes), cr);
-    }
-    for (int i = 0; i < nt; i += 2) {
-      const __m512i va = _mm512_maskz_loadu_epi16(m, vrow[i] + voff + c * kChunk);
-      const __m512i vb = _mm512_maskz_loadu_epi16(m, vrow[i + 1] + voff + c * kChunk);
-      const __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(va, vb);
-      const __m512bh vh = (__m512bh)_mm512_unpackhi_epi16(va, vb);
-      pf.step();
-      pf.step();
-      for (int r = 0; r < NR; ++r) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[r * kTokTile + i / 2]));
-        lo[r] = _mm512_dpbf16_ps(lo[r], vl, pp);
-        hi[r] = _mm512_dpbf16_ps(hi[r], vh, pp);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      vstore(acc + r * Dp + c * kChunk, lo[r]);
-      vstore(acc + r * Dp + c * kChunk + kLanes, hi[r]);
-    }
-  }
-}
-
-void pv_rows_dot(const bf16* const* vrow, int64_t voff, int nt, int NC, __mmask32 tail, const float* sc,
-                 const float* corr, float* acc, int Dp, int R, PfQueue& pf) {
-  for (int r0 = 0; r0 < R; r0 += kRowGroup) {
-    const uint32_t* pp = reinterpret_cast<const uint32_t*>(sc + r0 * kTokTile);
-    const float* cc = corr + r0;
-    float* aa = acc + r0 * Dp;
-    switch (std::min(kRowGroup, R - r0)) {
-      case 1: pv_tile_dot<1>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      case 2: pv_tile_dot<2>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      case 3: pv_tile_dot<3>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      case 4: pv_tile_dot<4>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      case 5: pv_tile_dot<5>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      case 6: pv_tile_dot<6>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      case 7: pv_tile_dot<7>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-      default: pv_tile_dot<8>(vrow, voff, nt, NC, tail, pp, cc, aa, Dp, pf); break;
-    }
-  }
-}
 constexpr bool kHaveDot = true;
 #else
 constexpr bool kHaveDot = false;
 #endif
 
-// acc[r] = acc[r] * corr[r] + sum_t p[r][t] * v_t for NR rows; V is converted once per chunk and
-// reused by all NR rows (2 * NR accumulators stay in registers).
-template <typename T, int NR>
-void pv_tile(const T* const* vrow, int64_t voff, int nt, int D, int NC, const float* p, const float* corr,
-             float* acc, int Dp, PfQueue& pf) {
-  for (int c = 0; c < NC; ++c) {
-    const int n = std::min(kChunk, D - c * kChunk);
-    vf lo[NR], hi[NR];
+// acc[r] = acc[r] * corr[r] + sum_t p[r][t] * v_t for NR rows and NCB chunks at a time (NC % NCB == 0).
+// Each V row is converted once and reused by all NR rows; with NCB == NC the rows are read front to
+// back (sequential for the prefetchers), else NC / NCB strided passes. 2 * NR * NCB accumulators.
+template <typename T, int NR, int NCB>
+void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
+             int Dp, PfQueue& pf) {
+  for (int c0 = 0; c0 < NC; c0 += NCB) {
+    vf lo[NR][NCB], hi[NR][NCB];
     for (int r = 0; r < NR; ++r) {
       const vf cr = vset1(corr[r]);
-      lo[r] = vmul(vload(acc + r * Dp + c * kChunk), cr);
-      hi[r] = vmul(vload(acc + r * Dp + c * kChunk + kLanes), cr);
-    }
-    for (int i = 0; i < nt; ++i) {
-      vf vl, vh;
-      load_chunk(vrow[i] + voff + c * kChunk, n, vl, vh);
-      pf.step();
-      for (int r = 0; r < NR; ++r) {
-        const vf pb = vset1(p[r * kTokTile + i]);
-        lo[r] = vfma(pb, vl, lo[r]);
-        hi[r] = vfma(pb, vh, hi[r]);
+      for (int cc = 0; cc < NCB; ++cc) {
+        lo[r][cc] = vmul(vload(acc + r * Dp + (c0 + cc) * kChunk), cr);
+        hi[r][cc] = vmul(vload(acc + r * Dp + (c0 + cc) * kChunk + kLanes), cr);
       }
     }
-    for (int r = 0; r < NR; ++r) {
-      vstore(acc + r * Dp + c * kChunk, lo[r]);
-      vstore(acc + r * Dp + c * kChunk + kLanes, hi[r]);
+    for (int i = 0; i < nt; ++i) {
+      vf vl[NCB], vh[NCB];
+      for (int cc = 0; cc < NCB; ++cc) {
+        load_chunk(vrow[i] + (c0 + cc) * kChunk, std::min(kChunk, D - (c0 + cc) * kChunk), vl[cc], vh[cc]);
+        pf.step();
+      }
+      for (int r = 0; r < NR; ++r) {
+        const vf pb = vset1(p[r * kTokTile + i]);
+        for (int cc = 0; cc < NCB; ++cc) {
+          lo[r][cc] = vfma(pb, vl[cc], lo[r][cc]);
+          hi[r][cc] = vfma(pb, vh[cc], hi[r][cc]);
+        }
+      }
     }
+    for (int r = 0; r < NR; ++r)
+      for (int cc = 0; cc < NCB; ++cc) {
+        vstore(acc + r * Dp + (c0 + cc) * kChunk, lo[r][cc]);
+        vstore(acc + r * Dp + (c0 + cc) * kChunk + kLanes, hi[r][cc]);
+      }
   }
 }
 
 template <typename T>
-void pv_rows(const T* const* vrow, int64_t voff, int nt, int D, int NC, const float* p, const float* corr,
-             float* acc, int Dp, int R, PfQueue& pf) {
-  for (int r0 = 0; r0 < R; r0 += kRowGroup) {
+void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
+             int Dp, int R, PfQueue& pf) {
+  for (int r0 = 0; r0 < R;) {
+    // Widest chunk block whose accumulators fit in registers (<= 24 of 32).
+    const int nr = std::min(kRowGroup, R - r0);
+    const int ncb = (NC % 4 == 0 && nr <= 3) ? 4 : (NC % 2 == 0 && nr <= 6) ? 2 : 1;
     const float* pp = p + r0 * kTokTile;
     const float* cc = corr + r0;
-    float* aa = acc + r0 * Dp;
-    switch (std::min(kRowGroup, R - r0)) {
-      case 1: pv_tile<T, 1>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 2: pv_tile<T, 2>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 3: pv_tile<T, 3>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 4: pv_tile<T, 4>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 5: pv_tile<T, 5>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 6: pv_tile<T, 6>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      case 7: pv_tile<T, 7>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
-      default: pv_tile<T, 8>(vrow, voff, nt, D, NC, pp, cc, aa, Dp, pf); break;
+    float* aa = acc + size_t(r0) * Dp;
+#define TDPIPE_PV(NR, NCB) pv_tile<T, NR, NCB>(vrow, nt, D, NC, pp, cc, aa, Dp, pf)
+    if (ncb == 4) {
+      switch (nr) {
+        case 1: TDPIPE_PV(1, 4); break;
+        case 2: TDPIPE_PV(2, 4); break;
+        default: TDPIPE_PV(3, 4); break;
+      }
+    } else if (ncb == 2) {
+      switch (nr) {
+        case 1: TDPIPE_PV(1, 2); break;
+        case 2: TDPIPE_PV(2, 2); break;
+        case 3: TDPIPE_PV(3, 2); break;
+        case 4: TDPIPE_PV(4, 2); break;
+        case 5: TDPIPE_PV(5, 2); break;
+        default: TDPIPE_PV(6, 2); break;
+      }
+    } else {
+      switch (nr) {
+        case 1: TDPIPE_PV(1, 1); break;
+        case 2: TDPIPE_PV(2, 1); break;
+        case 3: TDPIPE_PV(3, 1); break;
+        case 4: TDPIPE_PV(4, 1); break;
+        case 5: TDPIPE_PV(5, 1); break;
+        case 6: TDPIPE_PV(6, 1); break;
+        case 7: TDPIPE_PV(7, 1); break;
+        default: TDPIPE_PV(8, 1); break;
+      }
     }
+#undef TDPIPE_PV
+    r0 += nr;
   }
 }
 
@@ -440,10 +400,10 @@ void pv_rows(const T* const* vrow, int64_t voff, int nt, int D, int NC, const fl
 // Work items
 // ---------------------------------------------------------------------------------------------
 
-// Rows of an item: nh kv heads x nq query positions x G query heads, head-major
-// (r = (hh * nq + jj) * G + g), so each kv head's rows are contiguous.
+// A work item: query positions j0 .. j0 + nq - 1 of sequence s, all G query heads of kv head kvh.
+// Row r = jj * G + g of the item is (query position j0 + jj, query head kvh * G + g).
 struct Item {
-  int s, h0, nh, j0, nq;
+  int s, kvh, j0, nq;
   int64_t cost;
 };
 
@@ -501,43 +461,41 @@ struct Scratch {
 template <typename T, bool kDot>
 void run_item(const Args<T>& a, const Item& it, Scratch& w) {
   const int D = a.D, Dp = a.Dp, NC = a.NC, G = a.G, bs = a.bs;
-  const int RG = it.nq * G;  // rows per kv head
-  const int R = it.nh * RG;
+  const int R = it.nq * G;
   const int n_s = a.cu[it.s + 1] - a.cu[it.s];
   const int first_pos = a.lens[it.s] - n_s + it.j0;  // absolute position of the item's first query
   const int kv_end = first_pos + it.nq;               // keys [0, kv_end) are visible to some row
-  int (*pos)(int) = (kDot && kPvDot) ? &dot_pos : &chunk_pos<T>;
+  auto pos = &chunk_pos<T>;
 
   std::fill(w.qs, w.qs + size_t(R) * Dp, 0.f);
   std::fill(w.acc, w.acc + size_t(R) * Dp, 0.f);
   uint16_t* qb = reinterpret_cast<uint16_t*>(w.qs);  // kDot: raw bf16 rows, Dp apart
-  for (int hh = 0; hh < it.nh; ++hh)
-    for (int jj = 0; jj < it.nq; ++jj) {
-      const int64_t qrow = a.cu[it.s] + it.j0 + jj;
-      for (int g = 0; g < G; ++g) {
-        const int r = (hh * it.nq + jj) * G + g;
-        const char* src = a.q + qrow * a.qs0 + int64_t((it.h0 + hh) * G + g) * a.qs1;
-        if constexpr (kDot) {
-          std::memcpy(qb + size_t(r) * Dp, src, size_t(D) * sizeof(uint16_t));
-        } else {
-          float* dst = w.qs + size_t(r) * Dp;
-          switch (a.qdt) {
-            case at::kFloat: load_q_row(reinterpret_cast<const float*>(src), D, a.qscale, dst, pos); break;
-            case at::kBFloat16: load_q_row(reinterpret_cast<const bf16*>(src), D, a.qscale, dst, pos); break;
-            default: load_q_row(reinterpret_cast<const c10::Half*>(src), D, a.qscale, dst, pos); break;
-          }
+  for (int jj = 0; jj < it.nq; ++jj) {
+    const int64_t qrow = a.cu[it.s] + it.j0 + jj;
+    for (int g = 0; g < G; ++g) {
+      const int r = jj * G + g;
+      const char* src = a.q + qrow * a.qs0 + int64_t(it.kvh * G + g) * a.qs1;
+      if constexpr (kDot) {
+        std::memcpy(qb + size_t(r) * Dp, src, size_t(D) * sizeof(uint16_t));
+      } else {
+        float* dst = w.qs + size_t(r) * Dp;
+        switch (a.qdt) {
+          case at::kFloat: load_q_row(reinterpret_cast<const float*>(src), D, a.qscale, dst, pos); break;
+          case at::kBFloat16: load_q_row(reinterpret_cast<const bf16*>(src), D, a.qscale, dst, pos); break;
+          default: load_q_row(reinterpret_cast<const c10::Half*>(src), D, a.qscale, dst, pos); break;
         }
-        w.lim[r] = first_pos + jj;
-        w.m[r] = kNegBig;
-        std::fill(w.l + r * kLanes, w.l + (r + 1) * kLanes, 0.f);
       }
+      w.lim[r] = first_pos + jj;
+      w.m[r] = kNegBig;
+      std::fill(w.l + r * kLanes, w.l + (r + 1) * kLanes, 0.f);
     }
+  }
 
   const int32_t* bt = a.bt + int64_t(it.s) * a.bt_stride;
-  const T* kbase = a.kc + int64_t(it.h0) * a.head_stride;  // head h0; head h0 + hh is hh * head_stride on
-  const T* vbase = a.vc + int64_t(it.h0) * a.head_stride;
+  const T* kbase = a.kc + int64_t(it.kvh) * a.head_stride;
+  const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
 
-  // Row pointers (first head of the item) of the tile at t0; K and V rows share the in-block offset.
+  // Row pointers of the tile at t0; K and V rows share the in-block offset.
   auto fill_rows = [&](int t0, const T** kr, const T** vr) {
     const int nt = std::min(kTokTile, kv_end - t0);
     int b = t0 / bs, o = t0 - b * bs;
@@ -552,7 +510,7 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     }
     return nt;
   };
-  // Queue the tile at t0 for prefetch: per block, the item's heads as (merged) contiguous runs.
+  // Queue the tile at t0 for prefetch: one K and one V run per block it touches.
   PfQueue pf;
   const int row_bytes = D * int(sizeof(T));
   auto queue_tile = [&](int t0) {
@@ -562,8 +520,8 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
       for (int t = t0; t < t1;) {
         const int b = t / bs, o = t - b * bs, n = std::min(bs - o, t1 - t);
         const int64_t off = int64_t(bt[b]) * a.block_stride + int64_t(o) * D;
-        for (int hh = 0; hh < it.nh; ++hh) pf.k.add(kbase + off + hh * a.head_stride, n * row_bytes);
-        for (int hh = 0; hh < it.nh; ++hh) pf.v.add(vbase + off + hh * a.head_stride, n * row_bytes);
+        pf.k.add(kbase + off, n * row_bytes);
+        pf.v.add(vbase + off, n * row_bytes);
         t += n;
       }
     }
@@ -580,30 +538,24 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     const int nt = fill_rows(t0, krow, vrow);
     const int ntp = round_up(nt, kLanes);
     for (int i = nt; i < ntp; ++i) krow[i] = krow[nt - 1];  // padding lanes: valid memory, masked
-    if (nt & 1) vrow[nt] = vrow[nt - 1];                       // token pairs for pv_tile_dot (p = 0)
     queue_tile(t0 + kPrefetchTiles * kTokTile);
 
-    for (int hh = 0; hh < it.nh; ++hh) {
-      const int64_t hoff = int64_t(hh) * a.head_stride;
-      const int r0 = hh * RG;
-      if constexpr (kDot) {
+    if constexpr (kDot) {
 #ifdef TDPIPE_BF16_DOT
-        const int tail = D - (NC - 1) * kChunk;
-        kQkBf16Fns[NC - 1](qb + size_t(r0) * Dp, Dp, RG, reinterpret_cast<const bf16* const*>(krow), hoff, nt,
-                           mask32(tail), w.lim + r0, t0, a.qscale, w.sc + r0 * kTokTile, pf);
+      kQkBf16Fns[NC - 1](qb, Dp, R, reinterpret_cast<const bf16* const*>(krow), nt, mask32(D - (NC - 1) * kChunk),
+                         w.lim, t0, a.qscale, w.sc, pf);
 #endif
-      } else {
-        // Keys of the tile -> fp32 scratch (converted once, reused by the head's RG rows).
-        for (int i = 0; i < nt; ++i)
-          for (int c = 0; c < NC; ++c) {
-            vf lo, hi;
-            load_chunk(krow[i] + hoff + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
-            vstore(w.ks + i * Dp + c * kChunk, lo);
-            vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
-          }
-        if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
-        kQkFns[NC - 1](w.qs + size_t(r0) * Dp, Dp, RG, w.ks, nt, w.lim + r0, t0, w.sc + r0 * kTokTile, pf);
-      }
+    } else {
+      // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
+      for (int i = 0; i < nt; ++i)
+        for (int c = 0; c < NC; ++c) {
+          vf lo, hi;
+          load_chunk(krow[i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
+          vstore(w.ks + i * Dp + c * kChunk, lo);
+          vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
+        }
+      if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
+      kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lim, t0, w.sc, pf);
     }
 
     // Online softmax (base 2; the scale and log2(e) are folded into the scores). The running sum is
@@ -621,59 +573,34 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
       const vf mv = vset1(m_new);
       vf lsum = vload(w.l + r * kLanes);
       if (corr != 1.0f) lsum = vmul(lsum, vset1(corr));
-      if constexpr (kDot && kPvDot) {
-#ifdef TDPIPE_BF16_DOT
-        // Probabilities as bf16 token pairs, written over the (already consumed) front of the row.
-        for (int g = 0; g < ntp; g += 2 * kLanes) {
-          const vf e0 = vexp2(vsub(vload(sr + g), mv));
-          const vf e1 = g + kLanes < ntp ? vexp2(vsub(vload(sr + g + kLanes), mv)) : vzero();
-          lsum = vadd(lsum, vadd(e0, e1));
-          _mm512_storeu_si512(reinterpret_cast<uint32_t*>(sr) + g / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        }
-#endif
-      } else {
-        for (int g = 0; g < ntp; g += kLanes) {
-          const vf e = vexp2(vsub(vload(sr + g), mv));
-          vstore(sr + g, e);
-          lsum = vadd(lsum, e);
-        }
+      for (int g = 0; g < ntp; g += kLanes) {
+        const vf e = vexp2(vsub(vload(sr + g), mv));
+        vstore(sr + g, e);
+        lsum = vadd(lsum, e);
       }
       vstore(w.l + r * kLanes, lsum);
     }
 
-    for (int hh = 0; hh < it.nh; ++hh) {
-      const int r0 = hh * RG;
-      if constexpr (kDot && kPvDot) {
-#ifdef TDPIPE_BF16_DOT
-        pv_rows_dot(reinterpret_cast<const bf16* const*>(vrow), int64_t(hh) * a.head_stride, nt, NC,
-                    mask32(D - (NC - 1) * kChunk), w.sc + r0 * kTokTile, w.corr + r0, w.acc + size_t(r0) * Dp,
-                    Dp, RG, pf);
-#endif
-      } else {
-        pv_rows<T>(vrow, int64_t(hh) * a.head_stride, nt, D, NC, w.sc + r0 * kTokTile, w.corr + r0,
-                   w.acc + size_t(r0) * Dp, Dp, RG, pf);
-      }
-    }
+    pv_rows<T>(vrow, nt, D, NC, w.sc, w.corr, w.acc, Dp, R, pf);
     pf.drain();
   }
 
   // Normalise and write out (un-permuting the chunk layout).
   const size_t esz = c10::elementSize(a.qdt);
-  for (int hh = 0; hh < it.nh; ++hh)
-    for (int jj = 0; jj < it.nq; ++jj) {
-      const int64_t qrow = a.cu[it.s] + it.j0 + jj;
-      for (int g = 0; g < G; ++g) {
-        const int r = (hh * it.nq + jj) * G + g;
-        const float inv_l = 1.0f / vhadd(vload(w.l + r * kLanes));
-        char* dst = a.out + ((qrow * a.Hq + (it.h0 + hh) * G + g) * int64_t(D)) * esz;
-        const float* src = w.acc + size_t(r) * Dp;
-        switch (a.qdt) {
-          case at::kFloat: store_out_row(src, D, inv_l, reinterpret_cast<float*>(dst), pos); break;
-          case at::kBFloat16: store_out_row(src, D, inv_l, reinterpret_cast<bf16*>(dst), pos); break;
-          default: store_out_row(src, D, inv_l, reinterpret_cast<c10::Half*>(dst), pos); break;
-        }
+  for (int jj = 0; jj < it.nq; ++jj) {
+    const int64_t qrow = a.cu[it.s] + it.j0 + jj;
+    for (int g = 0; g < G; ++g) {
+      const int r = jj * G + g;
+      const float inv_l = 1.0f / vhadd(vload(w.l + r * kLanes));
+      char* dst = a.out + ((qrow * a.Hq + it.kvh * G + g) * int64_t(D)) * esz;
+      const float* src = w.acc + size_t(r) * Dp;
+      switch (a.qdt) {
+        case at::kFloat: store_out_row(src, D, inv_l, reinterpret_cast<float*>(dst), pos); break;
+        case at::kBFloat16: store_out_row(src, D, inv_l, reinterpret_cast<bf16*>(dst), pos); break;
+        default: store_out_row(src, D, inv_l, reinterpret_cast<c10::Half*>(dst), pos); break;
       }
     }
+  }
 }
 
 void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
@@ -717,10 +644,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int G = int(Hq / Hkv);
   TORCH_CHECK(cu[0] == 0 && cu[S] == T, "cu_seqlens_q must start at 0 and end at T");
 
-  // Validate everything the kernel will dereference, then build the work list. With enough sequences
-  // to keep every thread busy, decode-sized sequences become one item covering all kv heads.
-  const int max_threads = at::get_num_threads();
-  const bool whole_seqs = TDPIPE_WHOLE && S >= 4 * int64_t(max_threads);
+  // Validate everything the kernel will dereference, then build the work list.
   std::vector<Item> items;
   int Rmax = 1;
   for (int64_t s = 0; s < S; ++s) {
@@ -734,24 +658,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int32_t id = bt[s * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < nblocks, "block id ", id, " out of range (sequence ", s, ")");
     }
-    if (whole_seqs && n_s * Hq <= kMaxRowsWhole) {
-      items.push_back({int(s), 0, int(Hkv), 0, n_s, int64_t(lens[s]) * (n_s * Hq + 4 * Hkv)});
-      Rmax = std::max<int>(Rmax, n_s * Hq);
-      continue;
-    }
     const int nq = std::min(n_s, std::max(1, kRowsPerItem / G));
     Rmax = std::max(Rmax, nq * G);
     for (int j0 = 0; j0 < n_s; j0 += nq) {
       const int cnt = std::min(nq, n_s - j0);
       const int64_t keys = int64_t(lens[s]) - n_s + j0 + cnt;
-      for (int h = 0; h < Hkv; ++h) items.push_back({int(s), h, 1, j0, cnt, keys * (cnt * G + 4)});
+      for (int h = 0; h < Hkv; ++h) items.push_back({int(s), h, j0, cnt, keys * (cnt * G + 4)});
     }
   }
   // Longest first: with a dynamic schedule this keeps the last items short (less tail imbalance).
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
 
   const int Dp = round_up(int(D), kChunk);
-  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>(max_threads, items.size())));
+  const int nthreads = int(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size())));
 
   auto launch = [&](auto tag) {
     using T = decltype(tag);

@@ -37,12 +37,13 @@ using bf16 = c10::BFloat16;
 
 constexpr int kLanes = 16;
 constexpr int kChunk = 32;         // head_dim elements per chunk (two vectors)
+// Tunables (overridable with -D for experiments).
 #ifndef TDPIPE_TOK_TILE
 #define TDPIPE_TOK_TILE 32
 #endif
 constexpr int kTokTile = TDPIPE_TOK_TILE;  // keys per online-softmax step; multiple of kLanes
 constexpr int kMaxChunks = 8;      // head_dim <= 256
-constexpr int kRowGroup = 8;       // query rows sharing one pass over V (16 accumulators)
+constexpr int kRowGroup = 8;       // max query rows sharing one pass over V (accumulators in registers)
 constexpr int kRowsPerItem = 16;   // target query rows per work item for prefill chunks
 #ifndef TDPIPE_PF_TILES
 #define TDPIPE_PF_TILES 2
@@ -199,7 +200,7 @@ struct PfStream {
   void add(const void* start, int bytes) {
     const char* s0 = static_cast<const char*>(start);
     if (nseg > 0 && seg[nseg - 1] + seg_bytes[nseg - 1] == s0) {
-      seg_bytes[nseg - 1] += bytes;  // adjacent heads of a full block: one run
+      seg_bytes[nseg - 1] += bytes;  // physically adjacent runs (e.g. consecutive blocks) merge
     } else if (nseg < kMaxPfSegs) {  // (a full queue just prefetches less; it is only a hint)
       seg[nseg] = s0;
       seg_bytes[nseg++] = bytes;
@@ -242,7 +243,6 @@ inline int chunk_pos(int e) {
     return e;
   }
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels
@@ -688,7 +688,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     a.out = static_cast<char*>(out.data_ptr());
     a.qscale = float(scale) * kLog2e;
     const int64_t n = int64_t(items.size());
-    const bool dot = std::is_same_v<T, bf16> && a.qdt == at::kBFloat16;
+    const bool dot = kHaveDot && std::is_same_v<T, bf16> && a.qdt == at::kBFloat16;
 #pragma omp parallel num_threads(nthreads)
     {
       Scratch w(Rmax, Dp);
@@ -700,7 +700,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         }
       }
 #endif
-      if (!dot || !kHaveDot) {
+      if (!dot) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) run_item<T, false>(a, items[i], w);
       }

@@ -7,6 +7,7 @@ A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -54,7 +55,7 @@ def kernel_build_dir() -> Path:
 
 
 def load_kernel() -> ModuleType | None:
-    """JIT-build (first time, ~1 min) or load the C++ kernel; None when disabled or unbuildable.
+    """JIT-build (first time, 30-60 s) or load the C++ kernel; None when disabled or unbuildable.
 
     The result is cached for the process; failures are logged once and the pure-torch path is used.
     """
@@ -72,8 +73,14 @@ def load_kernel() -> ModuleType | None:
 
                 build_dir = kernel_build_dir()
                 build_dir.mkdir(parents=True, exist_ok=True)
-                _kernel = load(name="tdpipe_paged_attention", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                               extra_ldflags=_LDFLAGS, build_directory=str(build_dir), verbose=False)
+                # torch's own build lock is a plain file that a killed build leaves behind, after which
+                # every later load waits forever. Serialise on a flock instead (released on process
+                # death) and clear torch's file while holding it.
+                with open(build_dir / "tdpipe.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    (build_dir / "lock").unlink(missing_ok=True)
+                    _kernel = load(name="tdpipe_paged_attention", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                                   extra_ldflags=_LDFLAGS, build_directory=str(build_dir), verbose=False)
         except Exception as e:  # compiler missing, build error, ... : degrade, do not crash the engine
             logger.warning("paged-attention kernel unavailable (%s: %s); using the pure-torch path",
                            type(e).__name__, e)
@@ -175,7 +182,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(-1) != 1:
         q = q.contiguous()
     if not isinstance(block_tables, torch.Tensor):
-        block_tables = torch.tensor([list(r) for r in block_tables], dtype=torch.int32).reshape(len(block_tables), -1)
+        block_tables = torch.tensor(block_tables, dtype=torch.int32)
     return kern.paged_attention(q, k_cache, v_cache, _int_tensor(block_tables, torch.int32),
                                 _int_tensor(cu_seqlens_q, torch.int32), _int_tensor(seq_lens, torch.int32),
                                 float(scale))

@@ -1,6 +1,7 @@
 """Build-once C++ extensions: compiled with the machine's gcc on first use into $TDPIPE_CACHE/kernels."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -50,8 +51,14 @@ def build(name: str, source: str, extra_cflags: list[str] | None = None) -> Modu
                 root = Path(os.environ.get("TDPIPE_CACHE", Path.home() / ".cache" / "tdpipe"))
                 build_dir = root / "kernels" / f"{name}-{cpu_tag(src, flags)}"
                 build_dir.mkdir(parents=True, exist_ok=True)
-                mod = load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=LDFLAGS,
-                           build_directory=str(build_dir), verbose=False)
+                # torch's own build lock is a plain file that a killed build leaves behind, after which every
+                # later load waits forever. Serialise on a flock (released when a process dies) and clear
+                # torch's file while holding it.
+                with open(build_dir / "tdpipe.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    (build_dir / "lock").unlink(missing_ok=True)
+                    mod = load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=LDFLAGS,
+                               build_directory=str(build_dir), verbose=False)
             except Exception as e:  # no compiler, build error: degrade to torch, never crash the engine
                 log.warning("%s kernel unavailable (%s: %s); using the pure-torch path", name, type(e).__name__, e)
         _built[name] = mod

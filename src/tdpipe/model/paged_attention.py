@@ -7,86 +7,26 @@ A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
-import os
-import platform
-import threading
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from tdpipe.model.jit import build
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]  # resolves to the libgomp.so.1 torch already loaded (same soname): one OpenMP runtime
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_lock = threading.Lock()
-_kernel: ModuleType | None = None
-_kernel_tried = False
 
 IntSeq = torch.Tensor | Sequence[int]
 
 
-def _cpu_tag() -> str:
-    """Identifies what -march=native compiles for, so a shared cache dir never serves a foreign build."""
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "model name")):
-                    flags += line
-    except OSError:
-        pass
-    key = "|".join([flags, torch.__version__, platform.python_version(), " ".join(_CFLAGS)])
-    return hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def kernel_build_dir() -> Path:
-    root = Path(os.environ.get("TDPIPE_CACHE", Path.home() / ".cache" / "tdpipe"))
-    return root / "kernels" / f"paged_attention-{_cpu_tag()}"
-
-
 def load_kernel() -> ModuleType | None:
-    """JIT-build (first time, 30-60 s) or load the C++ kernel; None when disabled or unbuildable.
-
-    The result is cached for the process; failures are logged once and the pure-torch path is used.
-    """
-    global _kernel, _kernel_tried
-    if _kernel_tried:
-        return _kernel
-    with _lock:
-        if _kernel_tried:
-            return _kernel
-        try:
-            if os.environ.get("TDPIPE_NO_KERNEL") == "1":
-                logger.warning("TDPIPE_NO_KERNEL=1: using the pure-torch paged attention")
-            else:
-                from torch.utils.cpp_extension import load
-
-                build_dir = kernel_build_dir()
-                build_dir.mkdir(parents=True, exist_ok=True)
-                # torch's own build lock is a plain file that a killed build leaves behind, after which
-                # every later load waits forever. Serialise on a flock instead (released on process
-                # death) and clear torch's file while holding it.
-                with open(build_dir / "tdpipe.lock", "w") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)
-                    (build_dir / "lock").unlink(missing_ok=True)
-                    _kernel = load(name="tdpipe_paged_attention", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                                   extra_ldflags=_LDFLAGS, build_directory=str(build_dir), verbose=False)
-        except Exception as e:  # compiler missing, build error, ... : degrade, do not crash the engine
-            logger.warning("paged-attention kernel unavailable (%s: %s); using the pure-torch path",
-                           type(e).__name__, e)
-            _kernel = None
-        _kernel_tried = True
-        return _kernel
+    """The compiled kernel (JIT-built once per machine, 30-60 s), or None: pure-torch path."""
+    return build("tdpipe_paged_attention", "paged_attention.cpp")
 
 
 def _int_tensor(x: IntSeq, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:

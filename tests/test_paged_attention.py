@@ -14,7 +14,7 @@ import torch
 
 from tdpipe.model import paged_attention as pa
 
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2}}
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_reference_paths_when_kernel_disabled(monkeypatch):
     """TDPIPE_NO_KERNEL=1 makes load_kernel return None and the front end falls back to the reference."""
     from tdpipe.model import jit
 
-    monkeypatch.setattr(jit, "_built", {})  # forget the loaded module for this test
+    monkeypatch.setattr(jit, "_built", {})  # forget the per-process build cache (restored afterwards)
     monkeypatch.setenv("TDPIPE_NO_KERNEL", "1")
     assert pa.load_kernel() is None
     lens, nqs = [20, 3], [2, 3]

@@ -19,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -159,10 +160,21 @@ TDPIPE_VBIN(vadd, a.x[i] + b.x[i])
 TDPIPE_VBIN(vsub, a.x[i] - b.x[i])
 TDPIPE_VBIN(vmax, std::max(a.x[i], b.x[i]))
 #undef TDPIPE_VBIN
-inline vf vfma(vf a, vf b, vf c) { vf r; for (int i = 0; i < kLanes; ++i) r.x[i] = a.x[i] * b.x[i] + c.x[i]; return r; }
-inline float vhmax(vf a) { float m = a.x[0]; for (int i = 1; i < kLanes; ++i) m = std::max(m, a.x[i]); return m; }
+inline vf vfma(vf a, vf b, vf c) {
+  vf r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = a.x[i] * b.x[i] + c.x[i];
+  return r;
+}
+inline float vhmax(vf a) {
+  float m = a.x[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, a.x[i]);
+  return m;
+}
 inline float vhadd(vf a) { float s = 0.f; for (int i = 0; i < kLanes; ++i) s += a.x[i]; return s; }
-inline vf vkeep_first(vf a, int n) { for (int i = std::max(n, 0); i < kLanes; ++i) a.x[i] = -INFINITY; return a; }
+inline vf vkeep_first(vf a, int n) {
+  for (int i = std::max(n, 0); i < kLanes; ++i) a.x[i] = -INFINITY;
+  return a;
+}
 inline vf vexp2(vf a) {
   for (int i = 0; i < kLanes; ++i) {
     const float x = a.x[i];
@@ -296,7 +308,8 @@ void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, in
         vf acc = vzero();
         for (int c = 0; c < NC - 1; ++c)
           acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(k + c * kChunk));
-        acc = _mm512_dpbf16_ps(acc, q[NC - 1], (__m512bh)_mm512_maskz_loadu_epi16(tail, k + (NC - 1) * kChunk));
+        const __m512i kt = _mm512_maskz_loadu_epi16(tail, k + (NC - 1) * kChunk);
+        acc = _mm512_dpbf16_ps(acc, q[NC - 1], (__m512bh)kt);
         a[u] = acc;
       }
       pf.step();
@@ -305,8 +318,8 @@ void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, in
     }
   }
 }
-using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int, __mmask32, const int*, int, float,
-                          float*, PfQueue&);
+using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int, __mmask32, const int*, int,
+                          float, float*, PfQueue&);
 constexpr QkBf16Fn kQkBf16Fns[kMaxChunks] = {qk_tile_bf16<1>, qk_tile_bf16<2>, qk_tile_bf16<3>,
                                              qk_tile_bf16<4>, qk_tile_bf16<5>, qk_tile_bf16<6>,
                                              qk_tile_bf16<7>, qk_tile_bf16<8>};
@@ -457,9 +470,32 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
+inline int item_kv_end(const int32_t* cu, const int32_t* lens, const Item& it) {
+  return lens[it.s] - (cu[it.s + 1] - cu[it.s]) + it.j0 + it.nq;
+}
+
+// Queue the K and V runs (one per block touched) of the key tile starting at t0 of an item.
+template <typename T>
+void queue_item_tile(const Args<T>& a, const Item& it, int t0, PfQueue& pf) {
+  if (kPrefetchTiles <= 0) return;
+  const int t1 = std::min(t0 + kTokTile, item_kv_end(a.cu, a.lens, it));
+  const int32_t* bt = a.bt + int64_t(it.s) * a.bt_stride;
+  const T* kbase = a.kc + int64_t(it.kvh) * a.head_stride;
+  const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
+  const int row_bytes = a.D * int(sizeof(T));
+  for (int t = t0; t < t1;) {
+    const int b = t / a.bs, o = t - b * a.bs, n = std::min(a.bs - o, t1 - t);
+    const int64_t off = int64_t(bt[b]) * a.block_stride + int64_t(o) * a.D;
+    pf.k.add(kbase + off, n * row_bytes);
+    pf.v.add(vbase + off, n * row_bytes);
+    t += n;
+  }
+}
+
 // One work item (see Item). kDot: bf16 q and cache with vdpbf16ps (keys read straight from the cache).
+// next: the item this thread runs afterwards (or null), first: no earlier item prefetched this one.
 template <typename T, bool kDot>
-void run_item(const Args<T>& a, const Item& it, Scratch& w) {
+void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Scratch& w) {
   const int D = a.D, Dp = a.Dp, NC = a.NC, G = a.G, bs = a.bs;
   const int R = it.nq * G;
   const int n_s = a.cu[it.s + 1] - a.cu[it.s];
@@ -510,27 +546,22 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     }
     return nt;
   };
-  // Queue the tile at t0 for prefetch: one K and one V run per block it touches.
+  // Prefetch plan: tile j + kPrefetchTiles is queued while tile j is computed; past this item's last
+  // tile it continues with the first tiles of the item this thread runs next, so the next item starts
+  // warm. Only a thread's first item pays for an unhidden start.
   PfQueue pf;
-  const int row_bytes = D * int(sizeof(T));
-  auto queue_tile = [&](int t0) {
+  const int ntiles = cdiv(kv_end, kTokTile);
+  auto queue_tile = [&](int j) {
     pf.clear();
-    if (kPrefetchTiles > 0 && t0 < kv_end) {
-      const int t1 = std::min(t0 + kTokTile, kv_end);
-      for (int t = t0; t < t1;) {
-        const int b = t / bs, o = t - b * bs, n = std::min(bs - o, t1 - t);
-        const int64_t off = int64_t(bt[b]) * a.block_stride + int64_t(o) * D;
-        pf.k.add(kbase + off, n * row_bytes);
-        pf.v.add(vbase + off, n * row_bytes);
-        t += n;
-      }
-    }
+    if (j < ntiles) queue_item_tile(a, it, j * kTokTile, pf);
+    else if (next) queue_item_tile(a, *next, (j - ntiles) * kTokTile, pf);
     pf.start();
   };
-  for (int pt = 0; pt < kPrefetchTiles; ++pt) {
-    queue_tile(pt * kTokTile);
-    pf.drain();
-  }
+  if (first)
+    for (int j = 0; j < kPrefetchTiles; ++j) {
+      queue_tile(j);
+      pf.drain();
+    }
 
   const T* krow[kTokTile];
   const T* vrow[kTokTile];
@@ -538,12 +569,12 @@ void run_item(const Args<T>& a, const Item& it, Scratch& w) {
     const int nt = fill_rows(t0, krow, vrow);
     const int ntp = round_up(nt, kLanes);
     for (int i = nt; i < ntp; ++i) krow[i] = krow[nt - 1];  // padding lanes: valid memory, masked
-    queue_tile(t0 + kPrefetchTiles * kTokTile);
+    queue_tile(t0 / kTokTile + kPrefetchTiles);
 
     if constexpr (kDot) {
 #ifdef TDPIPE_BF16_DOT
-      kQkBf16Fns[NC - 1](qb, Dp, R, reinterpret_cast<const bf16* const*>(krow), nt, mask32(D - (NC - 1) * kChunk),
-                         w.lim, t0, a.qscale, w.sc, pf);
+      kQkBf16Fns[NC - 1](qb, Dp, R, reinterpret_cast<const bf16* const*>(krow), nt,
+                         mask32(D - (NC - 1) * kChunk), w.lim, t0, a.qscale, w.sc, pf);
 #endif
     } else {
       // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
@@ -689,20 +720,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     a.qscale = float(scale) * kLog2e;
     const int64_t n = int64_t(items.size());
     const bool dot = kHaveDot && std::is_same_v<T, bf16> && a.qdt == at::kBFloat16;
+    // Dynamic schedule with one item of lookahead: a thread claims its next item before running the
+    // current one, so run_item can prefetch the next item's first tiles (omp for hides the next index).
+    std::atomic<int64_t> counter{0};
 #pragma omp parallel num_threads(nthreads)
     {
       Scratch w(Rmax, Dp);
+      int64_t cur = counter.fetch_add(1);
+      bool first = true;
+      while (cur < n) {
+        const int64_t nxt = counter.fetch_add(1);
+        const Item* next = nxt < n ? &items[nxt] : nullptr;
 #ifdef TDPIPE_BF16_DOT
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (dot) {
-#pragma omp for schedule(dynamic, 1)
-          for (int64_t i = 0; i < n; ++i) run_item<T, true>(a, items[i], w);
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (dot) run_item<T, true>(a, items[cur], next, first, w);
         }
-      }
 #endif
-      if (!dot) {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) run_item<T, false>(a, items[i], w);
+        if (!dot) run_item<T, false>(a, items[cur], next, first, w);
+        cur = nxt;
+        first = false;
       }
     }
   };

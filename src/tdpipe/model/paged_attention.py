@@ -152,7 +152,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             rows: slice | torch.Tensor = slice(starts[0], starts[0] + n)
             qs, ks, vs = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, n, D]
         else:
-            rows = (torch.tensor(starts, device=q.device)[:, None] + torch.arange(n, device=q.device)).reshape(-1)
+            first = torch.tensor(starts, device=q.device)[:, None]
+            rows = (first + torch.arange(n, device=q.device)).reshape(-1)
             qs, ks, vs = (x[rows].view(len(starts), n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out[rows] = o.transpose(1, 2).reshape(-1, hq, d)

@@ -6,7 +6,9 @@ It keeps up to `executor.num_stages` micro-batches in flight so a pipeline never
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +92,6 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         try:
-            import json, os
             with open(os.path.join(self.model_path, "generation_config.json")) as f:
                 e = json.load(f).get("eos_token_id")
             ids.update([e] if isinstance(e, int) else (e or []))

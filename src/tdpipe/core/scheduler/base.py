@@ -48,7 +48,7 @@ class Scheduler:
     def on_result(self, batch: Batch) -> None:
         """The batch returned and the engine updated its sequences: release finished ones."""
         done = False
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq in batch.seqs:
             seq.in_flight = False
             if seq.is_finished:
                 self.bm.free(seq)

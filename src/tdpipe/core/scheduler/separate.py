@@ -16,7 +16,7 @@ class SeparateScheduler(Scheduler):
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         seqs, lens = [], []
-        num_running = sum(1 for s in self.running)
+        num_running = len(self.running)
         while self.waiting and num_running + len(seqs) < cfg.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens

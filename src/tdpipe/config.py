@@ -130,16 +130,48 @@ class SchedulerConfig:
 
     policy: str = "separate"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: the policy's default (DEFAULT_TOKEN_BUDGET)
     max_model_len: int = 0  # 0: the model's max_position_embeddings (set by EngineConfig)
+    pipeline_depth: int = 1  # micro-batches the engine keeps in flight (= pipeline_parallel_size)
 
-    POLICIES = ("separate",)
+    POLICIES = ("separate", "hybrid")
+    # separate: the most prompt tokens in one prefill batch (vLLM's default);
+    # hybrid: Sarathi-Serve's fixed per-batch token budget (decodes + prefill chunks)
+    DEFAULT_TOKEN_BUDGET = {"separate": 8192, "hybrid": 512}
 
     def __post_init__(self) -> None:
         _check(self.policy in self.POLICIES, f"scheduler must be one of {self.POLICIES}, got {self.policy!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = self.DEFAULT_TOKEN_BUDGET[self.policy]
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.pipeline_depth >= 1, f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
+
+
+@dataclass
+class ParallelConfig:
+    """Pipeline parallelism (TD-Pipe §3.2): one stage worker process per slice of layers."""
+
+    pipeline_parallel_size: int = 1
+    layer_partition: list[int] | None = None  # layers per stage, e.g. [18, 12]; None: balance by cost
+    threads_per_stage: int | None = None  # None: the cores split evenly between stages
+    device: str = "cpu"  # cpu (gloo) | cuda (stage k on cuda:k, NCCL for activations)
+
+    def __post_init__(self) -> None:
+        pp = self.pipeline_parallel_size
+        _check(isinstance(pp, int) and pp >= 1, f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        if self.layer_partition is not None:
+            lp = self.layer_partition
+            _check(len(lp) == pp, f"layer_partition {lp} has {len(lp)} entries; pipeline_parallel_size is {pp}")
+            _check(all(isinstance(n, int) and n >= 1 for n in lp),
+                   f"layer_partition {lp}: every stage needs at least one layer")
+        if self.threads_per_stage is not None:
+            _check(self.threads_per_stage >= 1, f"threads_per_stage must be >= 1, got {self.threads_per_stage}")
+        _check(self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    def stage_threads(self) -> int:
+        return self.threads_per_stage or max(1, default_threads() // self.pipeline_parallel_size)
 
 
 @dataclass
@@ -150,6 +182,8 @@ class EngineConfig:
     num_threads: int | None = None  # None: all cores
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trace: str | None = None  # --trace FILE: per-stage, per-micro-batch timeline (JSON)
 
     DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 

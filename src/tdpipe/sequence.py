@@ -66,4 +66,4 @@ class Sequence:
         self.block_table = []
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
-        self.num_preemptions += 1
+        self.num_preemptions += 1  # also the KV epoch: stages drop their copy of the old block table

@@ -38,6 +38,23 @@ class StepInput:
     block_tables: list[list[int]]
     is_prefill: bool
     greedy_rows: list[bool] = field(default_factory=list)  # per sampled row: may the last stage argmax?
+    seq_ids: list[int] = field(default_factory=list)  # for block-table deltas (core/block_sync.py)
+    kv_epochs: list[int] = field(default_factory=list)  # per sequence: its preemption count
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids else sum(self.query_lens)
+
+    def shape(self) -> tuple[int, int]:
+        """(prefill tokens, decoding sequences): the batch's shape in traces. A row is a decode when it
+        has one new token and a cached prefix."""
+        prefill = decode = 0
+        for q, s in zip(self.query_lens, self.seq_lens):
+            if q == 1 and s > 1:
+                decode += 1
+            else:
+                prefill += q
+        return prefill, decode
 
     @property
     def fresh(self) -> bool:
@@ -62,4 +79,6 @@ class StepInput:
             seq_lens=seq_lens,
             block_tables=[s.block_table for s in batch.seqs],
             is_prefill=batch.is_prefill,
+            seq_ids=[s.seq_id for s in batch.seqs],
+            kv_epochs=[s.num_preemptions for s in batch.seqs],
         )

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import platform
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,13 +45,16 @@ class EngineStats:
     output_tokens: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0  # hybrid: decodes and prefill chunks in one micro-batch
     started: float = field(default_factory=time.perf_counter)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        from tdpipe.executor.pipeline import run_stage_if_worker
         from tdpipe.model.bundled import resolve_model
 
+        run_stage_if_worker(config.parallel.pipeline_parallel_size)  # torchrun ranks > 0 serve a stage, exit
         self.config = config
         self.model_path = resolve_model(config.model)
         hf = load_hf_config(self.model_path)
@@ -58,7 +63,9 @@ class LLMEngine:
         self.detok = Detokenizer(self.tokenizer)
         self.eos_token_ids = self._eos_ids(hf)
         self.dtype = resolve_dtype(config.dtype)
-        torch.set_num_threads(config.num_threads or default_threads())
+        self.pp = config.parallel.pipeline_parallel_size
+        # pp > 1: the stages own the cores; the engine process only samples and schedules
+        torch.set_num_threads(config.num_threads or (default_threads() if self.pp == 1 else 1))
 
         sched = config.scheduler
         mc = self.model_config
@@ -75,8 +82,9 @@ class LLMEngine:
         if capacity < sched.max_model_len:
             log.info("KV capacity %d tokens < max_model_len %d: lowering max_model_len", capacity, sched.max_model_len)
             sched.max_model_len = capacity
-        # separate never chunks a prefill, so one whole prompt must fit in a batch
-        sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, sched.max_model_len)
+        if sched.policy == "separate":  # separate never chunks a prefill: one whole prompt must fit
+            sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, sched.max_model_len)
+        sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
         self.scheduler = make_scheduler(sched, self.block_manager)
         self.executor = self._make_executor(num_blocks)
@@ -84,7 +92,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._generators: dict[int, torch.Generator | None] = {}
         self.stats = EngineStats()
-        self.kv_trace: list[tuple[float, float]] = []  # (time, KV usage) for plots
+        self._inflight: deque[Batch] = deque()
+        self.trace_start = time.time()
+        self.kv_trace: list[tuple[float, float]] = []  # (time, KV usage) for plots (TD-Pipe Fig. 12)
+        self.engine_trace: list[dict] = []  # per micro-batch: submit and result times
+        self._stage_events: list[list[dict]] = [[] for _ in range(self.pp)]
         torch.manual_seed(config.seed)
 
     def _eos_ids(self, hf: dict[str, Any]) -> set[int]:
@@ -100,11 +112,28 @@ class LLMEngine:
         return ids
 
     def _make_executor(self, num_blocks: int) -> Executor:
-        from tdpipe.executor.local import LocalExecutor
-        from tdpipe.worker.model_runner import ModelRunner
+        from tdpipe.worker.partition import resolve_partition
 
-        runner = ModelRunner(self.model_config, self.model_path, self.dtype, num_blocks, self.config.cache.block_size)
-        return LocalExecutor(runner)
+        par = self.config.parallel
+        self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition)
+        if self.pp == 1:
+            from tdpipe.executor.local import LocalExecutor
+            from tdpipe.worker.model_runner import ModelRunner
+
+            runner = ModelRunner(self.model_config, self.model_path, self.dtype, num_blocks,
+                                 self.config.cache.block_size)
+            self.stage_threads = [torch.get_num_threads()]
+            return LocalExecutor(runner)
+        from tdpipe.executor.pipeline import PipelineExecutor, StageSpec
+
+        if par.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device")
+        threads = par.stage_threads()
+        self.stage_threads = [threads] * self.pp
+        stages = [StageSpec(a, b, threads) for a, b in self.partition]
+        return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
+                                self.config.cache.block_size, stages,
+                                self.scheduler.config.max_num_batched_tokens, par.device)
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -140,15 +169,26 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one micro-batch; returns the sequences that finished in it."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        """Keep the pipeline full (up to pp micro-batches in flight), then complete the oldest one.
+        Returns the sequences that finished in it."""
+        while len(self._inflight) < self.executor.num_stages:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            self.engine_trace.append({"batch_id": batch.batch_id, "submit": time.time()})
+            self.executor.submit(self._to_step(batch))
+            self._inflight.append(batch)
+        if not self._inflight:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
-        step = self._to_step(batch)
-        self.executor.submit(step)
-        return self._finish(batch, self.executor.collect())
+        batch = self._inflight.popleft()
+        result = self.executor.collect()
+        finished = self._finish(batch, result)
+        self.engine_trace[-len(self._inflight) - 1]["done"] = time.time()
+        if finished:
+            self.executor.release([s.seq_id for s in finished])
+        return finished
 
     def _to_step(self, batch: Batch) -> StepInput:
         step = StepInput.from_batch(batch)
@@ -158,12 +198,21 @@ class LLMEngine:
 
     def _finish(self, batch: Batch, result: StepResult) -> list[Sequence]:
         seqs = batch.seqs
+        # decode rows: one new token over a cached prefix (the rest is prompt being prefilled)
+        n_decode = sum(1 for s, n in zip(seqs, batch.num_new_tokens) if n == 1 and s.num_computed_tokens > 0)
         for seq, n in zip(seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        if result.token_ids is not None:
-            tokens = result.token_ids
+        # a prefill chunk that does not reach the end of the prompt samples nothing (hybrid policy)
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens == s.num_tokens]
+        if len(rows) < len(seqs):
+            seqs = [seqs[i] for i in rows]
+        if not seqs:
+            tokens: list[int] = []
+        elif result.token_ids is not None:
+            tokens = [result.token_ids[i] for i in rows] if len(rows) < len(batch.seqs) else result.token_ids
         else:
-            tokens = self._sample(seqs, result.logits)
+            logits = result.logits if len(rows) == len(batch.seqs) else result.logits[rows]
+            tokens = self._sample(seqs, logits)
         now = time.perf_counter()
         finished = []
         for seq, tok in zip(seqs, tokens):
@@ -175,14 +224,16 @@ class LLMEngine:
                 seq.finish_time = now
                 self._generators.pop(seq.seq_id, None)
                 finished.append(seq)
-        if batch.is_prefill:
-            self.stats.prefill_steps += 1
-            self.stats.prompt_tokens += batch.num_tokens
-        else:
+        if n_decode == len(batch.seqs):
             self.stats.decode_steps += 1
+        elif n_decode:
+            self.stats.mixed_steps += 1
+        else:
+            self.stats.prefill_steps += 1
+        self.stats.prompt_tokens += batch.num_tokens - n_decode
         self.stats.output_tokens += len(seqs)
         self.scheduler.on_result(batch)
-        self.kv_trace.append((now, self.block_manager.usage()))
+        self.kv_trace.append((time.time(), self.block_manager.usage()))
         return finished
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -228,6 +279,38 @@ class LLMEngine:
             return seq.output_text
         ids = seq.output_token_ids
         return self.detok.decode(ids, seq.sampling_params.skip_special_tokens)
+
+    # -- trace ---------------------------------------------------------------------------------------------
+    def reset_trace(self) -> None:
+        self.trace_start = time.time()
+        self.kv_trace = [(self.trace_start, self.block_manager.usage())]
+        self.engine_trace = []
+        self.executor.trace_events()  # drop what the stages recorded before
+        self._stage_events = [[] for _ in range(self.pp)]
+
+    def trace(self) -> dict[str, Any]:
+        """The run's timeline (format tdpipe-trace/1, read by tdpipe.viz.timeline): per stage and micro-batch
+        compute start/end, input wait, send time and shape; per micro-batch submit/result; KV usage."""
+        for k, ev in enumerate(self.executor.trace_events()):
+            self._stage_events[k].extend(ev)
+        t0 = self.trace_start
+
+        def rel(e: dict, keys: tuple[str, ...]) -> dict:
+            return {k: (round(v - t0, 6) if k in keys else v) for k, v in e.items()}
+
+        stages = [{"stage": k, "layers": list(self.partition[k]), "threads": self.stage_threads[k],
+                   "events": [rel(e, ("start", "end")) for e in self._stage_events[k]]} for k in range(self.pp)]
+        return {
+            "format": "tdpipe-trace/1",
+            "pp": self.pp,
+            "policy": self.scheduler.config.policy,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
+            "model": self.model_path,
+            "stages": stages,
+            "engine": [rel(e, ("submit", "done")) for e in self.engine_trace],
+            "kv": [[round(t - t0, 6), round(u, 5)] for t, u in self.kv_trace],
+            "preemptions": self.scheduler.num_preemptions,
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()

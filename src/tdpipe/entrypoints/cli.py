@@ -95,6 +95,32 @@ def cmd_chat(a: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_plot_timeline(a: argparse.Namespace) -> int:
+    from tdpipe.viz import timeline as tl
+
+    try:
+        trace = tl.load_trace(a.file)
+        summ = tl.summarize(trace)
+        out = tl.plot_timeline(trace, a.output, title=a.title)
+    except FileNotFoundError:
+        raise SystemExit(f"tdpipe: error: no such trace file: {a.file}")
+    except (ValueError, OSError) as e:
+        raise SystemExit("tdpipe: error: " + " ".join(str(e).split()))
+    dec = summ["decode_bubble_ratio_per_stage"]
+    rows = [("stage", "micro-batches", "busy s", "bubble", "decode bubble")]
+    for i, st in enumerate(trace["stages"]):
+        rows.append((tl.stage_label(st, i), str(summ["num_micro_batches"][i]), f"{summ['busy_s'][i]:.3f}",
+                     f"{summ['bubble_ratio_per_stage'][i]:.3f}", "-" if dec is None else f"{dec[i]:.3f}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(x.ljust(w) if c == 0 else x.rjust(w) for c, (x, w) in enumerate(zip(r, widths))))
+    mean_dec = summ["decode_bubble_ratio"]
+    print(f"wall {summ['wall_s']:.3f} s; mean bubble ratio {summ['bubble_ratio']:.3f}; mean decode bubble ratio "
+          + ("-" if mean_dec is None else f"{mean_dec:.3f}"))
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference (paged KV, continuous "
                                 "batching; pipeline parallelism in later releases).")
@@ -125,6 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     from tdpipe.bench import throughput
 
     throughput.add_parser(bsub)
+
+    pl = sub.add_parser("plot", help="pictures of pipeline traces",
+                        description="Pictures of pipeline-parallel traces: 'timeline' draws the per-stage "
+                                    "Gantt chart (TD-Pipe Fig. 2) over KV cache usage (TD-Pipe Fig. 12) and "
+                                    "prints each stage's bubble ratio (idle / wall time per stage).")
+    plsub = pl.add_subparsers(dest="plot", required=True)
+    t = plsub.add_parser(
+        "timeline", help="per-stage timeline and KV usage of a pipeline trace (PNG) plus bubble ratios",
+        description="Draw a tdpipe-trace/1 JSON trace as a per-stage Gantt chart (TD-Pipe Fig. 2: compute "
+                    "coloured prefill / decode / mixed, input waits as thin grey bars) over the KV cache usage "
+                    "fraction in time (TD-Pipe Fig. 12), and print per stage: micro-batches, busy seconds, "
+                    "bubble ratio and decode bubble ratio. Bubble ratio = idle / wall time of a stage, wall "
+                    "being [first event start, last event end] over all stages and busy the union of the "
+                    "stage's compute intervals; the decode bubble ratio uses the window after the last "
+                    "prefill ends.")
+    t.add_argument("file", help="trace JSON file written by the pipeline runtime")
+    t.add_argument("--output", "-o", default="timeline.png", help="PNG to write (default timeline.png)")
+    t.add_argument("--title", default=None, help="title of the picture")
+    t.set_defaults(fn=cmd_plot_timeline)
     return p
 
 

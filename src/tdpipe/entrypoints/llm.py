@@ -7,8 +7,11 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from tdpipe.config import CacheConfig, EngineConfig, SchedulerConfig
+import json
+
+from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tdpipe.core.engine import LLMEngine
+from tdpipe.executor.pipeline import PipelineError
 from tdpipe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence
@@ -22,21 +25,44 @@ class LLM:
     """An engine over one model. `model=None` uses the bundled SmolLM2-135M-Instruct (converted once, offline).
 
     kv_cache_memory: bytes (int) or a fraction of available memory (float); default min(4 GiB, 40%).
+    pipeline_parallel_size: stage worker processes, each with a contiguous slice of layers and their KV
+    (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
+    trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`).
+    Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", *, seed: int = 0,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 block_size: int = 16, kv_cache_memory: int | float | None = None, num_kv_blocks: int | None = None,
-                 scheduler: str = "separate", num_threads: int | None = None) -> None:
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, block_size: int = 16,
+                 kv_cache_memory: int | float | None = None, num_kv_blocks: int | None = None,
+                 scheduler: str = "separate", num_threads: int | None = None, pipeline_parallel_size: int = 1,
+                 layer_partition: list[int] | None = None, threads_per_stage: int | None = None,
+                 device: str = "cpu", trace: str | None = None) -> None:
         cfg = EngineConfig(
-            model=model, dtype=dtype, seed=seed, num_threads=num_threads,
+            model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(policy=scheduler, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len or 0),
+            parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size, layer_partition=layer_partition,
+                                    threads_per_stage=threads_per_stage, device=device),
         )
         self.engine = LLMEngine(cfg)
         self._req_ids = itertools.count()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter teardown
+                pass
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -83,6 +109,7 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(live), desc="Processed prompts", dynamic_ncols=True)
         engine = self.engine
+        engine.reset_trace()
         t0 = time.perf_counter()
         out0, in0 = engine.stats.output_tokens, engine.stats.prompt_tokens
         last = 0.0
@@ -97,9 +124,20 @@ class LLM:
                     dt = last - t0
                     bar.set_postfix_str(f"in: {(engine.stats.prompt_tokens - in0) / dt:.0f} tok/s, "
                                         f"out: {(engine.stats.output_tokens - out0) / dt:.0f} tok/s", refresh=False)
+        except PipelineError as e:
+            left = sum(1 for o in outputs if o is None)
+            raise PipelineError(f"generate() failed: {e}; {left} of {len(outputs)} requests did not finish") from None
         finally:
             if bar is not None:
                 bar.close()
+        if engine.config.trace:
+            with open(engine.config.trace, "w") as f:
+                json.dump(engine.trace(), f)
+
+    def trace(self) -> dict[str, Any]:
+        """The last generate() call's timeline (tdpipe-trace/1): per stage, per micro-batch compute, waits,
+        sends and shapes, plus KV usage; `tdpipe.viz.timeline.summarize` turns it into bubble ratios."""
+        return self.engine.trace()
 
     def _to_output(self, seq: Sequence) -> RequestOutput:
         comp = CompletionOutput(0, self.engine.final_text(seq), list(seq.output_token_ids), seq.finish_reason,

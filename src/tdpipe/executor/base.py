@@ -26,5 +26,12 @@ class Executor:
         """The oldest submitted micro-batch's result (blocking)."""
         raise NotImplementedError
 
+    def release(self, seq_ids: list[int]) -> None:
+        """These sequences finished (stages may drop their block tables)."""
+
+    def trace_events(self) -> list[list[dict]]:
+        """Per stage, the trace events recorded since the last call (absolute time.time() stamps)."""
+        return [[] for _ in range(self.num_stages)]
+
     def shutdown(self) -> None:
         pass

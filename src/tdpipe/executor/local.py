@@ -16,19 +16,28 @@ class LocalExecutor(Executor):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._done: deque[StepResult] = deque()
+        self._events: list[dict] = []
 
     def submit(self, step: StepInput) -> None:
-        t0 = time.perf_counter()
+        t0 = time.time()
         inp = self.runner.prepare(step)
-        t1 = time.perf_counter()
+        t1 = time.time()
         logits = self.runner.execute(inp)
-        t2 = time.perf_counter()
-        res = StepResult(step.batch_id, timings={"prepare": t1 - t0, "compute": t2 - t1, "start": t0, "end": t2})
         if step.greedy_rows and all(step.greedy_rows):
-            res.token_ids = ops.argmax(logits).tolist()
+            token_ids, out = ops.argmax(logits).tolist(), None
         else:
-            res.logits = logits.float() if logits.dtype != torch.float32 else logits
-        self._done.append(res)
+            token_ids, out = None, logits.float() if logits.dtype != torch.float32 else logits
+        t2 = time.time()
+        prefill, decode = step.shape()
+        # input preparation runs inline here, so it counts as waiting (the pipeline overlaps it)
+        self._events.append({"batch_id": step.batch_id, "start": t1, "end": t2, "wait": t1 - t0, "send": 0.0,
+                             "prefill_tokens": prefill, "decode_seqs": decode})
+        self._done.append(StepResult(step.batch_id, logits=out, token_ids=token_ids,
+                                     timings={"prepare": t1 - t0, "compute": t2 - t1, "start": t0, "end": t2}))
+
+    def trace_events(self) -> list[list[dict]]:
+        events, self._events = self._events, []
+        return [events]
 
     def collect(self) -> StepResult:
         return self._done.popleft()

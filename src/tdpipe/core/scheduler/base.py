@@ -57,6 +57,12 @@ class Scheduler:
             self.running = [s for s in self.running if not s.is_finished]
 
     # -- shared mechanics ----------------------------------------------------------------------------
+    def decode_batch_cap(self) -> int:
+        """Decodes per micro-batch: the running set split evenly over the `pipeline_depth` micro-batches in
+        flight (as vLLM's virtual engines do), so every pipeline slot gets an equal share."""
+        depth = self.config.pipeline_depth
+        return max(1, min(self.config.max_num_seqs, -(-len(self.running) // depth)))
+
     def _admit(self, seq: Sequence) -> None:
         self.bm.allocate(seq)
         seq.status = SequenceStatus.RUNNING

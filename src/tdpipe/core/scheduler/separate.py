@@ -37,7 +37,7 @@ class SeparateScheduler(Scheduler):
 
     def _schedule_decode(self) -> Batch | None:
         ready = [s for s in self.running if not s.in_flight]
-        chosen = self._reserve_decode_slots(ready[: self.config.max_num_seqs])
+        chosen = self._reserve_decode_slots(ready[: self.decode_batch_cap()])
         if not chosen:
             return None
         for s in chosen:

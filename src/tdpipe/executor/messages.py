@@ -1,0 +1,48 @@
+"""Messages between the engine (rank 0) and the stage workers: small, pickled, no tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tdpipe.core.block_sync import Delta
+
+# ctrl group, engine -> stages
+INIT, STEP, TRACE, STOP = 1, 2, 3, 4
+# reply group, stages -> engine
+READY, TRACE_DATA, FAILED = 10, 11, 12
+
+
+@dataclass
+class StageInit:
+    """What a stage needs to build itself; sent by the engine so torchrun-launched ranks need no flags."""
+
+    stage: int
+    num_stages: int
+    start_layer: int
+    end_layer: int
+    model_config: object  # tdpipe.config.ModelConfig
+    model_path: str
+    dtype: str  # "bfloat16" | "float32"
+    num_blocks: int
+    block_size: int
+    threads: int
+    device: str
+    max_num_batched_tokens: int  # sizes the two alternating receive buffers (SiPipe §5.2)
+
+
+@dataclass
+class StepMessage:
+    """One micro-batch's metadata (ARCHITECTURE.md data flow step 2). Stages after the first get no
+    token ids; every stage gets block-table deltas instead of whole tables (core/block_sync.py)."""
+
+    batch_id: int
+    token_ids: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    seq_ids: list[int]
+    deltas: list[Delta]
+    freed: list[int]
+    is_prefill: bool
+    greedy: bool  # all rows greedy: the last stage returns argmax ids, not logits (SiPipe §5.1)
+    shape: tuple[int, int] = (0, 0)  # (prefill tokens, decode sequences), for the trace
+    sent_at: float = 0.0
+    extra: dict = field(default_factory=dict)

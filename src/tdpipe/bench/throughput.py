@@ -121,6 +121,9 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
                    help="also run the requests through transformers generate (static batches) and report "
                         "the ratio")
     p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the transformers baseline")
+    p.add_argument("--compare-pp1", action="store_true",
+                   help="with --pp N > 1: also run the same workload on pp = 1 with all cores in one process, "
+                        "in the same invocation, and report the throughput ratio")
     add_engine_args(p)
     p.set_defaults(fn=run)
     return p
@@ -169,27 +172,24 @@ def run(a: argparse.Namespace) -> int:
 
     if a.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
+    if a.compare_pp1 and a.pp <= 1:
+        raise ValueError("--compare-pp1 needs --pp > 1")
     llm = LLM(**engine_kwargs(a))
     engine = llm.engine
     mc = engine.model_config
     max_model_len = engine.scheduler.config.max_model_len
     name, reqs = build_workload(a, mc.vocab_size, max_model_len, engine.tokenizer)
-    threads = torch.get_num_threads()
+    threads = sum(engine.stage_threads)  # compute threads over all stages
     dtype_name = str(engine.dtype).replace("torch.", "")
 
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the peak of every core the stages use
     peak = measure_matmul_peak(engine.dtype)
+    torch.set_num_threads(own)
     print(f"matmul peak ({dtype_name}, {threads} threads): {peak:.1f} GFLOP/s", file=sys.stderr, flush=True)
 
-    # warm-up: two tiny requests so first-call costs (kernel JIT, allocator) stay out of the timed run
-    warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2]]
-    llm.generate(warm, [_params(2) for _ in warm], use_tqdm=False)
-
-    s = engine.stats
-    pre0, steps0 = engine.scheduler.num_preemptions, (s.prefill_steps, s.decode_steps)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
-    elapsed = time.perf_counter() - t0
+    timed = _timed_run(llm, reqs)
+    elapsed, outs, s = timed["elapsed"], timed["outs"], timed["stats"]
 
     errors = [o.error for o in outs if o.error]
     if errors:
@@ -213,9 +213,17 @@ def run(a: argparse.Namespace) -> int:
         "num_requests": len(reqs),
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
-        "preemptions": engine.scheduler.num_preemptions - pre0,
-        "prefill_steps": s.prefill_steps - steps0[0],
-        "decode_steps": s.decode_steps - steps0[1],
+        "preemptions": s["preemptions"],
+        "prefill_steps": s["prefill_steps"],
+        "decode_steps": s["decode_steps"],
+        "mixed_steps": s["mixed_steps"],
+        "pp": engine.pp,
+        "policy": engine.scheduler.config.policy,
+        "layer_partition": [b - a_ for a_, b in engine.partition],
+        "stage_threads": engine.stage_threads,
+        "bubble_ratio": timed["summary"]["bubble_ratio"],
+        "bubble_ratio_per_stage": timed["summary"]["bubble_ratio_per_stage"],
+        "decode_bubble_ratio": timed["summary"]["decode_bubble_ratio"],
         "peak_gflops": peak,
         "model_flops": asdict(flops) | {"total": flops.total},
         "mfu_formula": MFU_FORMULA,
@@ -236,11 +244,41 @@ def run(a: argparse.Namespace) -> int:
         res["ratio_vs_hf"] = res["output_tokens_per_s"] / hf["hf_output_tokens_per_s"]
 
     llm.shutdown()
+    if a.compare_pp1:
+        kw = engine_kwargs(a) | {"pipeline_parallel_size": 1, "layer_partition": None, "trace": None,
+                                 "num_threads": threads}
+        with LLM(**kw) as base:
+            t1 = _timed_run(base, reqs)
+        res["pp1_output_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in t1["outs"]) / t1["elapsed"]
+        res["pp1_elapsed_s"] = t1["elapsed"]
+        res["pp1_bubble_ratio"] = t1["summary"]["bubble_ratio"]
+        res["pp1_threads"] = threads
+        res["ratio_vs_pp1"] = res["output_tokens_per_s"] / res["pp1_output_tokens_per_s"]
     print(format_table(res))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
     return 0
+
+
+def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
+    """Warm up (kernel JIT, allocator, worker start-up stay out of the timing), then run the whole workload
+    at once; returns the elapsed time, outputs, step counts and the trace summary (bubble ratios)."""
+    from tdpipe.viz.timeline import summarize
+
+    engine = llm.engine
+    warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2]]
+    llm.generate(warm, [_params(2) for _ in warm], use_tqdm=False)
+    st = engine.stats
+    before = (engine.scheduler.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - t0
+    after = (engine.scheduler.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps)
+    keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps")
+    return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()),
+            "stats": {k: b - a for k, a, b in zip(keys, before, after)}}
 
 
 # -- transformers baseline -----------------------------------------------------------------------------
@@ -315,7 +353,13 @@ def format_table(r: dict[str, Any]) -> str:
         ("input tokens/s", f"{r['input_tokens_per_s']:.1f}  ({r['total_input_tokens']} tokens)"),
         ("output tokens/s", f"{r['output_tokens_per_s']:.1f}  ({r['total_output_tokens']} tokens)"),
         ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
-        ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode; {r['preemptions']} preemptions"),
+        ("pipeline", f"pp {r['pp']}, layers {r['layer_partition']}, threads per stage {r['stage_threads']}, "
+                     f"policy {r['policy']}"),
+        ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
+                  f"{r['preemptions']} preemptions"),
+        ("bubble ratio", f"{r['bubble_ratio']:.3f} mean (idle / wall per stage: "
+                         f"{', '.join(f'{b:.3f}' for b in r['bubble_ratio_per_stage'])}); decode-only phase "
+                         + ("-" if r['decode_bubble_ratio'] is None else f"{r['decode_bubble_ratio']:.3f}")),
         ("model FLOPs", f"{r['model_flops']['total'] / 1e12:.3f} TFLOP (linear {r['model_flops']['linear'] / 1e12:.3f}"
                         f", attention {r['model_flops']['attention'] / 1e12:.3f}, lm_head "
                         f"{r['model_flops']['lm_head'] / 1e12:.3f})"),
@@ -329,6 +373,12 @@ def format_table(r: dict[str, Any]) -> str:
                            f"{r['hf_generated_tokens']} generated / {r['hf_useful_output_tokens']} useful)"),
             ("HF output tokens/s", f"{r['hf_output_tokens_per_s']:.1f}  (useful tokens only)"),
             ("ratio vs HF", f"{r['ratio_vs_hf']:.2f}x  (output tokens/s)"),
+        ]
+    if "ratio_vs_pp1" in r:
+        rows += [
+            ("pp=1 output tok/s", f"{r['pp1_output_tokens_per_s']:.1f}  ({r['pp1_threads']} threads, one process; "
+                                  f"bubble {r['pp1_bubble_ratio']:.3f})"),
+            ("ratio vs pp=1", f"{r['ratio_vs_pp1']:.2f}x  (output tokens/s, same workload, same run)"),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

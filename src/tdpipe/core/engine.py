@@ -112,10 +112,18 @@ class LLMEngine:
         return ids
 
     def _make_executor(self, num_blocks: int) -> Executor:
-        from tdpipe.worker.partition import resolve_partition
+        from tdpipe.worker.partition import StageCosts, resolve_partition
 
         par = self.config.parallel
-        self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition)
+        costs = None
+        if self.pp > 1 and par.layer_partition is None:
+            # balance by measured time on a typical decode micro-batch, not by layer count or FLOPs
+            batch = max(8, min(128, self.scheduler.config.max_num_seqs // self.pp))
+            costs = StageCosts.measure(self.model_config, self.dtype, par.stage_threads(), batch=batch)
+        self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition, costs)
+        if self.pp > 1:
+            log.info("layer partition %s (embedding on stage 0, norm + lm_head on stage %d; costs %s)",
+                     [b - a for a, b in self.partition], self.pp - 1, costs)
         if self.pp == 1:
             from tdpipe.executor.local import LocalExecutor
             from tdpipe.worker.model_runner import ModelRunner

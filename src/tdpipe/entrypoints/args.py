@@ -17,6 +17,17 @@ def _memory(v: str) -> int | float:
     return int(s)
 
 
+def _partition(v: str) -> list[int]:
+    try:
+        parts = [int(x) for x in v.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layer-partition {v!r}: expected comma-separated layer counts, "
+                                         "e.g. 18,12") from None
+    if any(n < 1 for n in parts):
+        raise argparse.ArgumentTypeError(f"--layer-partition {v!r}: every stage needs at least one layer")
+    return parts
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -25,23 +36,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto = bfloat16 where the CPU has bf16 instructions, else float32")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded random sampling")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one prefill batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one micro-batch (default: 8192 for separate = most prompt tokens in a "
+                        "prefill batch; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + prefill chunks)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (PagedAttention)")
     g.add_argument("--kv-cache-memory", type=_memory, default=None,
                    help="KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. 0.3); "
                         "default min(4 GiB, 40%%)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
-    g.add_argument("--scheduler", default="separate", choices=["separate"],
-                   help="batching policy: separate = prefill and decode batches never mixed, prefill first")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid"],
+                   help="batching policy (TD-Pipe §4 baselines): separate = PP+SB, prefill and decode batches "
+                        "never mixed, prefill first (vLLM); hybrid = PP+HB, Sarathi-Serve: a fixed token budget "
+                        "per micro-batch, decodes first, then chunked prefill")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads of the engine process (default: all cores with --pp 1, else 1)")
+    g = p.add_argument_group("pipeline parallelism (TD-Pipe §3.2)")
+    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                   help="stage worker processes, each holding a contiguous slice of layers and their KV cache; "
+                        "the engine keeps up to this many micro-batches in flight")
+    g.add_argument("--layer-partition", type=_partition, default=None,
+                   help="layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, counting "
+                        "the embedding on the first stage and norm + lm_head on the last")
+    g.add_argument("--threads-per-stage", type=int, default=None,
+                   help="torch threads in each stage worker (default: the cores split evenly between stages)")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the run's timeline (per stage and micro-batch: compute, input wait, send, shape; "
+                        "KV usage) as JSON; draw it with `tdpipe plot timeline FILE`")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
-                scheduler=a.scheduler, num_threads=a.threads)
+                scheduler=a.scheduler, num_threads=a.threads, pipeline_parallel_size=a.pp,
+                layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

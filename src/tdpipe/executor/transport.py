@@ -67,19 +67,28 @@ class Transport:
         return dist.ProcessGroupGloo(store, self.rank, self.world_size, CTRL_TIMEOUT)
 
     # -- objects (metadata) -----------------------------------------------------------------------------
-    @staticmethod
-    def pack(kind: int, obj: object) -> tuple[torch.Tensor, torch.Tensor]:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-        return torch.tensor([kind, payload.numel()], dtype=torch.int64), payload
+    # One message per object: [kind, nbytes] then the pickle, received into a fixed-size buffer (gloo
+    # accepts a message shorter than the posted buffer). Objects larger than the buffer follow in a second
+    # message whose size the first one announces.
+    SLAB = 1 << 18
 
-    def isend_packed(self, group: dist.ProcessGroup, packed: tuple[torch.Tensor, torch.Tensor], dst: int) -> list:
-        head, payload = packed
-        return [group.send([head], dst, 0), group.send([payload], dst, 1)]
+    @classmethod
+    def pack(cls, kind: int, obj: object) -> list[torch.Tensor]:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        head = torch.tensor([kind, len(data)], dtype=torch.int64).view(torch.uint8)
+        if len(data) + 16 <= cls.SLAB:
+            return [torch.cat([head, torch.frombuffer(bytearray(data), dtype=torch.uint8)])]
+        return [head, torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+
+    def isend_packed(self, group: dist.ProcessGroup, packed: list[torch.Tensor], dst: int) -> list:
+        return [group.send([t], dst, i) for i, t in enumerate(packed)]
 
     def recv_obj(self, group: dist.ProcessGroup, src: int) -> tuple[int, object]:
-        head = torch.empty(2, dtype=torch.int64)
-        group.recv([head], src, 0).wait()
-        kind, n = int(head[0]), int(head[1])
+        slab = torch.empty(self.SLAB, dtype=torch.uint8)
+        group.recv([slab], src, 0).wait()
+        kind, n = slab[:16].view(torch.int64).tolist()
+        if n + 16 <= self.SLAB:
+            return kind, pickle.loads(slab[16:16 + n].numpy().tobytes())
         payload = torch.empty(n, dtype=torch.uint8)
         group.recv([payload], src, 1).wait()
         return kind, pickle.loads(payload.numpy().tobytes())

@@ -37,6 +37,38 @@ def keep_freed_memory() -> None:
         pass
 
 
+def prepare_input(step: StepInput, block_size: int, device: torch.device) -> PreparedInput:
+    """StepInput (plain lists) -> tensors: positions, KV slots, block tables, sampled rows."""
+    dev = device
+    q = torch.tensor(step.query_lens, dtype=torch.int64)
+    seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)
+    s = len(step.query_lens)
+    cu = torch.zeros(s + 1, dtype=torch.int64)
+    torch.cumsum(q, 0, out=cu[1:])
+    t = int(cu[-1])
+    if not step.is_prefill and all(n == 1 for n in step.query_lens):
+        positions = seq_lens - 1
+        seq_idx = torch.arange(s)
+    else:
+        seq_idx = torch.repeat_interleave(torch.arange(s), q)
+        positions = torch.arange(t) - cu[:-1][seq_idx] + (seq_lens - q)[seq_idx]
+    max_blocks = max(len(b) for b in step.block_tables)
+    bt = torch.tensor([row + [0] * (max_blocks - len(row)) for row in step.block_tables], dtype=torch.int32)
+    blk = bt[seq_idx, positions // block_size].to(torch.int64)
+    slots = blk * block_size + positions % block_size
+    meta = AttentionMetadata(
+        positions=positions.to(dev),
+        slot_mapping=slots.to(dev),
+        block_tables=bt.to(dev),
+        cu_seqlens_q=cu.to(torch.int32).to(dev),
+        seq_lens=seq_lens.to(torch.int32).to(dev),
+        fresh=step.fresh,
+        cu_seqlens_list=cu.tolist(),
+    )
+    ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
+    return PreparedInput(step, ids, meta, (cu[1:] - 1).to(dev))
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
@@ -62,37 +94,7 @@ class ModelRunner:
 
     # -- input preparation ---------------------------------------------------------------------------
     def prepare(self, step: StepInput) -> PreparedInput:
-        dev = self.device
-        q = torch.tensor(step.query_lens, dtype=torch.int64)
-        seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)
-        s = len(step.query_lens)
-        cu = torch.zeros(s + 1, dtype=torch.int64)
-        torch.cumsum(q, 0, out=cu[1:])
-        t = int(cu[-1])
-        if not step.is_prefill and all(n == 1 for n in step.query_lens):
-            positions = seq_lens - 1
-            seq_idx = torch.arange(s)
-        else:
-            seq_idx = torch.repeat_interleave(torch.arange(s), q)
-            positions = torch.arange(t) - cu[:-1][seq_idx] + (seq_lens - q)[seq_idx]
-        max_blocks = max(len(b) for b in step.block_tables)
-        bt = torch.zeros((s, max_blocks), dtype=torch.int32)
-        for i, row in enumerate(step.block_tables):
-            if row:
-                bt[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        blk = bt[seq_idx, positions // self.block_size].to(torch.int64)
-        slots = blk * self.block_size + positions % self.block_size
-        meta = AttentionMetadata(
-            positions=positions.to(dev),
-            slot_mapping=slots.to(dev),
-            block_tables=bt.to(dev),
-            cu_seqlens_q=cu.to(torch.int32).to(dev),
-            seq_lens=seq_lens.to(torch.int32).to(dev),
-            fresh=step.fresh,
-            cu_seqlens_list=cu.tolist(),
-        )
-        ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
-        return PreparedInput(step, ids, meta, (cu[1:] - 1).to(dev))
+        return prepare_input(step, self.block_size, self.device)
 
     # -- compute -------------------------------------------------------------------------------------
     def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None) -> torch.Tensor:

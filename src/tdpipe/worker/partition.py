@@ -29,6 +29,52 @@ class StageCosts:
         return cls(embed=2.0 * cfg.hidden_size, layer=float(per_layer + attn),
                    head=2.0 * cfg.hidden_size * cfg.vocab_size)
 
+    @classmethod
+    def measure(cls, cfg: ModelConfig, dtype, threads: int, batch: int = 64, context: int = 256,
+                repeats: int = 5) -> "StageCosts":
+        """Time one decoder layer, the embedding and norm + lm_head on a decode micro-batch of `batch`
+        sequences at `context` tokens, with random weights of the model's shapes and `threads` threads.
+        FLOP counts mislead on CPUs: small per-layer ops run far below the big lm_head GEMM's efficiency
+        (on SmolLM2, batch 32: the head costs ~3 layers, not ~7)."""
+        import time
+
+        import torch
+
+        from tdpipe.core.batch import StepInput
+        from tdpipe.model.llama import LlamaForCausalLM
+        from tdpipe.worker.model_runner import prepare_input
+
+        own = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            one = ModelConfig(**{**cfg.__dict__, "num_layers": 1})
+            model = LlamaForCausalLM(one).to(dtype).eval()
+            model.rotary.cos_sin = model.rotary.cos_sin.float()  # the table stays float32
+            bs = 16
+            per_seq = -(-context // bs)
+            kv = torch.zeros((1, 2, batch * per_seq, cfg.num_kv_heads, bs, cfg.head_dim), dtype=dtype)
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+            step = StepInput(0, [1] * batch, [1] * batch, [context] * batch, tables, False)
+            inp = prepare_input(step, bs, torch.device("cpu"))
+            x = model.embed_tokens(inp.input_ids)
+            layer = model.layers[0]
+
+            def best(fn) -> float:
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                return min(times)
+
+            with torch.inference_mode():
+                t_embed = best(lambda: model.embed_tokens(inp.input_ids))
+                t_layer = best(lambda: layer(x, None, model.rotary, inp.meta, kv[0, 0], kv[0, 1]))
+                t_head = best(lambda: model.compute_logits(x))
+        finally:
+            torch.set_num_threads(own)
+        return cls(embed=t_embed, layer=t_layer, head=t_head)
+
     def stage_cost(self, num_layers: int, first: bool, last: bool) -> float:
         return num_layers * self.layer + (self.embed if first else 0.0) + (self.head if last else 0.0)
 
@@ -61,10 +107,13 @@ def balanced_partition(cfg: ModelConfig, pp: int, costs: StageCosts | None = Non
     return best[pp - 1][n][2]
 
 
-def resolve_partition(cfg: ModelConfig, pp: int, layer_partition: list[int] | None) -> list[tuple[int, int]]:
+def resolve_partition(cfg: ModelConfig, pp: int, layer_partition: list[int] | None,
+                      costs: StageCosts | None = None) -> list[tuple[int, int]]:
     """[start, end) layer ranges per stage, from an explicit --layer-partition or the cost balance."""
+    if pp > cfg.num_layers:
+        raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {cfg.num_layers} layers")
     if layer_partition is None:
-        counts = balanced_partition(cfg, pp)
+        counts = balanced_partition(cfg, pp, costs)
     else:
         counts = list(layer_partition)
         if len(counts) != pp:

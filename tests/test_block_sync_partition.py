@@ -149,7 +149,7 @@ def _compositions(n: int, pp: int):
     """Every split of n layers into pp contiguous non-empty stages."""
     for cuts in itertools.combinations(range(1, n), pp - 1):
         bounds = (0,) + cuts + (n,)
-        yield [b - a for a, b in zip(bounds, bounds[1:])]
+        yield [b - a for a, b in itertools.pairwise(bounds)]
 
 
 @pytest.mark.parametrize("seed", range(6))

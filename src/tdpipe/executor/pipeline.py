@@ -118,14 +118,19 @@ class PipelineExecutor(Executor):
                 else:
                     time.sleep(0.2)
                     ready = []
-                for k, p in enumerate(self.procs):
-                    rc = p.poll()
-                    if rc is not None and not self._closing:
-                        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                        self._failure = (f"pipeline stage {k} (pid {p.pid}) {how}; "
-                                         "the run is aborted and the other stages stopped")
-                        self._kill_all()
-                        return
+                # blame the stage that went first: those select() reported, and a signal over an exit code
+                # (a stage whose neighbour died exits with 1 a moment later)
+                first = [fds[fd] for fd in ready]
+                order = first + [k for k in range(len(self.procs)) if k not in first]
+                dead = [(k, self.procs[k].poll()) for k in order if self.procs[k].poll() is not None]
+                dead.sort(key=lambda kr: kr[1] >= 0)
+                if dead and not self._closing:
+                    k, rc = dead[0]
+                    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+                    self._failure = (f"pipeline stage {k} (pid {self.procs[k].pid}) {how}; "
+                                     "the run is aborted and the other stages stopped")
+                    self._kill_all()
+                    return
         finally:
             for fd in fds:
                 os.close(fd)

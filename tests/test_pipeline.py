@@ -1,0 +1,382 @@
+"""The pipeline-parallel runtime end to end: stage worker processes over torch.distributed (gloo).
+
+Greedy float32 tokens must not depend on pp (1, 2, 3), on preemption or on the batching policy, and must
+equal transformers'; traces must describe every micro-batch on every stage; a dead stage must fail
+generate() quickly with a clear PipelineError and leave no process behind; torchrun launches across two
+"nodes" on loopback; bad --layer-partition values are rejected before anything starts.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from tdpipe import LLM, SamplingParams
+from tdpipe.executor.pipeline import PipelineError
+from tdpipe.viz import timeline as tl
+
+PROMPTS = [
+    "The capital of France is",
+    "Hi",
+    "1, 2, 3, 4, 5,",
+    "def fibonacci(n):",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Once upon a time, in a land far away, there lived a young girl who loved to read books. One day she",
+]
+N_OUT = 16
+
+
+def greedy(n=N_OUT):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_exited(procs, within=5.0):
+    """Every stage process has exited (and was reaped) within `within` seconds: no orphans."""
+    deadline = time.time() + within
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.01, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"stage process {p.pid} still running {within} s after shutdown / failure")
+        assert p.returncode is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)
+
+
+# --------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def hf_ref(hf_fp32, llm_fp32):
+    """transformers' greedy continuation of every prompt (the oracle)."""
+    tok = llm_fp32.get_tokenizer()
+    return [hf_greedy(hf_fp32, tok.encode(p), N_OUT) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def pp1_tokens(llm_fp32, hf_ref):
+    out = tokens(llm_fp32.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert out == hf_ref
+    return out
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("trace") / "trace.json")
+
+
+@pytest.fixture(scope="module")
+def llm_pp2(trace_file):
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, pipeline_parallel_size=2, trace=trace_file) as llm:
+        yield llm
+    assert_all_exited(llm.engine.executor.procs)
+
+
+# --------------------------------------------------------------------------------------------- parity
+
+
+def test_pp2_matches_pp1_and_hf(llm_pp2, pp1_tokens, hf_ref):
+    ex = llm_pp2.engine.executor
+    assert ex.num_stages == 2 and ex.launcher == "spawn" and len(ex.procs) == 2
+    assert all(p.poll() is None for p in ex.procs)
+    assert ex.stage_pids == [p.pid for p in ex.procs]
+    tok = llm_pp2.get_tokenizer()
+    assert len({len(tok.encode(p)) for p in PROMPTS}) == len(PROMPTS)  # all different lengths
+    outs = llm_pp2.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert tokens(outs) == pp1_tokens == hf_ref
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    llm_pp2.engine.block_manager.check_no_leaks()
+    # a second call on the same stages (block tables of finished sequences were dropped) still matches
+    assert tokens(llm_pp2.generate(PROMPTS[::-1], greedy(), use_tqdm=False)) == pp1_tokens[::-1]
+    assert len(ex.sender) == 0
+
+
+def test_pp3_matches_pp1_and_hf(pp1_tokens, hf_ref):
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, pipeline_parallel_size=3) as llm:
+        parts = llm.engine.partition
+        assert len(parts) == 3 and parts[0][0] == 0 and parts[-1][1] == 30
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert tokens(outs) == pp1_tokens == hf_ref
+        procs = llm.engine.executor.procs
+    assert_all_exited(procs)
+    assert [p.returncode for p in procs] == [0, 0, 0]  # stopped by STOP, not killed
+
+
+def test_pp2_under_preemption(pp1_tokens):
+    # 8 blocks x 16 tokens = 128 slots for 6 sequences of 17..42 tokens: recompute preemption must happen
+    with LLM(dtype="float32", num_kv_blocks=8, pipeline_parallel_size=2, layer_partition=[20, 10]) as llm:
+        assert llm.engine.partition == [(0, 20), (20, 30)]
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert tokens(outs) == pp1_tokens
+        assert any(o.metrics.num_preemptions > 0 for o in outs)
+        llm.engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_hybrid_small_budget(pp, pp1_tokens):
+    # 16 tokens per micro-batch: the longer prompts are prefilled in chunks, decodes mixed in
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="hybrid", max_num_batched_tokens=16,
+             pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert tokens(outs) == pp1_tokens
+        assert llm.engine.stats.mixed_steps > 0
+        llm.engine.block_manager.check_no_leaks()
+
+
+# --------------------------------------------------------------------------------------------- random Qwen2
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory, bundled_path):
+    """A random 3-layer Qwen2 with q/k/v biases, saved sharded (the same builder as test_engine.py)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, rope_theta=10000.0, initializer_range=0.1,
+                      eos_token_id=2, bos_token_id=1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    d = tmp_path_factory.mktemp("qwen2_pp")
+    model.save_pretrained(d, max_shard_size="2MB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{bundled_path}/{f}", d / f)
+    return str(d), model
+
+
+@pytest.fixture(scope="module")
+def qwen2_prompts():
+    rng = torch.Generator().manual_seed(1)
+    return [torch.randint(100, 49152, (n,), generator=rng).tolist() for n in (3, 17, 1, 40, 9, 64)]
+
+
+@pytest.fixture(scope="module")
+def qwen2_ref(qwen2_folder, qwen2_prompts):
+    _, hf = qwen2_folder
+    return [hf_greedy(hf, p, N_OUT) for p in qwen2_prompts]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_random_qwen2(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
+    path, _ = qwen2_folder
+    llm = LLM(model=path, dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=pp)
+    try:
+        counts = [b - a for a, b in llm.engine.partition]
+        assert len(counts) == pp and sum(counts) == 3 and min(counts) >= 1
+        assert tokens(llm.generate(qwen2_prompts, greedy(), use_tqdm=False)) == qwen2_ref
+        procs = list(getattr(llm.engine.executor, "procs", []))
+        assert len(procs) == (0 if pp == 1 else pp)
+    finally:
+        llm.shutdown()
+    # shutdown leaves nothing behind, promptly, and the stages stopped cleanly (not killed); a second
+    # shutdown is harmless
+    assert_all_exited(procs, within=5.0)
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    llm.shutdown()
+
+
+def test_pp_exceeding_layers_fails_before_spawning(qwen2_folder):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(4\).*3 layers"):
+        LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=4)
+
+
+# --------------------------------------------------------------------------------------------- trace
+
+
+def test_trace_file(llm_pp2, trace_file):
+    if os.path.exists(trace_file):
+        os.remove(trace_file)
+    llm_pp2.generate(PROMPTS, greedy(8), use_tqdm=False)
+    trace = tl.load_trace(trace_file)  # written by generate(), and valid
+    assert trace == json.loads(json.dumps(llm_pp2.trace()))  # the same as the API's (no new events since)
+    assert trace["format"] == "tdpipe-trace/1" and trace["pp"] == 2 and trace["policy"] == "separate"
+    stages = trace["stages"]
+    assert [s["stage"] for s in stages] == [0, 1]
+    # layer ranges: contiguous, covering every layer once
+    assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 30
+    assert stages[0]["layers"][1] == stages[1]["layers"][0]
+    assert all(s["layers"][0] < s["layers"][1] for s in stages)
+    ids = [[e["batch_id"] for e in s["events"]] for s in stages]
+    assert ids[0] and sorted(ids[0]) == sorted(ids[1]), ids  # every micro-batch ran on both stages
+    assert len(set(ids[0])) == len(ids[0])
+    assert sorted(ids[0]) == sorted(e["batch_id"] for e in trace["engine"])
+    for s in stages:
+        for e in s["events"]:
+            assert 0 <= e["start"] <= e["end"], e
+            assert e["wait"] >= 0 and e["send"] >= 0
+    # a micro-batch computes on stage 1 after stage 0 finished it
+    ends0 = {e["batch_id"]: e["end"] for e in stages[0]["events"]}
+    assert all(e["start"] >= ends0[e["batch_id"]] - 1e-3 for e in stages[1]["events"])
+    # shapes: 6 prompts prefilled, then decode batches
+    assert sum(e["prefill_tokens"] for e in stages[0]["events"]) == sum(
+        len(llm_pp2.get_tokenizer().encode(p)) for p in PROMPTS)
+    assert any(e["decode_seqs"] > 0 for e in stages[0]["events"])
+    s = tl.summarize(trace)
+    assert len(s["bubble_ratio_per_stage"]) == 2
+    assert all(0.0 <= r <= 1.0 for r in s["bubble_ratio_per_stage"])
+    assert 0.0 <= s["bubble_ratio"] <= 1.0
+    assert s["num_micro_batches"] == [len(ids[0])] * 2
+    kv = trace["kv"]
+    assert len(kv) >= 2 and all(0.0 <= f <= 1.0 for _, f in kv) and max(f for _, f in kv) > 0
+
+
+# --------------------------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_killed_stage_fails_generate(victim):
+    llm = LLM(dtype="float32", kv_cache_memory=256 << 20, pipeline_parallel_size=2)
+    procs = list(llm.engine.executor.procs)
+    pid = llm.engine.executor.stage_pids[victim]
+    assert pid == procs[victim].pid
+    killed_at = []
+
+    def kill():
+        killed_at.append(time.time())
+        os.kill(pid, signal.SIGKILL)
+
+    def guard():  # should the engine not notice, stop everything so the test fails instead of hanging
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    timer, guard_timer = threading.Timer(2.0, kill), threading.Timer(25.0, guard)
+    try:
+        prompts = [f"Story number {i}: once upon a time" for i in range(64)]
+        timer.start()
+        guard_timer.start()
+        with pytest.raises(PipelineError) as e:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+                         use_tqdm=False)
+        failed_at = time.time()
+        assert killed_at, "generate() failed before the stage was killed"
+        assert failed_at - killed_at[0] < 15.0, failed_at - killed_at[0]
+        msg = str(e.value)
+        assert f"stage {victim}" in msg and str(pid) in msg and "signal 9" in msg, msg
+        assert "requests did not finish" in msg
+        assert isinstance(e.value, RuntimeError)
+        # every stage is gone, the killed one and the one the watchdog stopped
+        assert_all_exited(procs, within=5.0)
+        # the engine stays failed: a later call raises at once instead of hanging
+        t0 = time.time()
+        with pytest.raises(PipelineError):
+            llm.generate("Hi", greedy(2), use_tqdm=False)
+        assert time.time() - t0 < 5.0
+    finally:
+        timer.cancel()
+        guard_timer.cancel()
+        llm.shutdown()
+    assert_all_exited(procs, within=1.0)
+
+
+# --------------------------------------------------------------------------------------------- torchrun
+
+TORCHRUN_SCRIPT = """
+import json, os
+from tdpipe import LLM, SamplingParams
+prompts = {prompts!r}
+llm = LLM(dtype="float32", kv_cache_memory=64 << 20, pipeline_parallel_size=2)
+# only rank 0 (the engine) gets here: ranks 1 and 2 served a stage inside LLM() and exited
+ex = llm.engine.executor
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens={n}, ignore_eos=True), use_tqdm=False)
+print("TOKENS " + json.dumps({{"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
+                              "launcher": ex.launcher, "stage_pids": ex.stage_pids,
+                              "tokens": [o.outputs[0].token_ids for o in outs]}}), flush=True)
+llm.shutdown()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_loopback(tmp_path, pp1_tokens):
+    """Engine + stage 0 on "node" 0 (2 processes), stage 1 on "node" 1 (1 process): world size 3 = pp + 1.
+    torchrun's static rendezvous accepts a different --nproc-per-node on each node."""
+    script = tmp_path / "run_pp.py"
+    script.write_text(TORCHRUN_SCRIPT.format(prompts=PROMPTS[:3], n=N_OUT))
+    port = _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+
+    def node(rank: int, nproc: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--max-restarts", "0", str(script)]
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+
+    nodes = [node(0, 2), node(1, 1)]
+    outs = []
+    try:
+        deadline = time.time() + 180
+        for p in nodes:
+            outs.append(p.communicate(timeout=max(1, deadline - time.time())))
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher and its workers (own session)
+                p.wait()
+    (out0, err0), (out1, err1) = outs
+    assert nodes[0].returncode == 0, err0[-3000:]
+    assert nodes[1].returncode == 0, err1[-3000:]
+    lines = [ln for ln in out0.splitlines() if ln.startswith("TOKENS ")]
+    assert len(lines) == 1, (out0, err0[-3000:])
+    res = json.loads(lines[0][len("TOKENS "):])
+    assert res["rank"] == 0 and res["world"] == 3 and res["launcher"] == "torchrun"
+    assert len(res["stage_pids"]) == 2
+    assert res["tokens"] == pp1_tokens[:3]
+    assert "TOKENS" not in out1  # node 1 only ran a stage
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_layer_partition_wrong_sum(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "tdpipe")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tdpipe.entrypoints.cli"]
+    args = ["generate", "hello", "--pp", "2", "--layer-partition", "20,5", "--dtype", "float32",
+            "--kv-cache-memory", "64MiB", "--max-tokens", "2", "--no-progress"]
+    r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode != 0
+    assert "layer_partition" in r.stderr and "[20, 5]" in r.stderr and "25" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_cli_layer_partition_bad_values(capsys):
+    from tdpipe.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hello", "--pp", "2", "--layer-partition", "a,b"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--layer-partition" in err and "a,b" in err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hello", "--pp", "2", "--layer-partition", "30,0"])
+    assert e.value.code == 2
+    assert "at least one layer" in capsys.readouterr().err
+    # three entries for two stages: rejected by the config, before the model loads
+    assert main(["generate", "hello", "--pp", "2", "--layer-partition", "10,10,10"]) == 2
+    err = capsys.readouterr().err
+    assert "layer_partition" in err and "3 entries" in err

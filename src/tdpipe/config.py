@@ -156,7 +156,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     layer_partition: list[int] | None = None  # layers per stage, e.g. [18, 12]; None: balance by cost
     threads_per_stage: int | None = None  # None: the cores split evenly between stages
-    device: str = "cpu"  # cpu (gloo) | cuda (stage k on cuda:k, NCCL for activations)
+    device: str = "cpu"  # stages on CPU, activations over gloo (CUDA + NCCL: not built yet)
 
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
@@ -168,7 +168,8 @@ class ParallelConfig:
                    f"layer_partition {lp}: every stage needs at least one layer")
         if self.threads_per_stage is not None:
             _check(self.threads_per_stage >= 1, f"threads_per_stage must be >= 1, got {self.threads_per_stage}")
-        _check(self.device in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        _check(self.device == "cpu", f"device must be 'cpu', got {self.device!r} (the CUDA pipeline, NCCL between "
+                                     "stages, is not built yet)")
 
     def stage_threads(self) -> int:
         return self.threads_per_stage or max(1, default_threads() // self.pipeline_parallel_size)

@@ -134,8 +134,6 @@ class LLMEngine:
             return LocalExecutor(runner)
         from tdpipe.executor.pipeline import PipelineExecutor, StageSpec
 
-        if par.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device")
         threads = par.stage_threads()
         self.stage_threads = [threads] * self.pp
         stages = [StageSpec(a, b, threads) for a, b in self.partition]
@@ -183,7 +181,9 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            self.engine_trace.append({"batch_id": batch.batch_id, "submit": time.time()})
+            now = time.time()
+            self.engine_trace.append({"batch_id": batch.batch_id, "submit": now})
+            self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
             self.executor.submit(self._to_step(batch))
             self._inflight.append(batch)
         if not self._inflight:

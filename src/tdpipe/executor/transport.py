@@ -5,7 +5,7 @@ Three process groups over one store, so no pair of peers ever shares a channel b
   reply stages -> engine: start-up acknowledgements and traces
   data  stage k -> stage k+1 hidden states, last stage -> engine results; the receiver knows the shape
         from the metadata it already holds, so a tensor travels alone with no size handshake
-        (gLLM §3.3, SiPipe §5.3). gloo on CPU; NCCL between CUDA stages.
+        (gLLM §3.3, SiPipe §5.3). gloo, CPU tensors (CUDA stages with NCCL are not built yet).
 Groups are built directly (not the global default group), so several engines can live in one process.
 """
 from __future__ import annotations
@@ -51,17 +51,13 @@ def torchrun_rendezvous() -> Rendezvous:
 
 
 class Transport:
-    def __init__(self, rv: Rendezvous, data_backend: str = "gloo", device: torch.device | None = None) -> None:
+    def __init__(self, rv: Rendezvous) -> None:
         self.rank, self.world_size = rv.rank, rv.world_size
         store = dist.PrefixStore("tdpipe", rv.store)
         self._store = rv.store  # keep the TCPStore (and its server on rank 0) alive
         self.ctrl = self._gloo(dist.PrefixStore("ctrl", store))
         self.reply = self._gloo(dist.PrefixStore("reply", store))
-        if data_backend == "nccl":
-            self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), self.rank, self.world_size)
-        else:
-            self.data = self._gloo(dist.PrefixStore("data", store))
-        self.device = device or torch.device("cpu")
+        self.data = self._gloo(dist.PrefixStore("data", store))
 
     def _gloo(self, store: dist.Store) -> dist.ProcessGroupGloo:
         return dist.ProcessGroupGloo(store, self.rank, self.world_size, CTRL_TIMEOUT)

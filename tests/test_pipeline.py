@@ -286,6 +286,88 @@ def test_killed_stage_fails_generate(victim):
     assert_all_exited(procs, within=1.0)
 
 
+def test_stage_that_raises_at_startup_fails_cleanly(qwen2_folder, tmp_path):
+    """A stage whose weights are incomplete raises while loading: the engine reports the stage's error and
+    leaves no process behind."""
+    src, _ = qwen2_folder
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    index_path = broken / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    dropped = [k for k in index["weight_map"] if k.startswith("model.layers.2.")]
+    from safetensors.torch import load_file, save_file
+
+    for shard in {index["weight_map"][k] for k in dropped}:
+        tensors = {k: v for k, v in load_file(broken / shard).items() if k not in dropped}
+        save_file(tensors, broken / shard, metadata={"format": "pt"})
+    for k in dropped:
+        del index["weight_map"][k]
+    index_path.write_text(json.dumps(index))
+    t0 = time.time()
+    with pytest.raises(PipelineError, match=r"stage 1 failed to start.*missing tensors"):
+        LLM(model=str(broken), dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=2,
+            layer_partition=[2, 1])
+    assert time.time() - t0 < 60
+    time.sleep(0.5)
+    left = [pid for pid in _stage_pids_of(os.getpid()) if _alive(pid)]
+    assert not left, f"stage processes left behind: {left}"
+
+
+def _stage_pids_of(parent: int) -> list[int]:
+    """Stage worker processes started by `parent` (found through /proc, no pgrep needed)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"tdpipe.worker.stage" in cmd and b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == str(parent).encode():
+            found.append(int(d))
+    return found
+
+
+ENGINE_SCRIPT = """
+import sys, time
+from tdpipe import LLM
+llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=2)
+print(" ".join(str(p.pid) for p in llm.engine.executor.procs), flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_engine_takes_its_stages_along(qwen2_folder, tmp_path):
+    """No orphans even when the engine itself is SIGKILLed (PR_SET_PDEATHSIG on the spawned stages)."""
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    eng = subprocess.Popen([sys.executable, str(script), qwen2_folder[0]], stdout=subprocess.PIPE, text=True)
+    try:
+        line = eng.stdout.readline()
+        pids = [int(x) for x in line.split()]
+        assert len(pids) == 2, line
+        eng.kill()
+        eng.wait(timeout=10)
+        deadline = time.time() + 10
+        alive = pids
+        while alive and time.time() < deadline:
+            alive = [p for p in pids if _alive(p)]
+            time.sleep(0.1)
+        assert not alive, f"stages {alive} outlived the engine"
+    finally:
+        if eng.poll() is None:
+            eng.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 # --------------------------------------------------------------------------------------------- torchrun
 
 TORCHRUN_SCRIPT = """

@@ -89,7 +89,7 @@ class PipelineExecutor(Executor):
         for k in range(self.num_stages):
             kind, info = self._reply(k)
             if kind != m.READY:
-                self._fail(str(info))
+                self._fail(str(info), reported=True)
             self.stage_pids.append(info["pid"])
 
     # -- processes ---------------------------------------------------------------------------------------
@@ -145,11 +145,13 @@ class PipelineExecutor(Executor):
             except subprocess.TimeoutExpired:
                 pass
 
-    def _fail(self, why: str | None = None) -> None:
-        """Turn a broken pipe, closed connection or dead stage into one clear error, after cleaning up."""
-        if self.procs and self._failure is None:
+    def _fail(self, why: str | None = None, reported: bool = False) -> None:
+        """Turn a broken pipe, closed connection or dead stage into one clear error, after cleaning up.
+        `reported`: `why` is the stage's own account (it failed to start), better than an exit code."""
+        if self.procs and self._failure is None and not reported:
             self._watchdog.join(timeout=3)  # the watchdog names the stage that died
-        msg = self._failure or why or "the pipeline broke (a stage on another node died or is unreachable)"
+        msg = why if reported else self._failure or why or (
+            "the pipeline broke (a stage on another node died or is unreachable)")
         self._dead = True
         self.shutdown()
         raise PipelineError(msg)

@@ -303,13 +303,14 @@ def test_stage_that_raises_at_startup_fails_cleanly(qwen2_folder, tmp_path):
     for k in dropped:
         del index["weight_map"][k]
     index_path.write_text(json.dumps(index))
+    before = set(_stage_pids_of(os.getpid()))  # stages of other engines this test process holds
     t0 = time.time()
     with pytest.raises(PipelineError, match=r"stage 1 failed to start.*missing tensors"):
         LLM(model=str(broken), dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=2,
             layer_partition=[2, 1])
     assert time.time() - t0 < 60
     time.sleep(0.5)
-    left = [pid for pid in _stage_pids_of(os.getpid()) if _alive(pid)]
+    left = [pid for pid in set(_stage_pids_of(os.getpid())) - before if _alive(pid)]
     assert not left, f"stage processes left behind: {left}"
 
 
@@ -324,8 +325,9 @@ def _stage_pids_of(parent: int) -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"tdpipe.worker.stage" in cmd and b"--parent" in cmd and cmd[cmd.index(b"--parent") + 1] == str(parent).encode():
-            found.append(int(d))
+        if b"tdpipe.worker.stage" in cmd and b"--parent" in cmd:
+            if cmd[cmd.index(b"--parent") + 1] == str(parent).encode():
+                found.append(int(d))
     return found
 
 

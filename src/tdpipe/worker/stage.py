@@ -61,6 +61,7 @@ class StageWorker:
         try:
             while True:
                 kind, msg = self.t.recv_obj(self.t.ctrl, ENGINE)
+                t_meta = time.time()
                 if kind != m.STEP:
                     self.ready.put((kind, msg))
                     if kind == m.STOP:
@@ -80,7 +81,7 @@ class StageWorker:
                         self.buffers[slot] = torch.empty(numel, dtype=self.dtype, device=self.buffers[slot].device)
                     buf = self.buffers[slot][:numel].view(step.num_tokens, self.hidden)
                     work = self.t.irecv(buf, self.init.stage, tensor_tag(msg.batch_id))  # rank = stage + 1
-                self.ready.put((m.STEP, (msg, inp, buf, work)))
+                self.ready.put((m.STEP, (msg, inp, buf, work, t_meta, time.time())))
         except BaseException:  # noqa: BLE001
             _fatal(f"stage {self.init.stage} (input preparation)")
 
@@ -118,7 +119,7 @@ class StageWorker:
                 events, self.events = self.events, []
                 self.t.send_obj(self.t.reply, m.TRACE_DATA, events, ENGINE)
                 continue
-            msg, inp, buf, work = payload
+            msg, inp, buf, work, t_meta, t_prepared = payload
             if work is not None:
                 work.wait()
             start = time.time()
@@ -129,6 +130,7 @@ class StageWorker:
                 out = self._result(out, msg.greedy)
             end = time.time()
             event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
+                     "meta_latency": t_meta - msg.sent_at, "prep": t_prepared - t_meta,
                      "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1]}
             self.events.append(event)
             self.outbox.put((out, dst, tensor_tag(msg.batch_id), event))

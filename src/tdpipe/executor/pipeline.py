@@ -67,7 +67,6 @@ class PipelineExecutor(Executor):
         self.sender = BlockTableSender()
         self._inflight: deque[_InFlight] = deque()
         self._pending_sends: deque = deque()
-        self.events: list[list[dict]] = [[] for _ in stages]
         world = self.num_stages + 1
         if torchrun_env():
             rv = torchrun_rendezvous()

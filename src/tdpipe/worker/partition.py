@@ -4,8 +4,9 @@ The embedding sits on the first stage and the final norm + lm_head on the last, 
 lm_head is heavy: SmolLM2's tied 49152 x 576 head costs five to seven decoder layers per decode token.
 But a prefill samples one row per prompt, so there the head is almost free. The engine therefore times
 both at start-up (StageCosts.measure) and balances a mix: DECODE_TIME_SHARE of the time in decode, the
-rest in prefill. On SmolLM2, pp=2, 1 thread per stage: decode alone would give 18/12, the mix gives 17/13,
-and on 128 ShareGPT-like requests 17/13 ran 8% faster than 18/12 and 16% faster than 16/14.
+rest in prefill. On SmolLM2, pp=2, 1 thread per stage: decode alone would give 18/12, the mix gives 17/13.
+Back to back on 128 ShareGPT-like requests (separate) 17/13 ran 8% faster than 18/12 and 16% faster than
+16/14; on 512 requests the evidence is mixed (see the README), within this VM's run-to-run drift.
 StageCosts.of is the FLOP-count model, for tests and machines where timing is not wanted.
 """
 from __future__ import annotations

@@ -136,6 +136,17 @@ def test_hybrid_small_budget(pp, pp1_tokens):
         llm.engine.block_manager.check_no_leaks()
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_throttle_small_prefill_budget(pp, pp1_tokens):
+    # gLLM Token Throttling with #MaxP = 16, #MinP = 4: prompts arrive in Eq. 3-sized chunks
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="throttle", max_prefill_tokens=16,
+             min_prefill_tokens=4, throttle_T=2.0, pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert tokens(outs) == pp1_tokens
+        assert llm.engine.stats.mixed_steps > 0
+        llm.engine.block_manager.check_no_leaks()
+
+
 # --------------------------------------------------------------------------------------------- random Qwen2
 
 

@@ -133,11 +133,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: the policy's default (DEFAULT_TOKEN_BUDGET)
     max_model_len: int = 0  # 0: the model's max_position_embeddings (set by EngineConfig)
     pipeline_depth: int = 1  # micro-batches the engine keeps in flight (= pipeline_parallel_size)
+    # gLLM Token Throttling (gLLM §3.1-3.2, Eq. 3): #T, #MaxP, #MinP, KVthresh
+    throttle_T: float = 8.0
+    max_prefill_tokens: int = 2048
+    min_prefill_tokens: int = 32
+    kv_thresh: float = 0.05
 
-    POLICIES = ("separate", "hybrid")
+    POLICIES = ("separate", "hybrid", "throttle")
     # separate: the most prompt tokens in one prefill batch (vLLM's default);
-    # hybrid: Sarathi-Serve's fixed per-batch token budget (decodes + prefill chunks)
-    DEFAULT_TOKEN_BUDGET = {"separate": 8192, "hybrid": 512}
+    # hybrid: Sarathi-Serve's fixed per-batch token budget (decodes + prefill chunks);
+    # throttle: a ceiling only (#MaxP prefill tokens + a full decode batch); Eq. 3 sizes each batch
+    DEFAULT_TOKEN_BUDGET = {"separate": 8192, "hybrid": 512, "throttle": 2048 + 256}
 
     def __post_init__(self) -> None:
         _check(self.policy in self.POLICIES, f"scheduler must be one of {self.POLICIES}, got {self.policy!r}")
@@ -147,6 +153,12 @@ class SchedulerConfig:
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.pipeline_depth >= 1, f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
+        _check(self.throttle_T > 0, f"throttle_T (#T) must be > 0, got {self.throttle_T}")
+        _check(self.max_prefill_tokens >= 1, f"max_prefill_tokens (#MaxP) must be >= 1, got {self.max_prefill_tokens}")
+        _check(1 <= self.min_prefill_tokens <= self.max_prefill_tokens,
+               f"min_prefill_tokens (#MinP) must be in [1, max_prefill_tokens={self.max_prefill_tokens}], "
+               f"got {self.min_prefill_tokens}")
+        _check(0.0 <= self.kv_thresh < 1.0, f"kv_thresh (KVthresh) must be in [0, 1), got {self.kv_thresh}")
 
 
 @dataclass

@@ -45,10 +45,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. 0.3); "
                         "default min(4 GiB, 40%%)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
-    g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid"],
-                   help="batching policy (TD-Pipe §4 baselines): separate = PP+SB, prefill and decode batches "
+    g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid", "throttle"],
+                   help="batching policy. TD-Pipe §4 baselines: separate = PP+SB, prefill and decode batches "
                         "never mixed, prefill first (vLLM); hybrid = PP+HB, Sarathi-Serve: a fixed token budget "
-                        "per micro-batch, decodes first, then chunked prefill")
+                        "per micro-batch, decodes first, then chunked prefill. throttle = gLLM Token Throttling "
+                        "(gLLM §3.1-3.2): prefill tokens per batch from Eq. 3, decodes #RD/pp (Eq. 4)")
+    g.add_argument("--throttle-T", type=float, default=8.0,
+                   help="throttle: #T, spread the waiting prefill tokens #WP over this many batches (Eq. 3)")
+    g.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="throttle: #MaxP, most prefill tokens in a batch when the KV cache is empty (Eq. 3)")
+    g.add_argument("--min-prefill-tokens", type=int, default=32,
+                   help="throttle: #MinP, fewest prefill tokens in a batch while prompts wait (Eq. 3)")
+    g.add_argument("--kv-thresh", type=float, default=0.05,
+                   help="throttle: KVthresh, no prefill while the free KV fraction is below it (Eq. 3)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine process (default: all cores with --pp 1, else 1)")
     g = p.add_argument_group("pipeline parallelism (TD-Pipe §3.2)")
@@ -70,7 +79,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
                 scheduler=a.scheduler, num_threads=a.threads, pipeline_parallel_size=a.pp,
-                layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace)
+                layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace,
+                throttle_T=a.throttle_T, max_prefill_tokens=a.max_prefill_tokens,
+                min_prefill_tokens=a.min_prefill_tokens, kv_thresh=a.kv_thresh)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

@@ -28,6 +28,8 @@ class LLM:
     pipeline_parallel_size: stage worker processes, each with a contiguous slice of layers and their KV
     (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`).
+    throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
+    (Eq. 3), used by scheduler="throttle".
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
@@ -37,13 +39,16 @@ class LLM:
                  kv_cache_memory: int | float | None = None, num_kv_blocks: int | None = None,
                  scheduler: str = "separate", num_threads: int | None = None, pipeline_parallel_size: int = 1,
                  layer_partition: list[int] | None = None, threads_per_stage: int | None = None,
-                 device: str = "cpu", trace: str | None = None) -> None:
+                 device: str = "cpu", trace: str | None = None, throttle_T: float = 8.0,
+                 max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(policy=scheduler, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len or 0),
+                                      max_model_len=max_model_len or 0, throttle_T=throttle_T,
+                                      max_prefill_tokens=max_prefill_tokens,
+                                      min_prefill_tokens=min_prefill_tokens, kv_thresh=kv_thresh),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size, layer_partition=layer_partition,
                                     threads_per_stage=threads_per_stage, device=device),
         )

@@ -19,18 +19,26 @@ from tdpipe.sequence import Sequence, SequenceStatus
 
 
 class HybridScheduler(Scheduler):
+    # -- budget hooks (the throttle policy overrides these) ---------------------------------------------
+    def decode_limit(self) -> int:
+        """Most decodes in this micro-batch."""
+        return min(self.decode_batch_cap(), self.config.max_num_batched_tokens)
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prefill tokens for this micro-batch, given the decodes already in it."""
+        return self.config.max_num_batched_tokens - num_decodes
+
     def schedule(self) -> Batch | None:
-        budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         lens: list[int] = []
 
         # 1. decodes first, one token each, given KV slots (may preempt the newest idle sequences)
         ready = [s for s in self.running if not s.in_flight and self._is_decoding(s)]
-        for s in self._reserve_decode_slots(ready[: min(self.decode_batch_cap(), budget)]):
+        for s in self._reserve_decode_slots(ready[: self.decode_limit()]):
             seqs.append(s)
             lens.append(1)
-        budget -= len(seqs)
         num_decodes = len(seqs)
+        budget = self.prefill_budget(num_decodes)
 
         # 2. the rest of the budget: chunks of prompts already started (oldest first), then new ones
         blocked = False

@@ -1,0 +1,42 @@
+"""`throttle`: gLLM's Token Throttling (gLLM §3.1-3.2).
+
+Every micro-batch merges decodes and prefill chunks, like `hybrid`, but sizes both from global state so
+that the pp micro-batches in flight carry equal work and KV never runs dry:
+  prefill tokens  #P = max(min(#WP / #T, #MaxP * (KVfree - KVthresh) / (1 - KVthresh)), #MinP)   (Eq. 3)
+                  and no prefill at all while KVfree < KVthresh;
+  decode tokens   #D = #RD / pp                                                                  (Eq. 4)
+#WP: prompt tokens still waiting to be prefilled; #RD: running requests ready to decode; KVfree: the free
+fraction of KV blocks. Defaults #T=8, #MaxP=2048, #MinP=32, KVthresh=0.05 (SchedulerConfig).
+"""
+from __future__ import annotations
+
+from tdpipe.core.scheduler.hybrid import HybridScheduler
+
+
+class ThrottleScheduler(HybridScheduler):
+    def decode_limit(self) -> int:
+        """#D = #RD / pp (Eq. 4), rounded up so no decode is left behind."""
+        rd = sum(1 for s in self.running if self._is_decoding(s))
+        return max(1, min(self.config.max_num_seqs, -(-rd // self.config.pipeline_depth)))
+
+    def waiting_prefill_tokens(self) -> int:
+        """#WP: prompt tokens without KV, queued or partly prefilled."""
+        wp = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        return wp + sum(s.num_tokens - s.num_computed_tokens for s in self.running if self._is_prefilling(s))
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """#P (Eq. 3); zero below the KV threshold."""
+        cfg = self.config
+        wp = self.waiting_prefill_tokens()
+        if wp == 0:
+            return 0
+        kv_free = self.bm.num_free_blocks / self.bm.num_blocks
+        if kv_free < cfg.kv_thresh:
+            # no prefill below KVthresh, unless nothing else could run (all running prompts half-prefilled):
+            # then #MinP keeps the engine moving (chunks may preempt newer sequences for room)
+            idle = num_decodes == 0 and not any(s.in_flight for s in self.running)
+            return min(cfg.min_prefill_tokens, cfg.max_num_batched_tokens) if idle else 0
+        by_queue = wp / cfg.throttle_T
+        by_kv = cfg.max_prefill_tokens * (kv_free - cfg.kv_thresh) / (1 - cfg.kv_thresh)
+        p = int(max(min(by_queue, by_kv), cfg.min_prefill_tokens))
+        return max(0, min(p, cfg.max_num_batched_tokens - num_decodes))

@@ -137,6 +137,17 @@ def test_hybrid_small_budget(pp, pp1_tokens):
 
 
 @pytest.mark.parametrize("pp", [1, 2])
+def test_td_pipe_phases(pp, pp1_tokens):
+    # TD-Pipe with small prefill batches and a tight KV cache: phases switch, tokens stay identical
+    with LLM(dtype="float32", num_kv_blocks=12, scheduler="td-pipe", max_num_batched_tokens=32,
+             future_points=(4, 64), pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert tokens(outs) == pp1_tokens
+        assert llm.engine.scheduler.num_switches >= 1
+        llm.engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
 def test_throttle_small_prefill_budget(pp, pp1_tokens):
     # gLLM Token Throttling with #MaxP = 16, #MinP = 4: prompts arrive in Eq. 3-sized chunks
     with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="throttle", max_prefill_tokens=16,

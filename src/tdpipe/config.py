@@ -138,12 +138,19 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     min_prefill_tokens: int = 32
     kv_thresh: float = 0.05
+    # TD-Pipe (§3.3-3.5): futurePoints every future_point_step decode steps up to future_point_max;
+    # ablation switches (§4.4): "predict" | "kv-ratio:R" and "intensity" | "finish-ratio:R"
+    future_point_step: int = 32
+    future_point_max: int = 1024
+    switch_to_decode: str = "predict"
+    switch_to_prefill: str = "intensity"
+    work_stealing: bool = True
 
-    POLICIES = ("separate", "hybrid", "throttle")
+    POLICIES = ("separate", "hybrid", "throttle", "td-pipe")
     # separate: the most prompt tokens in one prefill batch (vLLM's default);
     # hybrid: Sarathi-Serve's fixed per-batch token budget (decodes + prefill chunks);
     # throttle: a ceiling only (#MaxP prefill tokens + a full decode batch); Eq. 3 sizes each batch
-    DEFAULT_TOKEN_BUDGET = {"separate": 8192, "hybrid": 512, "throttle": 2048 + 256}
+    DEFAULT_TOKEN_BUDGET = {"separate": 8192, "hybrid": 512, "throttle": 2048 + 256, "td-pipe": 8192}
 
     def __post_init__(self) -> None:
         _check(self.policy in self.POLICIES, f"scheduler must be one of {self.POLICIES}, got {self.policy!r}")
@@ -159,6 +166,9 @@ class SchedulerConfig:
                f"min_prefill_tokens (#MinP) must be in [1, max_prefill_tokens={self.max_prefill_tokens}], "
                f"got {self.min_prefill_tokens}")
         _check(0.0 <= self.kv_thresh < 1.0, f"kv_thresh (KVthresh) must be in [0, 1), got {self.kv_thresh}")
+        _check(1 <= self.future_point_step <= self.future_point_max,
+               f"future_point_step must be in [1, future_point_max={self.future_point_max}], "
+               f"got {self.future_point_step}")
 
 
 @dataclass

@@ -82,7 +82,7 @@ class LLMEngine:
         if capacity < sched.max_model_len:
             log.info("KV capacity %d tokens < max_model_len %d: lowering max_model_len", capacity, sched.max_model_len)
             sched.max_model_len = capacity
-        if sched.policy == "separate":  # separate never chunks a prefill: one whole prompt must fit
+        if sched.policy in ("separate", "td-pipe"):  # these never chunk a prefill: one whole prompt must fit
             sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, sched.max_model_len)
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)

@@ -28,6 +28,14 @@ def _partition(v: str) -> list[int]:
     return parts
 
 
+def _future_points(v: str) -> tuple[int, int]:
+    try:
+        step, top = (int(x) for x in v.split(","))
+    except ValueError:
+        raise SystemExit(f"--future-points {v!r}: expected STEP,MAX, e.g. 32,1024") from None
+    return step, top
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -45,11 +53,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. 0.3); "
                         "default min(4 GiB, 40%%)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
-    g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid", "throttle"],
+    g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid", "throttle", "td-pipe"],
                    help="batching policy. TD-Pipe §4 baselines: separate = PP+SB, prefill and decode batches "
                         "never mixed, prefill first (vLLM); hybrid = PP+HB, Sarathi-Serve: a fixed token budget "
                         "per micro-batch, decodes first, then chunked prefill. throttle = gLLM Token Throttling "
-                        "(gLLM §3.1-3.2): prefill tokens per batch from Eq. 3, decodes #RD/pp (Eq. 4)")
+                        "(gLLM §3.1-3.2): prefill tokens per batch from Eq. 3, decodes #RD/pp (Eq. 4). "
+                        "td-pipe = TD-Pipe (§3.3-3.5): long prefill and decode phases, greedy prefill by "
+                        "predicted KV, inter-batch work stealing, spatial-temporal intensity switch")
+    g.add_argument("--future-points", default="32,1024", metavar="STEP,MAX",
+                   help="td-pipe: futurePoints, the decode steps where predicted KV usage is checked: every "
+                        "STEP steps up to MAX (TD-Pipe §3.3, Algorithm 1)")
+    g.add_argument("--switch-to-decode", default="predict",
+                   help="td-pipe: 'predict' (Approach 1, Algorithm 1) or 'kv-ratio:R', switch once KV usage "
+                        "reaches R (the §4.4.1 ablation)")
+    g.add_argument("--switch-to-prefill", default="intensity",
+                   help="td-pipe: 'intensity' (Approach 3, spatial < temporal intensity, Eq. 1-2) or "
+                        "'finish-ratio:R', switch once R of the phase's requests finished (§4.4.3 ablation)")
+    g.add_argument("--no-work-stealing", action="store_true",
+                   help="td-pipe: turn off Approach 2, inter-batch work stealing (§3.4; §4.4.2 ablation)")
     g.add_argument("--throttle-T", type=float, default=8.0,
                    help="throttle: #T, spread the waiting prefill tokens #WP over this many batches (Eq. 3)")
     g.add_argument("--max-prefill-tokens", type=int, default=2048,
@@ -81,7 +102,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 scheduler=a.scheduler, num_threads=a.threads, pipeline_parallel_size=a.pp,
                 layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace,
                 throttle_T=a.throttle_T, max_prefill_tokens=a.max_prefill_tokens,
-                min_prefill_tokens=a.min_prefill_tokens, kv_thresh=a.kv_thresh)
+                min_prefill_tokens=a.min_prefill_tokens, kv_thresh=a.kv_thresh,
+                future_points=_future_points(a.future_points), switch_to_decode=a.switch_to_decode,
+                switch_to_prefill=a.switch_to_prefill, work_stealing=not a.no_work_stealing)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

@@ -29,7 +29,8 @@ class LLM:
     (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
-    (Eq. 3), used by scheduler="throttle".
+    (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
+    work_stealing: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
@@ -40,7 +41,9 @@ class LLM:
                  scheduler: str = "separate", num_threads: int | None = None, pipeline_parallel_size: int = 1,
                  layer_partition: list[int] | None = None, threads_per_stage: int | None = None,
                  device: str = "cpu", trace: str | None = None, throttle_T: float = 8.0,
-                 max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05) -> None:
+                 max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05,
+                 future_points: tuple[int, int] = (32, 1024), switch_to_decode: str = "predict",
+                 switch_to_prefill: str = "intensity", work_stealing: bool = True) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
@@ -48,7 +51,10 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len or 0, throttle_T=throttle_T,
                                       max_prefill_tokens=max_prefill_tokens,
-                                      min_prefill_tokens=min_prefill_tokens, kv_thresh=kv_thresh),
+                                      min_prefill_tokens=min_prefill_tokens, kv_thresh=kv_thresh,
+                                      future_point_step=future_points[0], future_point_max=future_points[1],
+                                      switch_to_decode=switch_to_decode, switch_to_prefill=switch_to_prefill,
+                                      work_stealing=work_stealing),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size, layer_partition=layer_partition,
                                     threads_per_stage=threads_per_stage, device=device),
         )

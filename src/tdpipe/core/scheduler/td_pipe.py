@@ -1,0 +1,234 @@
+"""`td-pipe`: TD-Pipe's temporally-disaggregated scheduling (TD-Pipe §3.3-3.5).
+
+The engine stays in one phase for long stretches. In PREFILL, prompt batches go back to back (they have no
+dependencies between them, so the pipeline never waits); in DECODE, the running requests are split into pp
+micro-batches that cycle through the pipeline.
+  Approach 1, AI-based greedy prefill (§3.3, Algorithm 1): after each prefill batch, add each request's
+    predicted KV at the futurePoints (decode steps 32, 64, ..., 1024) and switch to DECODE once the
+    predicted peak passes the KV capacity. Replacement for the ablation: `kv-ratio:R` (switch when the
+    KV usage reaches R).
+  Approach 2, inter-batch work stealing (§3.4): a returning decode batch keeps at most the average size of
+    the last pp batches (the sliding window), the excess is withheld and fills later, smaller batches.
+  Approach 3, spatial-temporal intensity comparison (§3.5): switch to PREFILL when the spatial intensity
+    (achieved / peak per-request decode throughput at the current batch size, Eq. 1) drops below the
+    temporal intensity (1 - bubble / total of switching now, Eq. 2). Replacement: `finish-ratio:R`
+    (switch once R of the phase's requests finished).
+Predicted output lengths come from `Sequence.predicted_output_len` (set by the engine's predictor; the
+request's max_tokens when unset). Step costs come from a `StepCostModel` (profiled by the engine).
+Pure Python.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass
+
+from tdpipe.config import SchedulerConfig
+from tdpipe.core.batch import Batch
+from tdpipe.core.block_manager import BlockManager
+from tdpipe.core.scheduler.base import Scheduler
+from tdpipe.sequence import Sequence
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass
+class StepCostModel:
+    """Seconds per micro-batch on one stage: decode = d0 + d1 * batch size; prefill = p0 + p1 * tokens.
+    Linear fits of the start-up profile; only ratios matter to the intensities."""
+
+    d0: float = 0.010
+    d1: float = 0.0004
+    p0: float = 0.010
+    p1: float = 0.0002
+    peak_batch: int = 256  # "a sufficiently large batch size" for Peak (Eq. 1)
+
+    def decode_time(self, batch: int) -> float:
+        return self.d0 + self.d1 * batch
+
+    def prefill_time(self, tokens: int) -> float:
+        return self.p0 + self.p1 * tokens
+
+
+def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
+    """'predict' / 'intensity' or 'kv-ratio:R' / 'finish-ratio:R' -> (kind, R)."""
+    if rule == default:
+        return default, 0.0
+    kind, _, value = rule.partition(":")
+    expected = "kv-ratio" if flag == "switch_to_decode" else "finish-ratio"
+    try:
+        r = float(value)
+    except ValueError:
+        r = -1.0
+    if kind != expected or not 0.0 < r <= 1.0:
+        raise ValueError(f"{flag} must be {default!r} or '{expected}:R' with 0 < R <= 1, got {rule!r}")
+    return kind, r
+
+
+class TDPipeScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 costs: StepCostModel | None = None) -> None:
+        super().__init__(config, block_manager)
+        self.costs = costs or StepCostModel()
+        self.to_decode = parse_switch(config.switch_to_decode, "predict", "switch_to_decode")
+        self.to_prefill = parse_switch(config.switch_to_prefill, "intensity", "switch_to_prefill")
+        step, top = config.future_point_step, config.future_point_max
+        self.future_points = list(range(step, top + 1, step))  # futurePoints (§3.3)
+        self.phase = Phase.PREFILL
+        self.kv_usage = [0] * len(self.future_points)  # predicted blocks at each futurePoint
+        self.window: deque[int] = deque(maxlen=config.pipeline_depth)  # sliding window of batch sizes (§3.4)
+        self.initial: deque[list[Sequence]] = deque()  # the even split at the switch to DECODE
+        self.phase_requests = 0  # requests decoding when the phase began (finish-ratio)
+        self.phase_finished = 0
+        self.num_switches = 0
+
+    # -- Approach 1: AI-based greedy prefill (Algorithm 1) ------------------------------------------------
+    def predicted_len(self, seq: Sequence) -> int:
+        return seq.predicted_output_len if seq.predicted_output_len is not None else seq.max_tokens
+
+    def update_usage(self, seq: Sequence) -> None:
+        """UpdateUsage: add seq's predicted KV (in blocks) at every futurePoint it is predicted to reach."""
+        remaining = self.predicted_len(seq) - seq.num_output_tokens
+        for i, fp in enumerate(self.future_points):
+            if fp <= remaining:
+                self.kv_usage[i] += self.bm.blocks_needed(seq.num_tokens + fp)
+
+    def check_switch(self) -> bool:
+        """CheckSwitch: the predicted peak passes the capacity (or the kv-ratio replacement)."""
+        if self.to_decode[0] == "kv-ratio":
+            return self.bm.usage() >= self.to_decode[1]
+        return max(self.kv_usage, default=0) > self.bm.num_blocks
+
+    def _enter_prefill(self) -> None:
+        self.phase = Phase.PREFILL
+        self.num_switches += 1
+        self.kv_usage = [0] * len(self.future_points)
+        for s in self.running:  # requests carried over from the decode phase
+            self.update_usage(s)
+
+    def _schedule_prefill(self) -> Batch | None:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        seqs, lens = [], []
+        while self.waiting and len(self.running) < cfg.max_num_seqs and not self.check_switch():
+            seq = self.waiting[0]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget or not self.bm.can_allocate(seq, reserve=self.watermark_blocks if self.running else 0):
+                break
+            self.waiting.popleft()
+            self._admit(seq)
+            self.update_usage(seq)
+            seqs.append(seq)
+            lens.append(n)
+            budget -= n
+        if not seqs:
+            return None
+        for s in seqs:
+            s.in_flight = True
+        return Batch(self.next_batch_id(), seqs, lens, is_prefill=True)
+
+    # -- Approach 2: inter-batch work stealing ----------------------------------------------------------------
+    def _enter_decode(self) -> None:
+        self.phase = Phase.DECODE
+        self.num_switches += 1
+        ready = [s for s in self.running if not s.in_flight]
+        pp = self.config.pipeline_depth
+        self.initial = deque(g for g in (ready[i::pp] for i in range(pp)) if g)  # even split
+        self.window.clear()
+        self.phase_requests = len(self.running)
+        self.phase_finished = 0
+
+    def _decode_batch(self) -> list[Sequence]:
+        ready = [s for s in self.running if not s.in_flight and s.num_computed_tokens == s.num_tokens - 1]
+        if self.initial:
+            ids = {s.seq_id for s in ready}
+            group = [s for s in self.initial.popleft() if s.seq_id in ids] or ready
+            chosen = group
+        elif self.config.work_stealing:
+            # the window's average after removing finished requests = live requests over pp batches
+            live = sum(1 for s in self.running if s.num_computed_tokens >= s.num_tokens - 1)
+            target = -(-live // self.config.pipeline_depth)
+            chosen = ready[:target]  # the excess stays withheld for the next, smaller batches
+        else:
+            chosen = ready  # no stealing: each batch keeps whatever survived in it
+        return chosen[: self.config.max_num_seqs]
+
+    # -- Approach 3: spatial-temporal intensity comparison --------------------------------------------------
+    def spatial_intensity(self, batch: int) -> float:
+        """Eq. 1: achieved / peak per-request decode throughput."""
+        c = self.costs
+        achieved = batch / c.decode_time(batch)
+        peak = c.peak_batch / c.decode_time(c.peak_batch)
+        return achieved / peak
+
+    def temporal_intensity(self, batch: int) -> float:
+        """Eq. 2: 1 - bubble / total for a switch now. The pending prefills are the waiting prompts, in
+        batches of max_num_batched_tokens; bubble = longest prefill - current decode step."""
+        c = self.costs
+        batches, cur = [], 0
+        for s in self.waiting:
+            n = s.num_tokens
+            if cur and cur + n > self.config.max_num_batched_tokens:
+                batches.append(cur)
+                cur = 0
+            cur += n
+        if cur:
+            batches.append(cur)
+        if not batches:
+            return 0.0
+        times = [c.prefill_time(t) for t in batches]
+        bubble = max(0.0, max(times) - c.decode_time(batch))
+        total = sum(times) + self.config.pipeline_depth * c.decode_time(batch) + bubble
+        return 1.0 - bubble / total
+
+    def should_prefill(self, batch: int, in_flight: bool = False) -> bool:
+        """Leave DECODE now? `in_flight`: nothing is ready because every decode batch is in the pipeline."""
+        if not self.waiting:
+            return False
+        if not self.running:
+            return True
+        if in_flight:
+            return False
+        if self.to_prefill[0] == "finish-ratio":
+            return self.phase_finished >= self.to_prefill[1] * max(1, self.phase_requests)
+        return self.spatial_intensity(batch) < self.temporal_intensity(batch)
+
+    # -- the policy ---------------------------------------------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        if self.phase is Phase.PREFILL:
+            batch = self._schedule_prefill()
+            if batch is not None:
+                return batch
+            self._enter_decode()  # predicted peak reached, nothing waits, or nothing more fits now
+            return self._schedule_decode(allow_switch=False)
+        return self._schedule_decode(allow_switch=True)
+
+    def _schedule_decode(self, allow_switch: bool) -> Batch | None:
+        ready = self._decode_batch()
+        if allow_switch and not self.initial and self.should_prefill(len(ready), in_flight=not ready):
+            self._enter_prefill()
+            batch = self._schedule_prefill()
+            if batch is not None:
+                return batch
+            self._enter_decode()  # nothing could be prefilled after all: keep decoding
+            ready = self._decode_batch()
+        chosen = self._reserve_decode_slots(ready)
+        if not chosen:
+            return None
+        for s in chosen:
+            s.in_flight = True
+        self.window.append(len(chosen))
+        return Batch(self.next_batch_id(), chosen, [1] * len(chosen), is_prefill=False)
+
+    def on_result(self, batch: Batch) -> None:
+        if not batch.is_prefill:
+            self.phase_finished += sum(1 for s in batch.seqs if s.is_finished)
+        super().on_result(batch)
+        if self.phase is Phase.PREFILL and not self.waiting and not self.running:
+            self.kv_usage = [0] * len(self.future_points)
+
+
+__all__ = ["TDPipeScheduler", "StepCostModel", "Phase", "parse_switch"]

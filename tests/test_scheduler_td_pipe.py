@@ -1,0 +1,161 @@
+"""TD-Pipe (`td-pipe`): Algorithm 1, work stealing (Fig. 9), the intensity switch, and long random runs
+through the pipelined fake executor of the hybrid tests."""
+import random
+
+import pytest
+from test_scheduler_hybrid import _check_all_finished, mkseq, run_pipelined
+
+from tdpipe.config import SchedulerConfig
+from tdpipe.core.block_manager import BlockManager
+from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
+from tdpipe.core.scheduler.td_pipe import Phase, StepCostModel
+
+
+def make(num_blocks=256, block_size=4, max_seqs=64, depth=2, budget=64, **kw):
+    bm = BlockManager(num_blocks, block_size)
+    cfg = SchedulerConfig(policy="td-pipe", max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          max_model_len=4096, pipeline_depth=depth, **kw)
+    return make_scheduler(cfg, bm), bm
+
+
+def test_registered_with_future_points():
+    sched, _ = make(future_point_step=32, future_point_max=1024)
+    assert isinstance(sched, TDPipeScheduler)
+    assert sched.future_points[:3] == [32, 64, 96] and sched.future_points[-1] == 1024
+
+
+@pytest.mark.parametrize("field,value", [("switch_to_decode", "kv-ratio:2"), ("switch_to_decode", "finish-ratio:0.5"),
+                                         ("switch_to_prefill", "kv-ratio:0.5"), ("switch_to_prefill", "bogus")])
+def test_bad_switch_rules_name_the_flag(field, value):
+    with pytest.raises(ValueError, match=field):
+        make(**{field: value})
+
+
+def test_algorithm1_update_usage_and_check_switch():
+    # 100 blocks of 4 tokens; futurePoints 4, 8, 12
+    sched, bm = make(num_blocks=100, block_size=4, future_point_step=4, future_point_max=12)
+    s = mkseq(0, 10, 9)
+    s.predicted_output_len = 9
+    sched.update_usage(s)  # reaches 4 and 8, not 12: blocks for 14 and 18 tokens
+    assert sched.kv_usage == [4, 5, 0]
+    assert not sched.check_switch()
+    sched.kv_usage[1] = 101
+    assert sched.check_switch()
+
+
+def test_greedy_prefill_admits_past_current_capacity_by_prediction():
+    # prompts of 8 tokens predicted to stop after 4: the peak stays low, so prefill keeps going until
+    # nothing waits, even though max_tokens (64) would not fit
+    sched, bm = make(num_blocks=40, block_size=4, future_point_step=4, future_point_max=64, budget=16)
+    for i in range(10):
+        s = mkseq(i, 8, 64)
+        s.predicted_output_len = 4
+        sched.add(s)
+    batches = []
+    while sched.phase is Phase.PREFILL:
+        b = sched.schedule()
+        if b is None:
+            break
+        batches.append(b)
+    assert sum(len(b) for b in batches if b.is_prefill) == 10
+
+
+def test_work_stealing_replays_figure_9():
+    # 512 requests in 4 batches of 128; batch 0 finishes 48, batch 1 finishes 8 (TD-Pipe Fig. 9)
+    sched, bm = make(num_blocks=20000, block_size=16, max_seqs=512, depth=4, budget=1 << 16)
+    seqs = [mkseq(i, 4, 1000) for i in range(512)]
+    for s in seqs:
+        s.predicted_output_len = 100  # the predicted peak fits: all 512 are prefilled before decoding
+        sched.add(s)
+    b = sched.schedule()  # one prefill batch of all 512
+    assert b.is_prefill and len(b) == 512
+    for s in b.seqs:
+        s.num_computed_tokens += 4
+        s.output_token_ids.append(7)
+    sched.on_result(b)
+    batches = [sched.schedule() for _ in range(4)]
+    assert [len(x) for x in batches] == [128] * 4 and sched.phase is Phase.DECODE
+
+    def finish(batch, k):
+        for s in batch.seqs[:k]:
+            s.status = s.status.FINISHED
+        for s in batch.seqs:
+            s.num_computed_tokens += 1
+            s.output_token_ids.append(7)
+        sched.on_result(batch)
+
+    finish(batches[0], 48)
+    nb0 = sched.schedule()
+    assert len(nb0) == 80  # below the average of 116 (464 / 4): all 80 resubmitted
+    finish(batches[1], 8)
+    nb1 = sched.schedule()
+    assert len(nb1) == 114  # average now 456 / 4 = 114: 6 requests stolen from batch 1
+    finish(batches[2], 0)
+    nb2 = sched.schedule()
+    finish(batches[3], 0)
+    nb3 = sched.schedule()
+    assert len(nb2) == len(nb3) == 114
+    finish(nb0, 0)
+    nb4 = sched.schedule()
+    assert len(nb4) == 114  # the stolen requests fill batch 0 back up: balanced within the next round
+
+
+def test_no_work_stealing_keeps_batches_as_they_are():
+    sched, bm = make(num_blocks=20000, block_size=16, max_seqs=512, depth=4, budget=1 << 16, work_stealing=False)
+    for i in range(512):
+        s = mkseq(i, 4, 1000)
+        s.predicted_output_len = 100
+        sched.add(s)
+    b = sched.schedule()
+    for s in b.seqs:
+        s.num_computed_tokens += 4
+        s.output_token_ids.append(7)
+    sched.on_result(b)
+    batches = [sched.schedule() for _ in range(4)]
+    for s in batches[0].seqs[:48]:
+        s.status = s.status.FINISHED
+    for s in batches[0].seqs:
+        s.num_computed_tokens += 1
+        s.output_token_ids.append(7)
+    sched.on_result(batches[0])
+    assert len(sched.schedule()) == 80
+
+
+def test_intensities():
+    sched, bm = make(budget=1000)
+    c = StepCostModel(d0=0.01, d1=0.001, p0=0.0, p1=0.001, peak_batch=256)
+    sched.costs = c
+    assert sched.spatial_intensity(256) == pytest.approx(1.0)
+    assert sched.spatial_intensity(16) < sched.spatial_intensity(64) < 1.0
+    assert sched.temporal_intensity(16) == 0.0  # nothing waits: no prefill to switch to
+    for i in range(4):
+        sched.add(mkseq(i, 500, 10))  # 2000 tokens -> batches of 1000 and 1000: 1 s each
+    t = sched.temporal_intensity(16)
+    bubble = 1.0 - c.decode_time(16)
+    assert t == pytest.approx(1 - bubble / (2.0 + 2 * c.decode_time(16) + bubble))
+
+
+@pytest.mark.parametrize("rules", [{}, {"switch_to_decode": "kv-ratio:0.5"}, {"switch_to_prefill": "finish-ratio:0.3"},
+                                   {"work_stealing": False}])
+def test_random_stress_every_request_finishes_exactly_once(rules):
+    rng = random.Random(7)
+    total = switches = 0
+    for _ in range(8):
+        depth = rng.randint(1, 4)
+        block_size = rng.choice([4, 16])
+        num_blocks = rng.randint(16, 120)
+        cap = num_blocks * block_size
+        sched, bm = make(num_blocks=num_blocks, block_size=block_size, max_seqs=rng.randint(2, 32), depth=depth,
+                         budget=max(64, cap), future_point_step=8, future_point_max=256, **rules)
+        seqs = []
+        for i in range(rng.randint(40, 120)):
+            p = rng.randint(1, min(60, cap // 2))
+            s = mkseq(i, p, rng.randint(1, min(60, cap - p)))
+            s.predicted_output_len = max(1, int(s.max_tokens * rng.uniform(0.5, 1.5)))  # an imperfect predictor
+            seqs.append(s)
+        p_arrive = rng.choice([0.3, 1.0])
+        log = run_pipelined(sched, bm, seqs, depth=depth, arrivals=lambda step, p=p_arrive: rng.random() < p)
+        _check_all_finished(log, seqs, bm)
+        total += len(log.batches)
+        switches += sched.num_switches
+    assert total > 500 and switches > 8

@@ -38,3 +38,27 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def save_random_qwen2(d, bundled_path: str):
+    """A random 3-layer Qwen2 (GQA 4/2, untied, non-zero q/k/v biases so bias loading is exercised), saved
+    sharded in `d` (exercises the safetensors index) with the bundled tokenizer. Returns the HF model."""
+    import shutil
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, rope_theta=10000.0, initializer_range=0.1,
+                      eos_token_id=2, bos_token_id=1)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    model.save_pretrained(d, max_shard_size="2MB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{bundled_path}/{f}", d / f)
+    return model

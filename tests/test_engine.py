@@ -1,11 +1,10 @@
 """End-to-end correctness on real models, with Hugging Face transformers as the oracle."""
 import json
-import shutil
 
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, save_random_qwen2
 from tdpipe import LLM, SamplingParams
 
 PROMPTS = [
@@ -49,22 +48,8 @@ def test_greedy_parity_under_preemption(bundled_path, hf_fp32):
 
 @pytest.fixture(scope="module")
 def qwen2_folder(tmp_path_factory, bundled_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, rope_theta=10000.0, initializer_range=0.1,
-                      eos_token_id=2, bos_token_id=1)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-zero biases so q/k/v bias loading is exercised
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.1)
     d = tmp_path_factory.mktemp("qwen2")
-    model.save_pretrained(d, max_shard_size="2MB")  # sharded: exercises the safetensors index
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{bundled_path}/{f}", d / f)
+    model = save_random_qwen2(d, bundled_path)
     assert (d / "model.safetensors.index.json").exists()
     return str(d), model
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, save_random_qwen2
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.executor.pipeline import PipelineError
@@ -163,24 +163,8 @@ def test_throttle_small_prefill_budget(pp, pp1_tokens):
 
 @pytest.fixture(scope="module")
 def qwen2_folder(tmp_path_factory, bundled_path):
-    """A random 3-layer Qwen2 with q/k/v biases, saved sharded (the same builder as test_engine.py)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, rope_theta=10000.0, initializer_range=0.1,
-                      eos_token_id=2, bos_token_id=1)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.1)
     d = tmp_path_factory.mktemp("qwen2_pp")
-    model.save_pretrained(d, max_shard_size="2MB")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{bundled_path}/{f}", d / f)
-    return str(d), model
+    return str(d), save_random_qwen2(d, bundled_path)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,20 @@ class SeparateScheduler(Scheduler):
             return prefill
         return self._schedule_decode()
 
+    # -- hooks for policies built on whole-prompt prefill batches (td-pipe) --------------------------------
+    def prefill_closed(self) -> bool:
+        """Stop adding prompts to the prefill batch being formed."""
+        return False
+
+    def on_prefill_admit(self, seq) -> None:
+        """A prompt joined the prefill batch being formed."""
+
     def _schedule_prefill(self) -> Batch | None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         seqs, lens = [], []
         num_running = len(self.running)
-        while self.waiting and num_running + len(seqs) < cfg.max_num_seqs:
+        while self.waiting and num_running + len(seqs) < cfg.max_num_seqs and not self.prefill_closed():
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget:
@@ -26,6 +34,7 @@ class SeparateScheduler(Scheduler):
                 break
             self.waiting.popleft()
             self._admit(seq)
+            self.on_prefill_admit(seq)
             seqs.append(seq)
             lens.append(n)
             budget -= n

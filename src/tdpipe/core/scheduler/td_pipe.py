@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.batch import Batch
 from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.scheduler.base import Scheduler
+from tdpipe.core.scheduler.separate import SeparateScheduler
 from tdpipe.sequence import Sequence
 
 
@@ -68,7 +68,7 @@ def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
     return kind, r
 
 
-class TDPipeScheduler(Scheduler):
+class TDPipeScheduler(SeparateScheduler):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  costs: StepCostModel | None = None) -> None:
         super().__init__(config, block_manager)
@@ -109,26 +109,12 @@ class TDPipeScheduler(Scheduler):
         for s in self.running:  # requests carried over from the decode phase
             self.update_usage(s)
 
-    def _schedule_prefill(self) -> Batch | None:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        seqs, lens = [], []
-        while self.waiting and len(self.running) < cfg.max_num_seqs and not self.check_switch():
-            seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget or not self.bm.can_allocate(seq, reserve=self.watermark_blocks if self.running else 0):
-                break
-            self.waiting.popleft()
-            self._admit(seq)
-            self.update_usage(seq)
-            seqs.append(seq)
-            lens.append(n)
-            budget -= n
-        if not seqs:
-            return None
-        for s in seqs:
-            s.in_flight = True
-        return Batch(self.next_batch_id(), seqs, lens, is_prefill=True)
+    # whole-prompt prefill batches come from SeparateScheduler, with Algorithm 1 hooked in
+    def prefill_closed(self) -> bool:
+        return self.check_switch()
+
+    def on_prefill_admit(self, seq: Sequence) -> None:
+        self.update_usage(seq)
 
     # -- Approach 2: inter-batch work stealing ----------------------------------------------------------------
     def _enter_decode(self) -> None:
@@ -231,4 +217,4 @@ class TDPipeScheduler(Scheduler):
             self.kv_usage = [0] * len(self.future_points)
 
 
-__all__ = ["TDPipeScheduler", "StepCostModel", "Phase", "parse_switch"]
+__all__ = ["Phase", "StepCostModel", "TDPipeScheduler", "parse_switch"]

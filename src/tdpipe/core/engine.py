@@ -117,7 +117,7 @@ class LLMEngine:
         par = self.config.parallel
         costs = None
         if self.pp > 1 and par.layer_partition is None:
-            # balance by measured time on a typical decode micro-batch, not by layer count or FLOPs
+            # balance by measured time (a decode micro-batch and a prefill), not by layer count or FLOPs
             batch = max(8, min(128, self.scheduler.config.max_num_seqs // self.pp))
             costs = StageCosts.measure(self.model_config, self.dtype, par.stage_threads(), batch=batch)
         self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition, costs)
@@ -210,17 +210,16 @@ class LLMEngine:
         n_decode = sum(1 for s, n in zip(seqs, batch.num_new_tokens) if n == 1 and s.num_computed_tokens > 0)
         for seq, n in zip(seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-        # a prefill chunk that does not reach the end of the prompt samples nothing (hybrid policy)
+        # a prefill chunk that does not reach the end of the prompt samples nothing (chunked policies)
         rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens == s.num_tokens]
-        if len(rows) < len(seqs):
-            seqs = [seqs[i] for i in rows]
-        if not seqs:
-            tokens: list[int] = []
-        elif result.token_ids is not None:
-            tokens = [result.token_ids[i] for i in rows] if len(rows) < len(batch.seqs) else result.token_ids
+        every = len(rows) == len(seqs)
+        seqs = [seqs[i] for i in rows]
+        if result.token_ids is not None:
+            tokens = [result.token_ids[i] for i in rows]
+        elif rows:  # no copy of the logits unless some rows are dropped
+            tokens = self._sample(seqs, result.logits if every else result.logits[rows])
         else:
-            logits = result.logits if len(rows) == len(batch.seqs) else result.logits[rows]
-            tokens = self._sample(seqs, logits)
+            tokens = []
         now = time.perf_counter()
         finished = []
         for seq, tok in zip(seqs, tokens):

@@ -1,7 +1,7 @@
 """Messages between the engine (rank 0) and the stage workers: small, pickled, no tensors."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tdpipe.core.block_sync import Delta
 
@@ -45,4 +45,3 @@ class StepMessage:
     greedy: bool  # all rows greedy: the last stage returns argmax ids, not logits (SiPipe §5.1)
     shape: tuple[int, int] = (0, 0)  # (prefill tokens, decode sequences), for the trace
     sent_at: float = 0.0
-    extra: dict = field(default_factory=dict)

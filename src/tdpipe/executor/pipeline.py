@@ -11,7 +11,6 @@ exit code and kills the rest, so nothing hangs and nothing is left behind.
 """
 from __future__ import annotations
 
-import logging
 import os
 import select
 import subprocess
@@ -29,8 +28,6 @@ from tdpipe.executor import messages as m
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.executor.transport import (Transport, serve_rendezvous, tensor_tag, torchrun_env,
                                        torchrun_rendezvous)
-
-log = logging.getLogger("tdpipe")
 
 
 class PipelineError(RuntimeError):

@@ -36,8 +36,10 @@ def test_algorithm1_update_usage_and_check_switch():
     sched, bm = make(num_blocks=100, block_size=4, future_point_step=4, future_point_max=12)
     s = mkseq(0, 10, 9)
     s.predicted_output_len = 9
-    sched.update_usage(s)  # reaches 4 and 8, not 12: blocks for 14 and 18 tokens
-    assert sched.kv_usage == [4, 5, 0]
+    sched.update_usage(s)  # 14 and 18 tokens at points 4 and 8; still decoding after 8, up to 19 tokens
+    assert sched.kv_usage == [4, 5, 5]
+    s.predicted_output_len = 8  # finishes exactly at point 8: nothing in (8, 12]
+    assert sched.seq_usage(s) == [4, 5, 0]
     assert not sched.check_switch()
     sched.kv_usage[1] = 101
     assert sched.check_switch()
@@ -122,7 +124,7 @@ def test_no_work_stealing_keeps_batches_as_they_are():
 
 
 def test_intensities():
-    sched, bm = make(budget=1000)
+    sched, bm = make(num_blocks=1000, budget=1000)
     c = StepCostModel(d0=0.01, d1=0.001, p0=0.0, p1=0.001, peak_batch=256)
     sched.costs = c
     assert sched.spatial_intensity(256) == pytest.approx(1.0)
@@ -133,6 +135,19 @@ def test_intensities():
     t = sched.temporal_intensity(16)
     bubble = 1.0 - c.decode_time(16)
     assert t == pytest.approx(1 - bubble / (2.0 + 2 * c.decode_time(16) + bubble))
+
+
+def test_pending_prefills_are_what_the_next_phase_would_admit():
+    # 256 blocks of 4 tokens = 1024 tokens: Algorithm 1 (and today's free KV) admit only one 500-token prompt
+    # predicted to run 10 steps (its 510 tokens at futurePoints 8 and... are under capacity; two would pass)
+    sched, bm = make(num_blocks=256, budget=1000, future_point_step=8, future_point_max=64)
+    for i in range(4):
+        sched.add(mkseq(i, 500, 10))
+    assert sched.pending_prefills() == [1000]  # two prompts fit today's 1024 free tokens (2 x 125 blocks)
+    for s in list(sched.waiting):
+        s.predicted_output_len = 40  # now two requests' predicted KV at step 8..40 passes 256 blocks
+    sched._plan_key = None
+    assert sched.pending_prefills() == [500]
 
 
 @pytest.mark.parametrize("rules", [{}, {"switch_to_decode": "kv-ratio:0.5"}, {"switch_to_prefill": "finish-ratio:0.3"},

@@ -145,6 +145,8 @@ class SchedulerConfig:
     switch_to_decode: str = "predict"
     switch_to_prefill: str = "intensity"
     work_stealing: bool = True
+    predictor: str = "auto"  # output lengths for Algorithm 1: auto | oracle | constant[:N] (core/predictor.py)
+    profile_cache: bool = True  # td-pipe: reuse the start-up step-cost profile (core/step_profile.py)
 
     POLICIES = ("separate", "hybrid", "throttle", "td-pipe")
     # separate: the most prompt tokens in one prefill batch (vLLM's default);
@@ -169,6 +171,8 @@ class SchedulerConfig:
         _check(1 <= self.future_point_step <= self.future_point_max,
                f"future_point_step must be in [1, future_point_max={self.future_point_max}], "
                f"got {self.future_point_step}")
+        from tdpipe.core.predictor import make_predictor
+        make_predictor(self.predictor)  # raises ValueError naming 'predictor'
 
 
 @dataclass

@@ -20,7 +20,8 @@ import torch
 from tdpipe.config import EngineConfig, ModelConfig, cpu_supports_bf16, default_threads
 from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.scheduler import make_scheduler
+from tdpipe.core.predictor import make_predictor
+from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.model.weights import load_hf_config
 from tdpipe.sampling.params import SamplingParams
@@ -86,7 +87,8 @@ class LLMEngine:
             sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, sched.max_model_len)
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
-        self.scheduler = make_scheduler(sched, self.block_manager)
+        self.predictor = make_predictor(sched.predictor)
+        self.scheduler = make_scheduler(sched, self.block_manager, predictor=self.predictor)
         self.executor = self._make_executor(num_blocks)
         self.sampler = Sampler()
         self._seq_ids = itertools.count()
@@ -98,6 +100,10 @@ class LLMEngine:
         self.engine_trace: list[dict] = []  # per micro-batch: submit and result times
         self._stage_events: list[list[dict]] = [[] for _ in range(self.pp)]
         torch.manual_seed(config.seed)
+        if isinstance(self.scheduler, TDPipeScheduler) and self.scheduler.to_prefill[0] == "intensity":
+            from tdpipe.core.step_profile import load_or_measure
+
+            self.scheduler.costs = load_or_measure(self, sched.profile_cache)  # Eq. 1-2 on measured costs
 
     def _eos_ids(self, hf: dict[str, Any]) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -230,6 +236,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = now
                 self._generators.pop(seq.seq_id, None)
+                self.predictor.observe(seq)
                 finished.append(seq)
         if n_decode == len(batch.seqs):
             self.stats.decode_steps += 1

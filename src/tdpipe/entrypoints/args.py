@@ -45,8 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded random sampling")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one micro-batch (default: 8192 for separate = most prompt tokens in a "
-                        "prefill batch; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + prefill chunks)")
+                   help="token budget of one micro-batch (default: 8192 for separate and td-pipe = most prompt "
+                        "tokens in a prefill batch; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + "
+                        "prefill chunks; 2304 for throttle = a ceiling of #MaxP + 256 decodes, Eq. 3 sizes each "
+                        "batch)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (PagedAttention)")
     g.add_argument("--kv-cache-memory", type=_memory, default=None,
@@ -71,6 +73,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'finish-ratio:R', switch once R of the phase's requests finished (§4.4.3 ablation)")
     g.add_argument("--no-work-stealing", action="store_true",
                    help="td-pipe: turn off Approach 2, inter-batch work stealing (§3.4; §4.4.2 ablation)")
+    g.add_argument("--predictor", default="auto",
+                   help="td-pipe: output-length predictor for Algorithm 1 (§3.3): 'oracle' = max_tokens (the true "
+                        "length under ignore_eos), 'constant' = mean of the outputs recorded so far, "
+                        "'constant:N', or 'auto' = oracle for ignore_eos requests, else constant")
+    g.add_argument("--no-profile-cache", action="store_true",
+                   help="td-pipe: measure the step costs for the intensity switch (Eq. 1-2) at start-up even if "
+                        "a cached profile exists (cache: $TDPIPE_CACHE_DIR or ~/.cache/tdpipe)")
     g.add_argument("--throttle-T", type=float, default=8.0,
                    help="throttle: #T, spread the waiting prefill tokens #WP over this many batches (Eq. 3)")
     g.add_argument("--max-prefill-tokens", type=int, default=2048,
@@ -104,7 +113,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 throttle_T=a.throttle_T, max_prefill_tokens=a.max_prefill_tokens,
                 min_prefill_tokens=a.min_prefill_tokens, kv_thresh=a.kv_thresh,
                 future_points=_future_points(a.future_points), switch_to_decode=a.switch_to_decode,
-                switch_to_prefill=a.switch_to_prefill, work_stealing=not a.no_work_stealing)
+                switch_to_prefill=a.switch_to_prefill, work_stealing=not a.no_work_stealing,
+                predictor=a.predictor, profile_cache=not a.no_profile_cache)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

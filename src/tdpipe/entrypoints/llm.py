@@ -30,7 +30,8 @@ class LLM:
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
     (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
-    work_stealing: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
+    work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]'), profile_cache: TD-Pipe's knobs and
+    ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
@@ -43,7 +44,8 @@ class LLM:
                  device: str = "cpu", trace: str | None = None, throttle_T: float = 8.0,
                  max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05,
                  future_points: tuple[int, int] = (32, 1024), switch_to_decode: str = "predict",
-                 switch_to_prefill: str = "intensity", work_stealing: bool = True) -> None:
+                 switch_to_prefill: str = "intensity", work_stealing: bool = True, predictor: str = "auto",
+                 profile_cache: bool = True) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
@@ -54,7 +56,8 @@ class LLM:
                                       min_prefill_tokens=min_prefill_tokens, kv_thresh=kv_thresh,
                                       future_point_step=future_points[0], future_point_max=future_points[1],
                                       switch_to_decode=switch_to_decode, switch_to_prefill=switch_to_prefill,
-                                      work_stealing=work_stealing),
+                                      work_stealing=work_stealing, predictor=predictor,
+                                      profile_cache=profile_cache),
             parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size, layer_partition=layer_partition,
                                     threads_per_stage=threads_per_stage, device=device),
         )

@@ -8,7 +8,9 @@ POLICIES: dict[str, type[Scheduler]] = {"separate": SeparateScheduler, "hybrid":
                                         "throttle": ThrottleScheduler, "td-pipe": TDPipeScheduler}
 
 
-def make_scheduler(config, block_manager) -> Scheduler:
+def make_scheduler(config, block_manager, predictor=None) -> Scheduler:
+    if config.policy == "td-pipe":
+        return TDPipeScheduler(config, block_manager, predictor=predictor)
     return POLICIES[config.policy](config, block_manager)
 
 

@@ -13,8 +13,8 @@ class SeparateScheduler(Scheduler):
         return self._schedule_decode()
 
     # -- hooks for policies built on whole-prompt prefill batches (td-pipe) --------------------------------
-    def prefill_closed(self) -> bool:
-        """Stop adding prompts to the prefill batch being formed."""
+    def prefill_closed(self, seq) -> bool:
+        """Stop adding prompts to the prefill batch being formed (seq: the next candidate)."""
         return False
 
     def on_prefill_admit(self, seq) -> None:
@@ -25,10 +25,10 @@ class SeparateScheduler(Scheduler):
         budget = cfg.max_num_batched_tokens
         seqs, lens = [], []
         num_running = len(self.running)
-        while self.waiting and num_running + len(seqs) < cfg.max_num_seqs and not self.prefill_closed():
+        while self.waiting and num_running + len(seqs) < cfg.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
+            if n > budget or self.prefill_closed(seq):
                 break
             if not self.bm.can_allocate(seq, reserve=self.watermark_blocks if self.running or seqs else 0):
                 break

@@ -13,19 +13,20 @@ micro-batches that cycle through the pipeline.
     (achieved / peak per-request decode throughput at the current batch size, Eq. 1) drops below the
     temporal intensity (1 - bubble / total of switching now, Eq. 2). Replacement: `finish-ratio:R`
     (switch once R of the phase's requests finished).
-Predicted output lengths come from `Sequence.predicted_output_len` (set by the engine's predictor; the
-request's max_tokens when unset). Step costs come from a `StepCostModel` (profiled by the engine).
-Pure Python.
+Predicted output lengths come from a `Predictor` (core/predictor.py; kept in `Sequence.predicted_output_len`
+once asked). Step costs come from a `StepCostModel`, profiled on the real executor at start-up
+(core/step_profile.py). Pure Python.
 """
 from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.batch import Batch
 from tdpipe.core.block_manager import BlockManager
+from tdpipe.core.predictor import AutoPredictor, Predictor
 from tdpipe.core.scheduler.separate import SeparateScheduler
 from tdpipe.sequence import Sequence
 
@@ -45,12 +46,33 @@ class StepCostModel:
     p0: float = 0.010
     p1: float = 0.0002
     peak_batch: int = 256  # "a sufficiently large batch size" for Peak (Eq. 1)
+    source: str = "default"  # where the numbers come from: "default", "profile" or the cache file
+    points: dict = field(default_factory=dict)  # the measured (size, seconds) pairs behind the fit
+
+    @classmethod
+    def fit(cls, decode: list[tuple[int, float]], prefill: list[tuple[int, float]], peak_batch: int,
+            source: str = "profile") -> "StepCostModel":
+        """Least-squares lines through (batch size, s) and (tokens, s); slopes and intercepts kept >= 0."""
+        d0, d1 = _line(decode)
+        p0, p1 = _line(prefill)
+        return cls(d0, d1, p0, p1, peak_batch, source, {"decode": decode, "prefill": prefill})
 
     def decode_time(self, batch: int) -> float:
         return self.d0 + self.d1 * batch
 
     def prefill_time(self, tokens: int) -> float:
         return self.p0 + self.p1 * tokens
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    if len(points) < 2:
+        raise ValueError("a step-cost fit needs at least two points")
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / var) if var else 0.0
+    return max(0.0, my - slope * mx), slope
 
 
 def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
@@ -70,9 +92,10 @@ def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
 
 class TDPipeScheduler(SeparateScheduler):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 costs: StepCostModel | None = None) -> None:
+                 costs: StepCostModel | None = None, predictor: Predictor | None = None) -> None:
         super().__init__(config, block_manager)
         self.costs = costs or StepCostModel()
+        self.predictor = predictor or AutoPredictor()
         self.to_decode = parse_switch(config.switch_to_decode, "predict", "switch_to_decode")
         self.to_prefill = parse_switch(config.switch_to_prefill, "intensity", "switch_to_prefill")
         step, top = config.future_point_step, config.future_point_max
@@ -84,23 +107,47 @@ class TDPipeScheduler(SeparateScheduler):
         self.phase_requests = 0  # requests decoding when the phase began (finish-ratio)
         self.phase_finished = 0
         self.num_switches = 0
+        self._plan_key: tuple[int, int, int] | None = None  # cache of the pending-prefill plan (Eq. 2)
+        self._plan: list[int] = []
 
     # -- Approach 1: AI-based greedy prefill (Algorithm 1) ------------------------------------------------
     def predicted_len(self, seq: Sequence) -> int:
-        return seq.predicted_output_len if seq.predicted_output_len is not None else seq.max_tokens
+        """Predicted output length (asked once per request, kept on the sequence)."""
+        if seq.predicted_output_len is None:
+            seq.predicted_output_len = self.predictor.predict(seq)
+        return seq.predicted_output_len
 
-    def update_usage(self, seq: Sequence) -> None:
+    def seq_usage(self, seq: Sequence) -> list[int]:
+        """seq's predicted KV in blocks at each futurePoint. Each point stands for the steps since the previous
+        one: a request still decoding anywhere in (previous point, point] counts with its largest KV there.
+        Reading only the points themselves misses the peak between them (requests that finish just after
+        a point still grow until then), which preempts under tight caches even with exact lengths."""
+        # a request that outlives its prediction is assumed to finish within the next step
+        remaining = max(self.predicted_len(seq) - seq.num_output_tokens, 1)
+        out, prev = [], 0
+        for fp in self.future_points:
+            out.append(self.bm.blocks_needed(seq.num_tokens + min(fp, remaining)) if remaining > prev else 0)
+            prev = fp
+        return out
+
+    def update_usage(self, seq: Sequence, usage: list[int] | None = None) -> None:
         """UpdateUsage: add seq's predicted KV (in blocks) at every futurePoint it is predicted to reach."""
-        remaining = self.predicted_len(seq) - seq.num_output_tokens
-        for i, fp in enumerate(self.future_points):
-            if fp <= remaining:
-                self.kv_usage[i] += self.bm.blocks_needed(seq.num_tokens + fp)
+        usage = self.kv_usage if usage is None else usage
+        for i, b in enumerate(self.seq_usage(seq)):
+            usage[i] += b
 
     def check_switch(self) -> bool:
         """CheckSwitch: the predicted peak passes the capacity (or the kv-ratio replacement)."""
         if self.to_decode[0] == "kv-ratio":
             return self.bm.usage() >= self.to_decode[1]
         return max(self.kv_usage, default=0) > self.bm.num_blocks
+
+    def would_overflow(self, seq: Sequence, usage: list[int], used_blocks: int) -> bool:
+        """Admitting seq would pass the capacity: its predicted peak (Algorithm 1) or the kv-ratio."""
+        if self.to_decode[0] == "kv-ratio":
+            return used_blocks / max(1, self.bm.num_blocks) >= self.to_decode[1]
+        add = self.seq_usage(seq)
+        return max((u + a for u, a in zip(usage, add)), default=0) > self.bm.num_blocks
 
     def _enter_prefill(self) -> None:
         self.phase = Phase.PREFILL
@@ -109,9 +156,13 @@ class TDPipeScheduler(SeparateScheduler):
         for s in self.running:  # requests carried over from the decode phase
             self.update_usage(s)
 
-    # whole-prompt prefill batches come from SeparateScheduler, with Algorithm 1 hooked in
-    def prefill_closed(self) -> bool:
-        return self.check_switch()
+    # whole-prompt prefill batches come from SeparateScheduler, with Algorithm 1 hooked in. The check looks
+    # one request ahead: a request is admitted only if the predicted peak stays within the capacity, so a
+    # correct prediction never preempts. One request is always admitted into an empty engine (progress).
+    def prefill_closed(self, seq: Sequence) -> bool:
+        if not self.running:
+            return False
+        return self.would_overflow(seq, self.kv_usage, self.bm.num_used_blocks)
 
     def on_prefill_admit(self, seq: Sequence) -> None:
         self.update_usage(seq)
@@ -150,19 +201,39 @@ class TDPipeScheduler(SeparateScheduler):
         peak = c.peak_batch / c.decode_time(c.peak_batch)
         return achieved / peak
 
-    def temporal_intensity(self, batch: int) -> float:
-        """Eq. 2: 1 - bubble / total for a switch now. The pending prefills are the waiting prompts, in
-        batches of max_num_batched_tokens; bubble = longest prefill - current decode step."""
-        c = self.costs
-        batches, cur = [], 0
+    def pending_prefills(self) -> list[int]:
+        """Token counts of the prefill batches a switch now would run: Algorithm 1 (or the kv-ratio rule)
+        simulated from the current state over the waiting queue, as the next prefill phase would admit them
+        (within today's free KV too). Recomputed only when the running or waiting set changes."""
+        key = (len(self.running), len(self.waiting), self.phase_finished)
+        if key == self._plan_key:
+            return self._plan
+        usage = [0] * len(self.future_points)
+        for s in self.running:
+            self.update_usage(s, usage)
+        used, free = self.bm.num_used_blocks, self.bm.num_free_blocks - self.watermark_blocks
+        batches, cur, n_seqs = [], 0, len(self.running)
         for s in self.waiting:
-            n = s.num_tokens
-            if cur and cur + n > self.config.max_num_batched_tokens:
+            need = self.bm.blocks_needed(s.num_tokens)
+            if (n_seqs >= self.config.max_num_seqs or need > free
+                    or (n_seqs and self.would_overflow(s, usage, used))):
+                break
+            self.update_usage(s, usage)
+            used, free, n_seqs = used + need, free - need, n_seqs + 1
+            if cur and cur + s.num_tokens > self.config.max_num_batched_tokens:
                 batches.append(cur)
                 cur = 0
-            cur += n
+            cur += s.num_tokens
         if cur:
             batches.append(cur)
+        self._plan_key, self._plan = key, batches
+        return batches
+
+    def temporal_intensity(self, batch: int) -> float:
+        """Eq. 2: 1 - bubble / total for a switch now. bubble = longest pending prefill - current decode step;
+        total = the pending prefills + one decode step per batch + bubble."""
+        c = self.costs
+        batches = self.pending_prefills()
         if not batches:
             return 0.0
         times = [c.prefill_time(t) for t in batches]

@@ -147,6 +147,29 @@ def test_td_pipe_phases(pp, pp1_tokens):
         llm.engine.block_manager.check_no_leaks()
 
 
+def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch):
+    """Eq. 1-2 run on costs measured through the real stages at start-up; the second start reads the cache."""
+    monkeypatch.setenv("TDPIPE_CACHE_DIR", str(tmp_path))
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="td-pipe", pipeline_parallel_size=2) as llm:
+        costs = llm.engine.scheduler.costs
+        assert costs.source == "profile"
+        dec, pre = costs.points["decode"], costs.points["prefill"]
+        assert len(dec) >= 3 and len(pre) >= 3 and costs.peak_batch == dec[-1][0]
+        assert costs.d1 > 0 and costs.p1 > 0  # bigger batches take longer
+        assert pre[-1][1] > pre[0][1]
+        llm.engine.block_manager.check_no_leaks()  # the dummy requests gave their KV back
+        outs = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
+        assert all(o.outputs[0].token_ids for o in outs)
+    files = list(tmp_path.glob("step-profile-*.json"))
+    assert len(files) == 1
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="td-pipe", pipeline_parallel_size=2) as llm:
+        again = llm.engine.scheduler.costs
+        assert again.source == str(files[0]) and again.d1 == costs.d1 and again.p1 == costs.p1
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="td-pipe",
+             switch_to_prefill="finish-ratio:0.5") as llm:
+        assert llm.engine.scheduler.costs.source == "default"  # the ablation needs no profile
+
+
 @pytest.mark.parametrize("pp", [1, 2])
 def test_throttle_small_prefill_budget(pp, pp1_tokens):
     # gLLM Token Throttling with #MaxP = 16, #MinP = 4: prompts arrive in Eq. 3-sized chunks

@@ -217,6 +217,9 @@ def run(a: argparse.Namespace) -> int:
         "prefill_steps": s["prefill_steps"],
         "decode_steps": s["decode_steps"],
         "mixed_steps": s["mixed_steps"],
+        "phase_switches": s["phase_switches"],  # td-pipe: PREFILL <-> DECODE switches
+        "kv_blocks": engine.block_manager.num_blocks,
+        "kv_capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
         "pp": engine.pp,
         "policy": engine.scheduler.config.policy,
         "layer_partition": [b - a_ for a_, b in engine.partition],
@@ -224,6 +227,7 @@ def run(a: argparse.Namespace) -> int:
         "bubble_ratio": timed["summary"]["bubble_ratio"],
         "bubble_ratio_per_stage": timed["summary"]["bubble_ratio_per_stage"],
         "decode_bubble_ratio": timed["summary"]["decode_bubble_ratio"],
+        "step_costs": _step_costs(engine),
         "peak_gflops": peak,
         "model_flops": asdict(flops) | {"total": flops.total},
         "mfu_formula": MFU_FORMULA,
@@ -261,6 +265,14 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _step_costs(engine: Any) -> dict[str, Any] | None:
+    """td-pipe: the step-cost lines behind Eq. 1-2 and where they came from (profile, cache, default)."""
+    c = getattr(engine.scheduler, "costs", None)
+    if c is None:
+        return None
+    return {"d0": c.d0, "d1": c.d1, "p0": c.p0, "p1": c.p1, "peak_batch": c.peak_batch, "source": c.source}
+
+
 def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
     """Warm up (kernel JIT, allocator, worker start-up stay out of the timing), then run the whole workload
     at once; returns the elapsed time, outputs, step counts and the trace summary (bubble ratios)."""
@@ -270,13 +282,16 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
     warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2]]
     llm.generate(warm, [_params(2) for _ in warm], use_tqdm=False)
     st = engine.stats
-    before = (engine.scheduler.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps)
+    sched = engine.scheduler
+    before = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
+              getattr(sched, "num_switches", 0))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - t0
-    after = (engine.scheduler.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps)
-    keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps")
+    after = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
+             getattr(sched, "num_switches", 0))
+    keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps", "phase_switches")
     return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()),
             "stats": {k: b - a for k, a, b in zip(keys, before, after)}}
 
@@ -356,7 +371,9 @@ def format_table(r: dict[str, Any]) -> str:
         ("pipeline", f"pp {r['pp']}, layers {r['layer_partition']}, threads per stage {r['stage_threads']}, "
                      f"policy {r['policy']}"),
         ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
-                  f"{r['preemptions']} preemptions"),
+                  f"{r['preemptions']} preemptions" + (f"; {r['phase_switches']} phase switches"
+                                                       if r["policy"] == "td-pipe" else "")),
+        ("KV cache", f"{r['kv_blocks']} blocks, {r['kv_capacity_tokens']} tokens"),
         ("bubble ratio", f"{r['bubble_ratio']:.3f} mean (idle / wall per stage: "
                          f"{', '.join(f'{b:.3f}' for b in r['bubble_ratio_per_stage'])}); decode-only phase "
                          + ("-" if r['decode_bubble_ratio'] is None else f"{r['decode_bubble_ratio']:.3f}")),

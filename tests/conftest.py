@@ -1,11 +1,7 @@
 """Shared fixtures: the bundled model (converted once into a session cache) and HF oracles."""
 import os
-import tempfile
 
 import pytest
-
-# step-cost profiles (core/step_profile.py) go to a per-run folder, not the user's ~/.cache
-os.environ["TDPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tdpipe-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -149,7 +149,7 @@ def test_td_pipe_phases(pp, pp1_tokens):
 
 def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch):
     """Eq. 1-2 run on costs measured through the real stages at start-up; the second start reads the cache."""
-    monkeypatch.setenv("TDPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("tdpipe.core.step_profile.cache_dir", lambda: tmp_path)
     with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="td-pipe", pipeline_parallel_size=2) as llm:
         costs = llm.engine.scheduler.costs
         assert costs.source == "profile"
@@ -160,7 +160,7 @@ def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch)
         llm.engine.block_manager.check_no_leaks()  # the dummy requests gave their KV back
         outs = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
         assert all(o.outputs[0].token_ids for o in outs)
-    files = list(tmp_path.glob("step-profile-*.json"))
+    files = list(tmp_path.glob("step-*.json"))
     assert len(files) == 1
     with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="td-pipe", pipeline_parallel_size=2) as llm:
         again = llm.engine.scheduler.costs

@@ -2,6 +2,8 @@
 import random
 from collections import deque
 
+from fake_pipeline import check_batch
+
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler import HybridScheduler, make_scheduler
@@ -19,27 +21,14 @@ class Log:
 
 
 def _check_batch(sched, bm, batch, running_before, in_flight_ids):
-    cfg = sched.config
-    assert batch.seqs and len(batch.seqs) == len(batch.num_new_tokens)
-    ids = [s.seq_id for s in batch.seqs]
-    assert len(ids) == len(set(ids)), "a sequence twice in one batch"
-    assert not (set(ids) & in_flight_ids), "a sequence scheduled while in flight"
-    assert batch.num_tokens <= cfg.max_num_batched_tokens
-    assert len(batch.seqs) <= cfg.max_num_seqs
-    assert len(sched.running) <= cfg.max_num_seqs
+    check_batch(sched, bm, batch, in_flight_ids)  # the invariants every policy keeps
     rows = []
     for s, n in zip(batch.seqs, batch.num_new_tokens):
-        assert s.status is SequenceStatus.RUNNING and s in sched.running and s.in_flight
-        assert n >= 1 and s.num_computed_tokens + n <= s.num_tokens
-        assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + n, "KV not allocated"
         decode = s.seq_id in running_before and n == 1 and s.num_computed_tokens == s.num_tokens - 1
         rows.append((s, n, "decode" if decode else "prefill"))
     kinds = [k for _, _, k in rows]
     assert kinds == sorted(kinds), f"decodes must precede prefill chunks: {kinds}"  # "decode" < "prefill"
     assert batch.is_prefill == ("prefill" in kinds)
-    # the page table stays consistent: no block shared, used blocks == blocks held by running sequences
-    held = [b for s in sched.running for b in s.block_table]
-    assert len(held) == len(set(held)) == bm.num_used_blocks
     return rows
 
 

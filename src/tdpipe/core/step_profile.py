@@ -34,7 +34,10 @@ REPEATS = 3
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TDPIPE_CACHE_DIR") or Path.home() / ".cache" / "tdpipe")
+    """$TDPIPE_CACHE/profiles (default ~/.cache/tdpipe/profiles), beside the converted models and kernels."""
+    from tdpipe.model.bundled import cache_dir as root
+
+    return root() / "profiles"
 
 
 def _cpu_name() -> str:
@@ -117,7 +120,7 @@ def measure(engine: "LLMEngine") -> StepCostModel:
 def load_or_measure(engine: "LLMEngine", use_cache: bool = True) -> StepCostModel:
     key = profile_key(engine)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"step-profile-{digest}.json"
+    path = cache_dir() / f"step-{digest}.json"
     if use_cache and path.exists():
         try:
             data = json.loads(path.read_text())

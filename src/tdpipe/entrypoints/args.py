@@ -79,7 +79,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'constant:N', or 'auto' = oracle for ignore_eos requests, else constant")
     g.add_argument("--no-profile-cache", action="store_true",
                    help="td-pipe: measure the step costs for the intensity switch (Eq. 1-2) at start-up even if "
-                        "a cached profile exists (cache: $TDPIPE_CACHE_DIR or ~/.cache/tdpipe)")
+                        "a cached profile exists (cached in $TDPIPE_CACHE/profiles, default ~/.cache/tdpipe/profiles)")
     g.add_argument("--throttle-T", type=float, default=8.0,
                    help="throttle: #T, spread the waiting prefill tokens #WP over this many batches (Eq. 3)")
     g.add_argument("--max-prefill-tokens", type=int, default=2048,

@@ -31,7 +31,7 @@ def test_bad_switch_rules_name_the_flag(field, value):
         make(**{field: value})
 
 
-def test_algorithm1_update_usage_and_check_switch():
+def test_algorithm1_update_usage_and_would_overflow():
     # 100 blocks of 4 tokens; futurePoints 4, 8, 12
     sched, bm = make(num_blocks=100, block_size=4, future_point_step=4, future_point_max=12)
     s = mkseq(0, 10, 9)
@@ -40,9 +40,9 @@ def test_algorithm1_update_usage_and_check_switch():
     assert sched.kv_usage == [4, 5, 5]
     s.predicted_output_len = 8  # finishes exactly at point 8: nothing in (8, 12]
     assert sched.seq_usage(s) == [4, 5, 0]
-    assert not sched.check_switch()
-    sched.kv_usage[1] = 101
-    assert sched.check_switch()
+    assert not sched.would_overflow(s, sched.kv_usage, 0)  # 5 + 5 blocks at point 8: fits 100
+    sched.kv_usage[1] = 96
+    assert sched.would_overflow(s, sched.kv_usage, 0)  # 96 + 5 > 100
 
 
 def test_greedy_prefill_admits_past_current_capacity_by_prediction():

@@ -136,14 +136,9 @@ class TDPipeScheduler(SeparateScheduler):
         for i, b in enumerate(self.seq_usage(seq)):
             usage[i] += b
 
-    def check_switch(self) -> bool:
-        """CheckSwitch: the predicted peak passes the capacity (or the kv-ratio replacement)."""
-        if self.to_decode[0] == "kv-ratio":
-            return self.bm.usage() >= self.to_decode[1]
-        return max(self.kv_usage, default=0) > self.bm.num_blocks
-
     def would_overflow(self, seq: Sequence, usage: list[int], used_blocks: int) -> bool:
-        """Admitting seq would pass the capacity: its predicted peak (Algorithm 1) or the kv-ratio."""
+        """CheckSwitch, one request ahead: admitting seq would pass the capacity, by its predicted peak
+        (Algorithm 1) or, for the ablation, by the kv-ratio."""
         if self.to_decode[0] == "kv-ratio":
             return used_blocks / max(1, self.bm.num_blocks) >= self.to_decode[1]
         add = self.seq_usage(seq)

@@ -83,8 +83,12 @@ class LLMEngine:
         if capacity < sched.max_model_len:
             log.info("KV capacity %d tokens < max_model_len %d: lowering max_model_len", capacity, sched.max_model_len)
             sched.max_model_len = capacity
-        if sched.policy in ("separate", "td-pipe"):  # these never chunk a prefill: one whole prompt must fit
-            sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, sched.max_model_len)
+        if sched.policy in ("separate", "td-pipe") and sched.max_num_batched_tokens < sched.max_model_len:
+            # these never chunk a prefill: one whole prompt must fit a batch (and the stages' buffers)
+            log.warning("max_num_batched_tokens %d raised to max_model_len %d: the %s policy never chunks a "
+                        "prompt; lower max_model_len to keep batches smaller", sched.max_num_batched_tokens,
+                        sched.max_model_len, sched.policy)
+            sched.max_num_batched_tokens = sched.max_model_len
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
         self.predictor = make_predictor(sched.predictor)

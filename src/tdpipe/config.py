@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,6 +231,18 @@ def available_memory() -> int:
     except OSError:
         pass
     return 8 * GiB
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows; keys caches and labels benchmarks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_supports_bf16() -> bool:

@@ -32,7 +32,7 @@ import torch
 
 from tdpipe.bench import workload as wl
 from tdpipe.bench.peak import measure_matmul_peak
-from tdpipe.config import ModelConfig
+from tdpipe.config import ModelConfig, cpu_name
 from tdpipe.entrypoints.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("tdpipe")
@@ -87,17 +87,8 @@ def workload_flops(mc: ModelConfig, lengths: list[tuple[int, int]]) -> Flops:
 # -- machine -----------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """What ran the benchmark, so numbers from different hosts are never compared blindly."""
-    model_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model_name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": model_name, "cpu_count": os.cpu_count(), "usable_cores": usable,
+    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "usable_cores": usable,
             "platform": platform.platform(), "torch": torch.__version__}
 
 

@@ -13,12 +13,12 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import random
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tdpipe.config import cpu_name
 from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.scheduler.td_pipe import StepCostModel
 from tdpipe.sampling.params import SamplingParams
@@ -40,17 +40,6 @@ def cache_dir() -> Path:
     return root() / "profiles"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def profile_key(engine: "LLMEngine") -> dict:
     import torch
 
@@ -58,7 +47,7 @@ def profile_key(engine: "LLMEngine") -> dict:
     return {"version": PROFILE_VERSION, "model": os.path.abspath(engine.model_path), "model_mtime": st.st_mtime,
             "dtype": str(engine.dtype), "pp": engine.pp, "partition": [list(p) for p in engine.partition],
             "threads": engine.stage_threads, "max_num_seqs": engine.scheduler.config.max_num_seqs,
-            "block_size": engine.block_manager.block_size, "cpu": _cpu_name(), "cores": os.cpu_count(),
+            "block_size": engine.block_manager.block_size, "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch": torch.__version__}
 
 
@@ -124,7 +113,8 @@ def load_or_measure(engine: "LLMEngine", use_cache: bool = True) -> StepCostMode
     if use_cache and path.exists():
         try:
             data = json.loads(path.read_text())
-            return StepCostModel(**{k: data[k] for k in ("d0", "d1", "p0", "p1", "peak_batch")}, source=str(path))
+            return StepCostModel(**{k: data[k] for k in ("d0", "d1", "p0", "p1", "peak_batch")}, source=str(path),
+                                 points=data.get("points", {}))
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("ignoring unreadable step profile %s", path)
     t = time.perf_counter()

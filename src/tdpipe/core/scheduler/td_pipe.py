@@ -102,7 +102,6 @@ class TDPipeScheduler(SeparateScheduler):
         self.future_points = list(range(step, top + 1, step))  # futurePoints (§3.3)
         self.phase = Phase.PREFILL
         self.kv_usage = [0] * len(self.future_points)  # predicted blocks at each futurePoint
-        self.window: deque[int] = deque(maxlen=config.pipeline_depth)  # sliding window of batch sizes (§3.4)
         self.initial: deque[list[Sequence]] = deque()  # the even split at the switch to DECODE
         self.phase_requests = 0  # requests decoding when the phase began (finish-ratio)
         self.phase_finished = 0
@@ -169,7 +168,6 @@ class TDPipeScheduler(SeparateScheduler):
         ready = [s for s in self.running if not s.in_flight]
         pp = self.config.pipeline_depth
         self.initial = deque(g for g in (ready[i::pp] for i in range(pp)) if g)  # even split
-        self.window.clear()
         self.phase_requests = len(self.running)
         self.phase_finished = 0
 
@@ -177,10 +175,10 @@ class TDPipeScheduler(SeparateScheduler):
         ready = [s for s in self.running if not s.in_flight and s.num_computed_tokens == s.num_tokens - 1]
         if self.initial:
             ids = {s.seq_id for s in ready}
-            group = [s for s in self.initial.popleft() if s.seq_id in ids] or ready
-            chosen = group
+            chosen = [s for s in self.initial.popleft() if s.seq_id in ids] or ready
         elif self.config.work_stealing:
-            # the window's average after removing finished requests = live requests over pp batches
+            # the sliding window's average (the last pp batch sizes, finished requests dropped) is the live
+            # requests over pp batches, so it is computed from them directly rather than kept as state
             live = sum(1 for s in self.running if s.num_computed_tokens >= s.num_tokens - 1)
             target = -(-live // self.config.pipeline_depth)
             chosen = ready[:target]  # the excess stays withheld for the next, smaller batches
@@ -272,7 +270,6 @@ class TDPipeScheduler(SeparateScheduler):
             return None
         for s in chosen:
             s.in_flight = True
-        self.window.append(len(chosen))
         return Batch(self.next_batch_id(), chosen, [1] * len(chosen), is_prefill=False)
 
     def on_result(self, batch: Batch) -> None:

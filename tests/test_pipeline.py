@@ -137,6 +137,18 @@ def test_hybrid_small_budget(pp, pp1_tokens):
 
 
 @pytest.mark.parametrize("pp", [1, 2])
+def test_prompts_over_the_budget_run_whole(pp, pp1_tokens):
+    # separate never chunks: prompts longer than the 8-token budget are prefilled alone through the stages
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="separate", max_num_batched_tokens=8,
+             pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert tokens(outs) == pp1_tokens
+        assert llm.engine.scheduler.config.max_num_batched_tokens == 8
+        assert max(len(o.prompt_token_ids) for o in outs) > 8
+        llm.engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
 def test_td_pipe_phases(pp, pp1_tokens):
     # TD-Pipe with small prefill batches and a tight KV cache: phases switch, tokens stay identical
     with LLM(dtype="float32", num_kv_blocks=12, scheduler="td-pipe", max_num_batched_tokens=32,

@@ -23,8 +23,6 @@ def build(policy, num_blocks, block_size, max_seqs, pp, budget=None, predictor=N
     cfg = SchedulerConfig(policy=policy, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                           max_model_len=num_blocks * block_size, pipeline_depth=pp,
                           future_point_step=8, future_point_max=512, **kw)
-    if policy in ("separate", "td-pipe"):  # as the engine does: one whole prompt always fits a batch
-        cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, cfg.max_model_len)
     return make_scheduler(cfg, bm, predictor=predictor), bm
 
 

@@ -29,7 +29,7 @@ def run_fake(sched, bm, seqs, arrivals=None, max_steps=100_000):
         assert len(batch.seqs) == len({s.seq_id for s in batch.seqs})
         assert bm.num_used_blocks <= bm.num_blocks
         if batch.is_prefill:
-            assert batch.num_tokens <= sched.config.max_num_batched_tokens
+            assert batch.num_tokens <= sched.config.max_num_batched_tokens or len(batch.seqs) == 1
         for s, n in zip(batch.seqs, batch.num_new_tokens):
             assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + n
             s.num_computed_tokens += n
@@ -68,6 +68,22 @@ def test_limits_respected():
         sched.add(s)
     b = sched.schedule()
     assert b.is_prefill and len(b.seqs) == 2  # 5 + 5 <= 12 < 15
+
+
+def test_prompt_longer_than_the_budget_runs_alone():
+    # separate never chunks: a prompt over max_num_batched_tokens is prefilled whole, alone, not starved
+    sched, bm = make(num_blocks=1000, max_seqs=8, max_tokens=12)
+    seqs = [mkseq(0, 20, 2), mkseq(1, 30, 2), mkseq(2, 5, 2), mkseq(3, 5, 2)]
+    for s in seqs:
+        sched.add(s)
+    sizes = []
+    while (b := sched.schedule()) is not None and b.is_prefill:
+        sizes.append(b.num_new_tokens)
+        for s, n in zip(b.seqs, b.num_new_tokens):
+            s.num_computed_tokens += n
+            s.output_token_ids.append(7)
+        sched.on_result(b)
+    assert sizes == [[20], [30], [5, 5]]
 
 
 def test_preemption_by_recompute_and_everything_finishes():

@@ -83,12 +83,6 @@ class LLMEngine:
         if capacity < sched.max_model_len:
             log.info("KV capacity %d tokens < max_model_len %d: lowering max_model_len", capacity, sched.max_model_len)
             sched.max_model_len = capacity
-        if sched.policy in ("separate", "td-pipe") and sched.max_num_batched_tokens < sched.max_model_len:
-            # these never chunk a prefill: one whole prompt must fit a batch (and the stages' buffers)
-            log.warning("max_num_batched_tokens %d raised to max_model_len %d: the %s policy never chunks a "
-                        "prompt; lower max_model_len to keep batches smaller", sched.max_num_batched_tokens,
-                        sched.max_model_len, sched.policy)
-            sched.max_num_batched_tokens = sched.max_model_len
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
         self.predictor = make_predictor(sched.predictor)
@@ -149,7 +143,13 @@ class LLMEngine:
         stages = [StageSpec(a, b, threads) for a, b in self.partition]
         return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
                                 self.config.cache.block_size, stages,
-                                self.scheduler.config.max_num_batched_tokens, par.device)
+                                self._max_batch_tokens(), par.device)
+
+    def _max_batch_tokens(self) -> int:
+        """Tokens the stages' receive buffers must hold: separate and td-pipe send a lone prompt longer
+        than the budget whole (they never chunk), so max_model_len bounds a batch as well."""
+        cfg = self.scheduler.config
+        return max(cfg.max_num_batched_tokens, cfg.max_model_len)
 
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

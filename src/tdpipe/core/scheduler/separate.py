@@ -28,7 +28,8 @@ class SeparateScheduler(Scheduler):
         while self.waiting and num_running + len(seqs) < cfg.max_num_seqs:
             seq = self.waiting[0]
             n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget or self.prefill_closed(seq):
+            # a lone prompt may exceed the budget: these policies never chunk, so it would wait forever
+            if (n > budget and seqs) or self.prefill_closed(seq):
                 break
             if not self.bm.can_allocate(seq, reserve=self.watermark_blocks if self.running or seqs else 0):
                 break

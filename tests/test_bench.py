@@ -72,7 +72,8 @@ def test_jsonl_reads_both_forms(tmp_path):
     p = write(tmp_path, ['{"prompt": "a bb ccc", "output_len": 5}', "",
                          '{"prompt_token_ids": [7, 8], "max_tokens": 2}', '{"prompt": "x", "output_len": 1}'])
     reqs = wl.from_jsonl(p, FakeTok())
-    assert reqs == [wl.BenchRequest([1, 101, 102, 103], 5), wl.BenchRequest([7, 8], 2), wl.BenchRequest([1, 101], 1)]
+    assert reqs == [wl.BenchRequest([1, 101, 102, 103], 5, "a bb ccc"), wl.BenchRequest([7, 8], 2),
+                    wl.BenchRequest([1, 101], 1, "x")]
     assert len(wl.from_jsonl(p, FakeTok(), limit=2)) == 2
 
 
@@ -98,7 +99,8 @@ def test_jsonl_empty(tmp_path):
 
 # -- workload selection ------------------------------------------------------------------------------------
 def ns(**kw):
-    base = dict(num_prompts=4, input_len=None, output_len=None, dataset=None, workload="sharegpt", workload_seed=0)
+    base = dict(num_prompts=4, input_len=None, output_len=None, dataset=None, workload="sharegpt", workload_seed=0,
+                history=None, history_split="test")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -183,3 +185,32 @@ def test_bench_throughput_end_to_end(tmp_path):
               "hf_output_tokens_per_s", "ratio_vs_hf", "peak_gflops", "elapsed_s"):
         assert res[k] > 0, k
     assert res["num_requests"] == 4 and res["total_output_tokens"] == 16 and res["total_input_tokens"] == 32
+
+
+class ChatTok(FakeTok):
+    def apply_chat_template(self, conv, tokenize=False, add_generation_prompt=True):
+        assert not tokenize and add_generation_prompt and conv[-1]["role"] == "user"
+        return "<u> " + conv[-1]["content"] + " <a>"
+
+
+def test_history_replay_uses_the_predictor_split(tmp_path):
+    from tdpipe.predict.history import HistoryRecord, HistoryWriter
+    from tdpipe.predict.train import split
+
+    path = str(tmp_path / "h.jsonl")
+    w = HistoryWriter(path, model="m")
+    recs = [HistoryRecord(f"prompt {i}", 3, 1 + i % 7, "stop") for i in range(20)]
+    for r in recs:
+        w.write(r)
+    w.close()
+    test = wl.from_history(path, ChatTok(), "test")
+    held_out = split(recs, 0)[2]
+    assert [r.text for r in test] == [r.prompt for r in held_out]
+    assert [r.output_len for r in test] == [r.output_tokens for r in held_out]
+    assert len(wl.from_history(path, ChatTok(), "all")) == 20
+    name, reqs = build_workload(ns(history=path, history_split="train", num_prompts=5), 1000, 64, ChatTok())
+    assert name.startswith("history:") and len(reqs) == 5 and reqs[0].input_len > 0
+    with pytest.raises(ValueError, match="drop --dataset"):
+        build_workload(ns(history=path, history_split="all", dataset=path), 1000, 64, ChatTok())
+    with pytest.raises(ValueError, match="history split"):
+        wl.from_history(path, ChatTok(), "dev")

@@ -106,6 +106,12 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=100, help="number of requests (dataset: at most this)")
     p.add_argument("--dataset", default=None,
                    help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per line")
+    p.add_argument("--history", default=None, metavar="FILE",
+                   help="replay a recorded history (--record-history): prompts through the chat template, "
+                        "the recorded output lengths forced; see --history-split")
+    p.add_argument("--history-split", default="test", choices=["all", "train", "val", "test"],
+                   help="which part of the predictor's 60/20/20 split (seed 0) --history replays (default "
+                        "test: prompts a learned predictor never trained on)")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--compare-hf", action="store_true",
@@ -126,7 +132,12 @@ def build_workload(a: argparse.Namespace, vocab_size: int, max_model_len: int,
     if a.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     fixed_lens = a.input_len is not None or a.output_len is not None
-    if a.dataset:
+    if getattr(a, "history", None):
+        if a.dataset or fixed_lens:
+            raise ValueError("--history sets the prompts and lengths itself; drop --dataset/--input-len/--output-len")
+        reqs = wl.from_history(a.history, tokenizer, a.history_split, limit=a.num_prompts)
+        name = f"history:{a.history} ({a.history_split} split)"
+    elif a.dataset:
         if fixed_lens:
             raise ValueError("--dataset sets the lengths itself; drop --input-len/--output-len")
         reqs = wl.from_jsonl(a.dataset, tokenizer, limit=a.num_prompts)
@@ -209,6 +220,7 @@ def run(a: argparse.Namespace) -> int:
         "decode_steps": s["decode_steps"],
         "mixed_steps": s["mixed_steps"],
         "phase_switches": s["phase_switches"],  # td-pipe: PREFILL <-> DECODE switches
+        "predictor": _predictor_cost(engine, s, elapsed, len(reqs)),
         "kv_blocks": engine.block_manager.num_blocks,
         "kv_capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
         "pp": engine.pp,
@@ -256,6 +268,23 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _predictor_cost(engine: Any, s: dict[str, Any], elapsed: float, n: int) -> dict[str, Any] | None:
+    """td-pipe: which predictor ran and what batched length prediction cost, per request and against the
+    engine's wall time per request (the issue's bar: under 5%)."""
+    if engine.scheduler.config.policy != "td-pipe":
+        return None
+    p = engine.predictor
+    name = getattr(p, "name", type(p).__name__)
+    if getattr(p, "fallback", None) is not None:
+        name += "+" + p.fallback.name
+    out = {"spec": engine.scheduler.config.predictor, "name": name, "seconds": s["predict_seconds"],
+           "predicted": s["predicted"]}
+    if s["predicted"]:
+        per = s["predict_seconds"] / s["predicted"]
+        out |= {"ms_per_request": 1e3 * per, "share_of_engine_time_per_request": per / (elapsed / n)}
+    return out
+
+
 def _step_costs(engine: Any) -> dict[str, Any] | None:
     """td-pipe: the step-cost lines behind Eq. 1-2 and where they came from (profile, cache, default)."""
     c = getattr(engine.scheduler, "costs", None)
@@ -275,14 +304,15 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
     st = engine.stats
     sched = engine.scheduler
     before = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
-              getattr(sched, "num_switches", 0))
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+              getattr(sched, "num_switches", 0), st.predict_seconds, st.predicted)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - t0
     after = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
-             getattr(sched, "num_switches", 0))
-    keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps", "phase_switches")
+             getattr(sched, "num_switches", 0), st.predict_seconds, st.predicted)
+    keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps", "phase_switches", "predict_seconds",
+            "predicted")
     return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()),
             "stats": {k: b - a for k, a, b in zip(keys, before, after)}}
 
@@ -365,6 +395,14 @@ def format_table(r: dict[str, Any]) -> str:
                   f"{r['preemptions']} preemptions" + (f"; {r['phase_switches']} phase switches"
                                                        if r["policy"] == "td-pipe" else "")),
         ("KV cache", f"{r['kv_blocks']} blocks, {r['kv_capacity_tokens']} tokens"),
+    ]
+    pc = r.get("predictor")
+    if pc:
+        cost = (f"; {pc['predicted']} predicted in batches, {pc['ms_per_request']:.2f} ms per request = "
+                f"{100 * pc['share_of_engine_time_per_request']:.2f} % of the engine's time per request"
+                if pc["predicted"] else "")
+        rows.append(("predictor", f"{pc['spec']} ({pc['name']}){cost}"))
+    rows += [
         ("bubble ratio", f"{r['bubble_ratio']:.3f} mean (idle / wall per stage: "
                          f"{', '.join(f'{b:.3f}' for b in r['bubble_ratio_per_stage'])}); decode-only phase "
                          + ("-" if r['decode_bubble_ratio'] is None else f"{r['decode_bubble_ratio']:.3f}")),

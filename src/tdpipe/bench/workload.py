@@ -27,6 +27,7 @@ SHAREGPT_SIGMA = 1.0
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
+    text: str | None = None  # the prompt as text, where the workload has it (a learned predictor reads it)
 
     @property
     def input_len(self) -> int:
@@ -117,9 +118,32 @@ def from_jsonl(path: str | Path, tokenizer: Any, limit: int | None = None) -> li
             olen = rec[key]
             if not (isinstance(olen, int) and not isinstance(olen, bool) and olen >= 1):
                 raise ValueError(f"{where}: '{key}' must be an integer >= 1, got {olen!r}")
-            out.append(BenchRequest(list(ids), olen))
+            out.append(BenchRequest(list(ids), olen, rec.get("prompt")))
     if not out:
         raise ValueError(f"{path}: no requests")
+    return out
+
+
+def from_history(path: str | Path, tokenizer: Any, split: str = "test", limit: int | None = None,
+                 seed: int = 0) -> list[BenchRequest]:
+    """Replay a recorded history (tdpipe/predict/history.py): each prompt through the chat template (as
+    `tdpipe generate --chat-template` sent it), its recorded output length forced. `split`: 'all', or
+    'train' / 'val' / 'test' of the predictor's 60/20/20 split with `seed`, so a learned predictor is
+    benchmarked on prompts it never trained on."""
+    from tdpipe.predict.history import load_history
+    from tdpipe.predict.train import split as split_records
+
+    recs = load_history(str(path))
+    parts = {"all": recs}
+    if split != "all":
+        parts.update(zip(("train", "val", "test"), split_records(recs, seed)))
+    if split not in parts:
+        raise ValueError(f"history split must be one of all, train, val, test; got {split!r}")
+    out = []
+    for r in parts[split][:limit]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(BenchRequest(tokenizer.encode(text, add_special_tokens=False), max(1, r.output_tokens), r.prompt))
     return out
 
 

@@ -47,6 +47,8 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     mixed_steps: int = 0  # hybrid: decodes and prefill chunks in one micro-batch
+    predict_seconds: float = 0.0  # td-pipe: time spent predicting output lengths (batched, as requests arrive)
+    predicted: int = 0
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -85,7 +87,18 @@ class LLMEngine:
             sched.max_model_len = capacity
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
-        self.predictor = make_predictor(sched.predictor)
+        self.predictor = make_predictor(sched.predictor, self.model_path)
+        # a learned predictor encodes prompts in batches as they arrive (td-pipe is the only policy that asks)
+        self._batched = sched.policy == "td-pipe" and hasattr(self.predictor, "predict_batch")
+        self._unpredicted: deque[Sequence] = deque()
+        for p in (self.predictor, getattr(self.predictor, "fallback", None)):
+            if hasattr(p, "text_of"):
+                p.text_of = self._prompt_text
+        self.history = None
+        if config.record_history:
+            from tdpipe.predict.history import HistoryWriter
+            self.history = HistoryWriter(config.record_history, model=os.path.basename(
+                os.path.normpath(self.model_path)))
         self.scheduler = make_scheduler(sched, self.block_manager, predictor=self.predictor)
         self.executor = self._make_executor(num_blocks)
         self.sampler = Sampler()
@@ -178,7 +191,31 @@ class LLMEngine:
                        max_tokens=max_tokens)
         self._generators[seq.seq_id] = make_generator(params)
         self.scheduler.add(seq)
+        if self._batched:
+            self._unpredicted.append(seq)
         return seq
+
+    def _prompt_text(self, seq: Sequence) -> str:
+        if seq.prompt is None:
+            seq.prompt = self.tokenizer.decode(seq.prompt_token_ids)
+        return seq.prompt
+
+    PREDICT_CHUNK = 64  # prompts per predictor batch
+
+    def _predict_pending(self) -> None:
+        """Predict output lengths for up to PREDICT_CHUNK arrived requests in one batch. Called while the
+        stages compute (after the pipeline is filled), so it stays off the pipeline's critical path; before
+        the first batch it runs first, since Algorithm 1 needs the lengths to admit anything."""
+        chunk = []
+        while self._unpredicted and len(chunk) < self.PREDICT_CHUNK:
+            s = self._unpredicted.popleft()
+            if s.predicted_output_len is None and not s.is_finished:
+                chunk.append(s)
+        if chunk:
+            t = time.perf_counter()
+            self.predictor.predict_batch(chunk)
+            self.stats.predict_seconds += time.perf_counter() - t
+            self.stats.predicted += len(chunk)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -187,6 +224,8 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Keep the pipeline full (up to pp micro-batches in flight), then complete the oldest one.
         Returns the sequences that finished in it."""
+        if self._unpredicted and not self._inflight:
+            self._predict_pending()
         while len(self._inflight) < self.executor.num_stages:
             batch = self.scheduler.schedule()
             if batch is None:
@@ -196,6 +235,8 @@ class LLMEngine:
             self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
             self.executor.submit(self._to_step(batch))
             self._inflight.append(batch)
+        if self._unpredicted and self._inflight:
+            self._predict_pending()
         if not self._inflight:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
@@ -241,6 +282,8 @@ class LLMEngine:
                 seq.finish_time = now
                 self._generators.pop(seq.seq_id, None)
                 self.predictor.observe(seq)
+                if self.history is not None:
+                    self._record(seq)
                 finished.append(seq)
         if n_decode == len(batch.seqs):
             self.stats.decode_steps += 1
@@ -330,5 +373,15 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
         }
 
+    def _record(self, seq: Sequence) -> None:
+        from dataclasses import asdict
+
+        from tdpipe.predict.history import HistoryRecord
+        params = {k: v for k, v in asdict(seq.sampling_params).items() if v is not None}
+        self.history.write(HistoryRecord(self._prompt_text(seq), seq.num_prompt_tokens, seq.num_output_tokens,
+                                         seq.finish_reason or "length", params, request_id=seq.request_id))
+
     def shutdown(self) -> None:
+        if self.history is not None:
+            self.history.close()
         self.executor.shutdown()

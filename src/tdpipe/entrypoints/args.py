@@ -45,8 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded random sampling")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one micro-batch (default: 8192 for separate and td-pipe = most prompt "
-                        "tokens in a prefill batch; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + "
+                   help="token budget of one micro-batch (default: 8192 for separate and 2048 for td-pipe = most "
+                        "prompt tokens in a prefill batch, a longer prompt runs alone; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + "
                         "prefill chunks; 2304 for throttle = a ceiling of #MaxP + 256 decodes, Eq. 3 sizes each "
                         "batch)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
@@ -76,7 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--predictor", default="auto",
                    help="td-pipe: output-length predictor for Algorithm 1 (§3.3): 'oracle' = max_tokens (the true "
                         "length under ignore_eos), 'constant' = mean of the outputs recorded so far, "
-                        "'constant:N', or 'auto' = oracle for ignore_eos requests, else constant")
+                        "'constant:N', a FILE from `tdpipe predictor train` (BERT bucket classifier, §4.4.1), or "
+                        "'auto' = oracle for ignore_eos requests, else the learned predictor shipped for the "
+                        "model if there is one, else constant")
     g.add_argument("--no-profile-cache", action="store_true",
                    help="td-pipe: measure the step costs for the intensity switch (Eq. 1-2) at start-up even if "
                         "a cached profile exists (cached in $TDPIPE_CACHE/profiles, default ~/.cache/tdpipe/profiles)")
@@ -102,6 +104,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="write the run's timeline (per stage and micro-batch: compute, input wait, send, shape; "
                         "KV usage) as JSON; draw it with `tdpipe plot timeline FILE`")
+    p.add_argument("--record-history", default=None, metavar="FILE",
+                   help="append every finished request (prompt text, prompt and output token counts, finish "
+                        "reason, sampling params, model) to this JSONL file: the history `tdpipe predictor "
+                        "train` learns output lengths from")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -114,7 +120,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 min_prefill_tokens=a.min_prefill_tokens, kv_thresh=a.kv_thresh,
                 future_points=_future_points(a.future_points), switch_to_decode=a.switch_to_decode,
                 switch_to_prefill=a.switch_to_prefill, work_stealing=not a.no_work_stealing,
-                predictor=a.predictor, profile_cache=not a.no_profile_cache)
+                predictor=a.predictor, profile_cache=not a.no_profile_cache, record_history=a.record_history)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

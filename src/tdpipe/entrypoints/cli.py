@@ -1,4 +1,4 @@
-"""`tdpipe` command line: generate, chat, bench throughput."""
+"""`tdpipe` command line: generate, chat, bench, plot, predictor."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,8 @@ from tdpipe.entrypoints.args import add_engine_args, add_sampling_args, engine_k
 
 
 def _read_prompts(a: argparse.Namespace) -> list[dict]:
-    """Prompts from arguments, --input (text: one per line; .jsonl: {"prompt": ...} or {"prompt_token_ids": ...}),
-    or stdin when neither is given."""
+    """Prompts from arguments, --input (text: one per line; .jsonl: {"prompt": ...}, {"prompt_token_ids": ...} or
+    {"messages": [{"role", "content"}, ...]}, a conversation for the chat template), or stdin."""
     if a.prompts:
         return [{"prompt": p} for p in a.prompts]
     f = open(a.input) if a.input and a.input != "-" else sys.stdin
@@ -26,8 +26,12 @@ def _read_prompts(a: argparse.Namespace) -> list[dict]:
                 rec = json.loads(ln)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"line {i + 1} of the input is not valid JSON: {e}")
-            if "prompt" not in rec and "prompt_token_ids" not in rec:
-                raise SystemExit(f"line {i + 1}: a JSONL record needs a 'prompt' or 'prompt_token_ids' field")
+            if not any(k in rec for k in ("prompt", "prompt_token_ids", "messages")):
+                raise SystemExit(f"line {i + 1}: a JSONL record needs a 'prompt', 'prompt_token_ids' or "
+                                 "'messages' field")
+            if "messages" in rec and not (isinstance(rec["messages"], list) and rec["messages"] and all(
+                    isinstance(m, dict) and "role" in m and "content" in m for m in rec["messages"])):
+                raise SystemExit(f"line {i + 1}: 'messages' must be a non-empty list of {{role, content}}")
             out.append(rec)
         else:
             out.append({"prompt": ln})
@@ -42,13 +46,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise SystemExit("no prompts: give them as arguments, with --input FILE, or on stdin")
     sp = SamplingParams(**sampling_kwargs(a))  # validate flags before loading the model
     llm = LLM(**engine_kwargs(a))
-    if a.chat_template:
-        tok = llm.get_tokenizer()
-        for r in recs:
-            if "prompt" in r and "prompt_token_ids" not in r:
-                text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True)
-                r["prompt_token_ids"] = tok.encode(text, add_special_tokens=False)
+    tok = llm.get_tokenizer()
+    for r in recs:
+        if "prompt_token_ids" in r:
+            continue
+        if "messages" in r:  # a conversation: always through the chat template; its text (for the history,
+            conv = r["messages"]  # the predictor) is the turns' contents
+            r.setdefault("prompt", "\n".join(m["content"] for m in conv))
+        elif a.chat_template:
+            conv = [{"role": "user", "content": r["prompt"]}]
+        else:
+            continue
+        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+        r["prompt_token_ids"] = tok.encode(text, add_special_tokens=False)
     prompts = [{"prompt": r.get("prompt"), "prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
                else r["prompt"] for r in recs]
     outs = llm.generate(prompts, sp, use_tqdm=not a.no_progress)
@@ -122,14 +132,15 @@ def cmd_plot_timeline(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference (paged KV, continuous "
-                                "batching; pipeline parallelism in later releases).")
+    p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference: paged KV, continuous "
+                                "batching, pipeline parallelism (TD-Pipe, gLLM, SiPipe).")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for a batch of prompts; JSONL out",
                        description="Generate for prompts given as arguments, in a text file (one per line) or "
-                                   "JSONL file ({'prompt': ...} per line), or on stdin. Writes one JSON object "
-                                   "per prompt, in input order.")
+                                   "JSONL file ({'prompt': ...}, {'prompt_token_ids': [...]} or {'messages': "
+                                   "[{'role': ..., 'content': ...}, ...]} per line), or on stdin. Writes one JSON "
+                                   "object per prompt, in input order.")
     g.add_argument("prompts", nargs="*", help="prompts (if none: --input or stdin)")
     g.add_argument("--input", "-i", default=None, help="text or .jsonl file of prompts ('-' = stdin)")
     g.add_argument("--output", "-o", default=None, help="JSONL output file (default stdout)")
@@ -170,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", "-o", default="timeline.png", help="PNG to write (default timeline.png)")
     t.add_argument("--title", default=None, help="title of the picture")
     t.set_defaults(fn=cmd_plot_timeline)
+
+    from tdpipe.predict import cli as predictor_cli
+
+    predictor_cli.add_parser(sub)
     return p
 
 

@@ -30,8 +30,9 @@ class LLM:
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
     (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
-    work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]'), profile_cache: TD-Pipe's knobs and
-    ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
+    work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]' | a file from `tdpipe predictor train`),
+    profile_cache: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
+    record_history: a JSONL file that every finished request is appended to (tdpipe/predict/history.py).
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
@@ -45,9 +46,10 @@ class LLM:
                  max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05,
                  future_points: tuple[int, int] = (32, 1024), switch_to_decode: str = "predict",
                  switch_to_prefill: str = "intensity", work_stealing: bool = True, predictor: str = "auto",
-                 profile_cache: bool = True) -> None:
+                 profile_cache: bool = True, record_history: str | None = None) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
+            record_history=record_history,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(policy=scheduler, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

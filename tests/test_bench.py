@@ -194,8 +194,8 @@ class ChatTok(FakeTok):
 
 
 def test_history_replay_uses_the_predictor_split(tmp_path):
-    from tdpipe.predict.history import HistoryRecord, HistoryWriter
-    from tdpipe.predict.train import split
+    from tdpipe.predictor.history import HistoryRecord, HistoryWriter
+    from tdpipe.predictor.train import split
 
     path = str(tmp_path / "h.jsonl")
     w = HistoryWriter(path, model="m")

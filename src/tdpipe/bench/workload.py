@@ -126,12 +126,12 @@ def from_jsonl(path: str | Path, tokenizer: Any, limit: int | None = None) -> li
 
 def from_history(path: str | Path, tokenizer: Any, split: str = "test", limit: int | None = None,
                  seed: int = 0) -> list[BenchRequest]:
-    """Replay a recorded history (tdpipe/predict/history.py): each prompt through the chat template (as
+    """Replay a recorded history (tdpipe/predictor/history.py): each prompt through the chat template (as
     `tdpipe generate --chat-template` sent it), its recorded output length forced. `split`: 'all', or
     'train' / 'val' / 'test' of the predictor's 60/20/20 split with `seed`, so a learned predictor is
     benchmarked on prompts it never trained on."""
-    from tdpipe.predict.history import load_history
-    from tdpipe.predict.train import split as split_records
+    from tdpipe.predictor.history import load_history
+    from tdpipe.predictor.train import split as split_records
 
     recs = load_history(str(path))
     parts = {"all": recs}

@@ -96,7 +96,7 @@ class LLMEngine:
                 p.text_of = self._prompt_text
         self.history = None
         if config.record_history:
-            from tdpipe.predict.history import HistoryWriter
+            from tdpipe.predictor.history import HistoryWriter
             self.history = HistoryWriter(config.record_history, model=os.path.basename(
                 os.path.normpath(self.model_path)))
         self.scheduler = make_scheduler(sched, self.block_manager, predictor=self.predictor)
@@ -376,7 +376,7 @@ class LLMEngine:
     def _record(self, seq: Sequence) -> None:
         from dataclasses import asdict
 
-        from tdpipe.predict.history import HistoryRecord
+        from tdpipe.predictor.history import HistoryRecord
         params = {k: v for k, v in asdict(seq.sampling_params).items() if v is not None}
         self.history.write(HistoryRecord(self._prompt_text(seq), seq.num_prompt_tokens, seq.num_output_tokens,
                                          seq.finish_reason or "length", params, request_id=seq.request_id))

@@ -10,9 +10,9 @@ arrive.
   is only an upper bound, so the prediction is conservative.
 - `constant[:N]`: one length for every request, N or else the mean of the outputs recorded so far (this
   engine's finished requests); max_tokens until the first one finishes. Never more than max_tokens.
-- a file written by `tdpipe predictor train` (tdpipe/predict/): the learned bucket classifier.
+- a file written by `tdpipe predictor train` (tdpipe/predictor/): the learned bucket classifier.
 - `auto` (default): oracle for ignore_eos requests; for the others the learned predictor shipped for the
-  serving model where there is one (tdpipe/predict/data/), else the constant (recorded mean).
+  serving model where there is one (tdpipe/predictor/data/), else the constant (recorded mean).
 """
 from __future__ import annotations
 
@@ -117,9 +117,9 @@ def make_predictor(spec: str, model_path: str | None = None) -> Predictor:
         shipped = shipped_predictor(model_path)
         if shipped is None:
             return AutoPredictor()
-        from tdpipe.predict.model import LearnedPredictor  # torch: only when a learned predictor is used
+        from tdpipe.predictor.model import LearnedPredictor  # torch: only when a learned predictor is used
         return AutoPredictor(LearnedPredictor.load(shipped))
-    from tdpipe.predict.model import LearnedPredictor
+    from tdpipe.predictor.model import LearnedPredictor
     return LearnedPredictor.load(spec)
 
 
@@ -132,13 +132,13 @@ def shipped_predictor(model_path: str | None) -> str | None:
         return None
     name = os.path.basename(os.path.normpath(model_path)).lower()
     for key, file in SHIPPED.items():
-        path = os.path.join(os.path.dirname(__file__), "..", "predict", "data", file)
+        path = os.path.join(os.path.dirname(__file__), "..", "predictor", "data", file)
         if key in name and os.path.isfile(path):
             return os.path.normpath(path)
     return None
 
 
-# serving-model folder name (lower case) contains the key -> predictor file in tdpipe/predict/data/
+# serving-model folder name (lower case) contains the key -> predictor file in tdpipe/predictor/data/
 SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct.pt"}
 
 

@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--title", default=None, help="title of the picture")
     t.set_defaults(fn=cmd_plot_timeline)
 
-    from tdpipe.predict import cli as predictor_cli
+    from tdpipe.predictor import cli as predictor_cli
 
     predictor_cli.add_parser(sub)
     return p

@@ -32,7 +32,7 @@ class LLM:
     (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
     work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]' | a file from `tdpipe predictor train`),
     profile_cache: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
-    record_history: a JSONL file that every finished request is appended to (tdpipe/predict/history.py).
+    record_history: a JSONL file that every finished request is appended to (tdpipe/predictor/history.py).
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tdpipe.predict.history import HistoryRecord
-from tdpipe.predict.model import DEFAULT_PERCENTILES, Buckets, LearnedPredictor, LengthHead, PredictorMeta
+from tdpipe.predictor.history import HistoryRecord
+from tdpipe.predictor.model import DEFAULT_PERCENTILES, Buckets, LearnedPredictor, LengthHead, PredictorMeta
 
 GROUP_SIZES = tuple(2 ** i for i in range(10))  # 1 .. 512 (Figure 14)
 
@@ -40,11 +40,13 @@ class TrainConfig:
     patience: int = 40
     seed: int = 0
     max_length: int = 256
+    estimate: str = "calibrated"  # PredictorMeta.estimate
+    min_calibration: int = 5  # fewer validation requests in a predicted bucket: keep its training mean
 
 
 def train(records: list[HistoryRecord], cfg: TrainConfig, encoder=None, history_name: str = "",
           log=print) -> LearnedPredictor:
-    from tdpipe.predict.encoder import SentenceEncoder
+    from tdpipe.predictor.encoder import SentenceEncoder
 
     enc = encoder or SentenceEncoder(max_length=cfg.max_length)
     tr, va, _ = split(records, cfg.seed)
@@ -71,13 +73,18 @@ def train(records: list[HistoryRecord], cfg: TrainConfig, encoder=None, history_
             break
     head.load_state_dict(best_state)
     with torch.no_grad():
-        val_acc = (head(xs["val"]).argmax(-1) == ys["val"]).float().mean().item()
+        val_pred = head(xs["val"]).argmax(-1)
+    val_acc = (val_pred == ys["val"]).float().mean().item()
+    calibrated = []
+    for k in range(buckets.num):
+        got = [r.output_tokens for r, p in zip(va, val_pred.tolist()) if p == k]
+        calibrated.append(sum(got) / len(got) if len(got) >= cfg.min_calibration else buckets.means[k])
     log(f"trained on {len(tr)} records ({buckets.num} buckets, cuts {[round(c) for c in buckets.cuts]}); "
         f"best validation loss {best:.3f} at epoch {best_epoch}, accuracy {val_acc:.3f}")
     mean = sum(r.output_tokens for r in tr) / len(tr)
     meta = PredictorMeta(max_length=cfg.max_length, hidden=cfg.hidden, model=records[0].model,
                          history=history_name, split_seed=cfg.seed, num_records=len(records),
-                         train_size=len(tr), mean_length=mean,
+                         train_size=len(tr), mean_length=mean, estimate=cfg.estimate, calibrated=calibrated,
                          stats={"val_loss": best, "val_accuracy": val_acc, "epochs": best_epoch + 1})
     return LearnedPredictor(head, buckets, meta, encoder=enc)
 
@@ -108,6 +115,7 @@ def evaluate(pred: LearnedPredictor, records: list[HistoryRecord], trials: int =
     probs = pred.bucket_probs([r.prompt for r in test])
     bucket = probs.argmax(-1).tolist()
     learned = [pred.buckets.means[i] for i in bucket]
+    calibrated = [pred.bucket_values("calibrated")[i] for i in bucket]
     constant = [pred.meta.mean_length] * len(test)
     truth_bucket = [pred.buckets.index(t) for t in true]
     acc = sum(a == b for a, b in zip(bucket, truth_bucket)) / len(test)
@@ -120,8 +128,13 @@ def evaluate(pred: LearnedPredictor, records: list[HistoryRecord], trials: int =
         "bucket_cuts": pred.buckets.cuts,
         "bucket_means": pred.buckets.means,
         "mean_true": sum(true) / len(true),
-        "accumulated_error": {"learned": accumulated_error(learned, true, trials=trials),
-                              "constant": accumulated_error(constant, true, trials=trials)},
+        "estimate": pred.meta.estimate,
+        "calibrated_values": pred.bucket_values("calibrated"),
+        "mean_predicted": {"bucket-mean": sum(learned) / len(test), "calibrated": sum(calibrated) / len(test),
+                           "constant": pred.meta.mean_length},
+        "accumulated_error": {"learned (bucket mean)": accumulated_error(learned, true, trials=trials),
+                              "learned (calibrated)": accumulated_error(calibrated, true, trials=trials),
+                              "constant (training mean)": accumulated_error(constant, true, trials=trials)},
     }
 
 

@@ -63,6 +63,9 @@ class Buckets:
     def index(self, length: float) -> int:
         return bisect.bisect_right(self.cuts, length)
 
+    def value(self, i: int) -> float:
+        return self.means[i]
+
     def labels(self) -> list[str]:
         names = ["P0"] + [f"P{p:g}" for p in self.percentiles] + ["+"]
         return [f"[{a},{b})" for a, b in zip(names, names[1:])]
@@ -91,7 +94,14 @@ class PredictorMeta:
     num_records: int = 0
     train_size: int = 0
     mean_length: float = 0.0  # the constant baseline: the training mean
+    # what a predicted bucket stands for: "bucket-mean" = the bucket's mean training length (μ-Serve, TD-Pipe
+    # §3.3); "calibrated" = the mean true length of the validation requests the head put in that bucket, so
+    # that sums over many requests (what Algorithm 1 adds up) are unbiased
+    estimate: str = "bucket-mean"
+    calibrated: list[float] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+
+    ESTIMATES = ("bucket-mean", "calibrated")
 
 
 class LearnedPredictor(Predictor):
@@ -112,20 +122,29 @@ class LearnedPredictor(Predictor):
     @property
     def encoder(self):
         if self._encoder is None:
-            from tdpipe.predict.encoder import SentenceEncoder
+            from tdpipe.predictor.encoder import SentenceEncoder
             self._encoder = SentenceEncoder(max_length=self.meta.max_length)
         return self._encoder
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def bucket_probs(self, texts: list[str]) -> torch.Tensor:
         return torch.softmax(self.head(self.encoder.encode(texts)), dim=-1)
 
-    def predict_lengths(self, texts: list[str]) -> list[int]:
-        """The mean training length of each text's most likely bucket."""
+    def bucket_values(self, estimate: str | None = None) -> list[float]:
+        estimate = estimate or self.meta.estimate
+        if estimate not in PredictorMeta.ESTIMATES:
+            raise ValueError(f"estimate must be one of {PredictorMeta.ESTIMATES}, got {estimate!r}")
+        if estimate == "calibrated" and self.meta.calibrated:
+            return self.meta.calibrated
+        return self.buckets.means
+
+    def predict_lengths(self, texts: list[str], estimate: str | None = None) -> list[int]:
+        """Each text's most likely bucket, as a length (see PredictorMeta.estimate)."""
         if not texts:
             return []
+        values = self.bucket_values(estimate)
         idx = self.bucket_probs(texts).argmax(-1).tolist()
-        return [max(1, round(self.buckets.means[i])) for i in idx]
+        return [max(1, round(values[i])) for i in idx]
 
     def predict_batch(self, seqs: list[Sequence]) -> None:
         t = time.perf_counter()

@@ -65,7 +65,7 @@ class SentenceEncoder:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts)]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the embeddings feed the head's training
     def encode(self, texts: list[str], batch_size: int = 64) -> torch.Tensor:
         """Sorted by length within the call so padding stays small; returned in input order."""
         old = torch.get_num_threads()

@@ -13,7 +13,7 @@ def _percentiles(v: str) -> tuple[float, ...]:
 
 
 def _records(a: argparse.Namespace):
-    from tdpipe.predict.history import load_history, load_sharegpt
+    from tdpipe.predictor.history import load_history, load_sharegpt
 
     if a.sharegpt:
         from tdpipe.model.bundled import resolve_model
@@ -27,11 +27,11 @@ def _records(a: argparse.Namespace):
 def cmd_train(a: argparse.Namespace) -> int:
     import os
 
-    from tdpipe.predict.train import TrainConfig, train
+    from tdpipe.predictor.train import TrainConfig, train
 
     records = _records(a)
     cfg = TrainConfig(percentiles=a.percentiles, hidden=a.hidden, epochs=a.epochs, seed=a.seed,
-                      max_length=a.max_length)
+                      max_length=a.max_length, estimate=a.estimate)
     pred = train(records, cfg, history_name=os.path.basename(a.history))
     pred.save(a.output)
     print(f"saved {a.output}")
@@ -39,20 +39,25 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from tdpipe.predict.model import LearnedPredictor
-    from tdpipe.predict.train import evaluate, plot
+    from tdpipe.predictor.model import LearnedPredictor
+    from tdpipe.predictor.train import evaluate, plot
 
     pred = LearnedPredictor.load(a.predictor)
     r = evaluate(pred, _records(a), trials=a.trials)
     print(f"held-out split: {r['test_size']} requests, mean output {r['mean_true']:.1f} tokens")
-    print(f"bucket accuracy {r['bucket_accuracy']:.3f} (always the largest bucket: "
+    print(f"bucket accuracy {r['bucket_accuracy']:.3f} (always the most common bucket: "
           f"{r['majority_bucket_accuracy']:.3f}); buckets {r['buckets']} cut at "
           f"{[round(c) for c in r['bucket_cuts']]}, means {[round(m) for m in r['bucket_means']]}")
-    print("accumulated error of the total predicted length, |sum(pred) - sum(true)| / sum(true):")
-    print(f"{'requests':>8} | {'learned':>8} | {'constant':>8}")
+    mp = r["mean_predicted"]
+    print(f"mean predicted length: bucket mean {mp['bucket-mean']:.1f}, calibrated {mp['calibrated']:.1f}, "
+          f"constant {mp['constant']:.1f} (the predictor uses: {r['estimate']})")
+    print("accumulated error of the total predicted length over random groups, |sum(pred) - sum(true)| / "
+          "sum(true):")
     errs = r["accumulated_error"]
-    for g in errs["learned"]:
-        print(f"{g:>8} | {100 * errs['learned'][g]:>7.1f}% | {100 * errs['constant'][g]:>7.1f}%")
+    names = list(errs)
+    print(f"{'requests':>8} | " + " | ".join(f"{n:>24}" for n in names))
+    for g in errs[names[0]]:
+        print(f"{g:>8} | " + " | ".join(f"{100 * errs[n][g]:>23.1f}%" for n in names))
     if a.plot:
         plot(r, a.plot)
         print(f"plot -> {a.plot}")
@@ -84,6 +89,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--epochs", type=int, default=400, help="most full-batch epochs (early stopping on validation)")
     t.add_argument("--max-length", type=int, default=256, help="encoder tokens per prompt (truncated)")
     t.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
+    t.add_argument("--estimate", choices=["calibrated", "bucket-mean"], default="calibrated",
+                   help="the length a predicted bucket stands for: bucket-mean = its mean training length "
+                        "(μ-Serve); calibrated (default) = the mean true length of the validation requests "
+                        "predicted into it, which keeps sums over many requests unbiased")
     t.set_defaults(fn=cmd_train)
 
     e = ps.add_parser("eval", help="bucket accuracy and accumulated error (Figure 14) on the held-out 20%%")

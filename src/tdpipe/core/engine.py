@@ -89,7 +89,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache.block_size)
         self.predictor = make_predictor(sched.predictor, self.model_path)
         # a learned predictor encodes prompts in batches as they arrive (td-pipe is the only policy that asks)
-        self._batched = sched.policy == "td-pipe" and hasattr(self.predictor, "predict_batch")
+        self._batched = sched.policy == "td-pipe" and self.predictor.batched
         self._unpredicted: deque[Sequence] = deque()
         for p in (self.predictor, getattr(self.predictor, "fallback", None)):
             if hasattr(p, "text_of"):

@@ -23,6 +23,11 @@ from tdpipe.sequence import Sequence
 
 class Predictor:
     name = "base"
+    batched = False  # has predict_batch(seqs): the engine predicts arrivals in batches
+
+    def predict_batch(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            s.predicted_output_len = self.predict(s)
 
     def predict(self, seq: Sequence) -> int:
         raise NotImplementedError
@@ -71,6 +76,7 @@ class AutoPredictor(ConstantPredictor):
     def __init__(self, fallback: Predictor | None = None) -> None:
         super().__init__()
         self.fallback = fallback
+        self.batched = fallback is not None and fallback.batched
 
     def predict(self, seq: Sequence) -> int:
         if getattr(seq.sampling_params, "ignore_eos", False):
@@ -81,7 +87,7 @@ class AutoPredictor(ConstantPredictor):
 
     def predict_batch(self, seqs: list[Sequence]) -> None:
         rest = [s for s in seqs if not getattr(s.sampling_params, "ignore_eos", False)]
-        if self.fallback is not None and rest and hasattr(self.fallback, "predict_batch"):
+        if self.fallback is not None and rest:
             self.fallback.predict_batch(rest)
 
 

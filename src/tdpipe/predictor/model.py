@@ -109,6 +109,7 @@ class LearnedPredictor(Predictor):
     the one-request fallback. Predictions are capped by the request's max_tokens."""
 
     name = "learned"
+    batched = True
 
     def __init__(self, head: LengthHead, buckets: Buckets, meta: PredictorMeta, encoder=None) -> None:
         self.head = head.eval()

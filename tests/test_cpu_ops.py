@@ -46,3 +46,17 @@ def test_argmax_first_index_on_ties():
     x[2, 10] = x[2, 700] = 40
     a = ops.argmax(x)
     assert torch.equal(a, x.argmax(-1)) and a[2] == 10
+
+
+def test_mmap_threshold_pinned_on_glibc():
+    """The engine and stages pin glibc's mmap threshold (tdpipe/malloc.py): without it a long sampling run
+    at pp=2 fragmented the heap until the OOM killer stopped it."""
+    import sys
+
+    from tdpipe.malloc import pin_mmap_threshold
+
+    assert pin_mmap_threshold(0) is False
+    if sys.platform.startswith("linux"):
+        import platform
+        if platform.libc_ver()[0] == "glibc":
+            assert pin_mmap_threshold(1 << 20) is True

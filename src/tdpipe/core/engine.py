@@ -23,6 +23,7 @@ from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.predictor import make_predictor
 from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
 from tdpipe.executor.base import Executor, StepResult
+from tdpipe.malloc import pin_mmap_threshold
 from tdpipe.model.weights import load_hf_config
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.sampler import Sampler, make_generator
@@ -58,6 +59,7 @@ class LLMEngine:
         from tdpipe.model.bundled import resolve_model
 
         run_stage_if_worker(config.parallel.pipeline_parallel_size)  # torchrun ranks > 0 serve a stage, exit
+        pin_mmap_threshold()  # per-step [batch, vocab] tensors must not fragment the heap (tdpipe/malloc.py)
         self.config = config
         self.model_path = resolve_model(config.model)
         hf = load_hf_config(self.model_path)
@@ -213,9 +215,8 @@ class LLMEngine:
                 chunk.append(s)
         if chunk:
             t = time.perf_counter()
-            self.predictor.predict_batch(chunk)
+            self.stats.predicted += self.predictor.predict_batch(chunk)
             self.stats.predict_seconds += time.perf_counter() - t
-            self.stats.predicted += len(chunk)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -25,9 +25,11 @@ class Predictor:
     name = "base"
     batched = False  # has predict_batch(seqs): the engine predicts arrivals in batches
 
-    def predict_batch(self, seqs: list[Sequence]) -> None:
+    def predict_batch(self, seqs: list[Sequence]) -> int:
+        """Fill `predicted_output_len` of each sequence; returns how many this predictor's model predicted."""
         for s in seqs:
             s.predicted_output_len = self.predict(s)
+        return len(seqs)
 
     def predict(self, seq: Sequence) -> int:
         raise NotImplementedError
@@ -85,10 +87,11 @@ class AutoPredictor(ConstantPredictor):
             return self.fallback.predict(seq)
         return super().predict(seq)
 
-    def predict_batch(self, seqs: list[Sequence]) -> None:
+    def predict_batch(self, seqs: list[Sequence]) -> int:
         rest = [s for s in seqs if not getattr(s.sampling_params, "ignore_eos", False)]
         if self.fallback is not None and rest:
-            self.fallback.predict_batch(rest)
+            return self.fallback.predict_batch(rest)
+        return 0
 
 
 NAMES = "'auto', 'oracle', 'constant', 'constant:N' with N >= 1, or a predictor file"

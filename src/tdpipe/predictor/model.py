@@ -147,12 +147,13 @@ class LearnedPredictor(Predictor):
         idx = self.bucket_probs(texts).argmax(-1).tolist()
         return [max(1, round(values[i])) for i in idx]
 
-    def predict_batch(self, seqs: list[Sequence]) -> None:
+    def predict_batch(self, seqs: list[Sequence]) -> int:
         t = time.perf_counter()
         for s, n in zip(seqs, self.predict_lengths([self.text_of(s) for s in seqs])):
             s.predicted_output_len = max(1, min(n, s.max_tokens))
         self.seconds += time.perf_counter() - t
         self.count += len(seqs)
+        return len(seqs)
 
     def predict(self, seq: Sequence) -> int:
         self.predict_batch([seq])

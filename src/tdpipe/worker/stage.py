@@ -155,6 +155,9 @@ def _fatal(where: str) -> None:
 
 def serve(rv: Rendezvous, device: str = "cpu") -> None:
     """Join the pipeline as a stage: receive StageInit, build, acknowledge, run until STOP."""
+    from tdpipe.malloc import pin_mmap_threshold
+
+    pin_mmap_threshold()  # activations of varying size every step (see tdpipe/malloc.py)
     t = Transport(rv)
     kind, init = t.recv_obj(t.ctrl, ENGINE)
     if kind != m.INIT:

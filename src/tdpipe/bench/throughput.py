@@ -278,11 +278,19 @@ def _predictor_cost(engine: Any, s: dict[str, Any], elapsed: float, n: int) -> d
     if getattr(p, "fallback", None) is not None:
         name += "+" + p.fallback.name
     out = {"spec": engine.scheduler.config.predictor, "name": name, "seconds": s["predict_seconds"],
-           "predicted": s["predicted"]}
+           "predicted": s["predicted"], "predicted_in_batches": s["predicted_in_batches"]}
     if s["predicted"]:
         per = s["predict_seconds"] / s["predicted"]
         out |= {"ms_per_request": 1e3 * per, "share_of_engine_time_per_request": per / (elapsed / n)}
     return out
+
+
+def _learned(engine: Any) -> Any:
+    """The learned predictor behind the engine's predictor, if any (it keeps its own time and count)."""
+    for p in (engine.predictor, getattr(engine.predictor, "fallback", None)):
+        if p is not None and hasattr(p, "seconds") and hasattr(p, "count"):
+            return p
+    return None
 
 
 def _step_costs(engine: Any) -> dict[str, Any] | None:
@@ -303,16 +311,19 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
     llm.generate(warm, [_params(2) for _ in warm], use_tqdm=False)
     st = engine.stats
     sched = engine.scheduler
+    model = _learned(engine)  # every prediction the model made, batched or one by one
     before = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
-              getattr(sched, "num_switches", 0), st.predict_seconds, st.predicted)
+              getattr(sched, "num_switches", 0), model.seconds if model else 0.0, model.count if model else 0,
+              st.predicted)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - t0
     after = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
-             getattr(sched, "num_switches", 0), st.predict_seconds, st.predicted)
+             getattr(sched, "num_switches", 0), model.seconds if model else 0.0, model.count if model else 0,
+             st.predicted)
     keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps", "phase_switches", "predict_seconds",
-            "predicted")
+            "predicted", "predicted_in_batches")
     return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()),
             "stats": {k: b - a for k, a, b in zip(keys, before, after)}}
 
@@ -398,7 +409,8 @@ def format_table(r: dict[str, Any]) -> str:
     ]
     pc = r.get("predictor")
     if pc:
-        cost = (f"; {pc['predicted']} predicted in batches, {pc['ms_per_request']:.2f} ms per request = "
+        cost = (f"; {pc['predicted']} predicted ({pc['predicted_in_batches']} in batches as they arrived), "
+                f"{pc['ms_per_request']:.2f} ms per request = "
                 f"{100 * pc['share_of_engine_time_per_request']:.2f} % of the engine's time per request"
                 if pc["predicted"] else "")
         rows.append(("predictor", f"{pc['spec']} ({pc['name']}){cost}"))

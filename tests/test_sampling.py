@@ -197,3 +197,44 @@ def test_penalties_combined_and_in_sampler():
     params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0)]
     assert _call(logits, params, prompts=[[3], [3]], outputs=[[], []]) == [0, 3]
     assert logits[0, 3] == 3.0  # caller's tensor untouched
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_masks_equal_the_full_sort(seed):
+    """The fast path (top-k / top-p / min-p on each row's top candidates) keeps exactly the tokens the full
+    sort keeps, on every row it reports as covered; rows it cannot cover are flagged, never guessed."""
+    from tdpipe.sampling.sampler import apply_min_p, apply_top_k_top_p, candidate_masks
+
+    g = torch.Generator().manual_seed(seed)
+    b, vocab = 24, 3000
+    logits = torch.randn(b, vocab, generator=g) * torch.linspace(0.2, 6.0, b).unsqueeze(1)  # flat .. peaked
+    top_k = torch.tensor([[0, 1, 5, 40, 300, 2999][i % 6] for i in range(b)])
+    top_p = torch.tensor([[1.0, 0.9, 0.5, 0.99][i % 4] for i in range(b)])
+    min_p = torch.tensor([[0.0, 0.0, 0.05][i % 3] for i in range(b)])
+    vals, ids, keep, covered = candidate_masks(logits, top_k, top_p, min_p, k=64)
+    full = apply_min_p(apply_top_k_top_p(logits, top_k, top_p), min_p) > float("-inf")
+    assert covered.any() and not covered.all()
+    for r in range(b):
+        fast = torch.zeros(vocab, dtype=torch.bool)
+        fast[ids[r][keep[r]]] = True
+        if covered[r]:
+            assert torch.equal(fast, full[r]), f"row {r}"
+        else:  # a survivor outside the candidates, a top-k wider than them, or no top-k/top-p at all
+            cand = torch.zeros(vocab, dtype=torch.bool)
+            cand[ids[r]] = True
+            assert (full[r] & ~cand).any() or 64 < top_k[r] < vocab or (top_k[r] <= 0 and top_p[r] >= 1)
+
+
+def test_fast_path_samples_the_same_distribution():
+    """top-p sampling through the candidate path matches the renormalised nucleus probabilities."""
+    from tdpipe.sampling.sampler import Sampler
+
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]))
+    logits = torch.cat([logits, torch.full((500,), -30.0)])
+    p = SamplingParams(temperature=1.0, top_p=0.85, seed=None)
+    n = 6000
+    toks = Sampler()(logits.repeat(n, 1), [p] * n, [[]] * n, [[]] * n, [None] * n)
+    counts = torch.bincount(torch.tensor(toks), minlength=logits.numel()).float() / n
+    expect = torch.tensor([0.4, 0.25, 0.15, 0.1]) / 0.9  # smallest prefix reaching 0.85: 4 tokens
+    assert counts[4:].sum() == 0
+    assert torch.allclose(counts[:4], expect, atol=0.025)

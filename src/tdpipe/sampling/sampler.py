@@ -76,6 +76,39 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+CANDIDATES = 256  # top tokens per row on the fast path of top-k / top-p sampling
+
+
+def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                    k: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k / top-p / min-p on each row's `k` most likely tokens instead of a sort of the whole vocabulary
+    (a [128, 49152] sort takes ~0.7 s on one core; topk(256) ~0.05 s). Returns (values, ids, keep, covered):
+    the candidates in descending order, which of them survive the masks, and whether the candidates hold
+    every survivor (top_k <= k, or the nucleus reaches top_p inside them). Same masks as
+    `apply_top_k_top_p` + `apply_min_p` for covered rows; the others need the full path."""
+    b, vocab = logits.shape
+    k = min(k, vocab)
+    vals, ids = logits.topk(k, dim=-1)
+    pos = torch.arange(k).unsqueeze(0)
+    kk = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
+    keep = pos < kk
+    covered = (kk.squeeze(1) <= k) | (k == vocab)
+    if bool((top_p < 1).any()):
+        # probabilities renormalised over the top-k set (top-k applies first), else over the whole row
+        lse = torch.where(kk.squeeze(1) <= k, vals.masked_fill(~keep, float("-inf")).logsumexp(-1),
+                          logits.logsumexp(-1)).unsqueeze(1)
+        p = (vals - lse).exp() * keep
+        above = p.cumsum(-1) - p  # mass of the tokens ranked above each candidate
+        nucleus = above < top_p.unsqueeze(1)
+        nucleus[:, 0] = True
+        keep &= nucleus | (top_p >= 1).unsqueeze(1)
+        # a nucleus inside the candidates covers the row only when no top-k wider than them renormalises it
+        covered |= (top_p < 1) & (kk.squeeze(1) == vocab) & (p.sum(-1) >= top_p)
+    if bool((min_p > 0).any()):
+        keep &= (vals - vals[:, :1]).exp() >= min_p.unsqueeze(1)  # p_j >= min_p * p_max, normalisation-free
+    return vals, ids, keep, covered
+
+
 class Sampler:
     """Stateless: the per-request state it needs (history, generators) is passed in by the engine."""
 
@@ -110,25 +143,52 @@ class Sampler:
                 tokens[i] = tok
         return tokens
 
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[int]:
+        """Temperature, then top-k / top-p / min-p on the candidate fast path where a row has top-k or top-p
+        and its survivors lie within its top CANDIDATES tokens; every other row takes the full path."""
+        logits = logits / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        tokens = [0] * len(params)
+        fast = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
+        if fast:
+            sub = [params[i] for i in fast]
+            vals, ids, keep, covered = candidate_masks(
+                logits[fast], torch.tensor([p.top_k for p in sub]), torch.tensor([p.top_p for p in sub]),
+                torch.tensor([p.min_p for p in sub]))
+            rows = [j for j, c in enumerate(covered.tolist()) if c]
+            if rows:
+                probs = vals[rows].masked_fill(~keep[rows], float("-inf")).softmax(-1)
+                picked = self._race(probs, [generators[fast[j]] for j in rows])
+                for j, c in zip(rows, picked):
+                    tokens[fast[j]] = int(ids[j, c])
+            fast = [fast[j] for j in rows]
+        rest = sorted(set(range(len(params))) - set(fast))
+        if rest:
+            for i, t in zip(rest, self._sample_full(logits[rest], [params[i] for i in rest],
+                                                    [generators[i] for i in rest])):
+                tokens[i] = t
+        return tokens
+
     @staticmethod
-    def _sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-        """Temperature, top-k/top-p, min-p, then an exponential race: argmax(p / q), q ~ Exp(1),
-        picks token j with probability p_j and lets each row draw its noise from its own generator."""
-        device = logits.device
-        logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+        """Exponential race: argmax(p / q), q ~ Exp(1), picks column j with probability p_j; each seeded row
+        draws its noise from its own generator (one draw per column), so it is independent of the batch."""
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(probs.device)
+        q.clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw would turn a masked token's 0/0 into NaN
+        return (probs / q).argmax(dim=-1).tolist()
+
+    def _sample_full(self, logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None]) -> list[int]:
+        """The whole vocabulary: masks by a full sort, then the race over every token."""
         top_k = torch.tensor([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None
         top_p = torch.tensor([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
         logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, torch.tensor([p.min_p for p in params]))
-        probs = logits.softmax(dim=-1)
-
-        q = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:  # always exactly V draws per step, whatever the batch looks like
-                q[i] = torch.empty(probs.shape[1]).exponential_(generator=g).to(device)
-        q.clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw would turn a masked token's 0/0 into NaN
-        return (probs / q).argmax(dim=-1).tolist()
+        return self._race(logits.softmax(dim=-1), generators)

@@ -8,7 +8,8 @@ import pytest
 from tdpipe.entrypoints.cli import main
 
 
-@pytest.mark.parametrize("cmd", [[], ["generate"], ["chat"], ["bench"], ["bench", "throughput"]])
+@pytest.mark.parametrize("cmd", [[], ["generate"], ["chat"], ["bench"], ["bench", "throughput"], ["predictor"],
+                                 ["predictor", "train"], ["predictor", "eval"]])
 def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main(cmd + ["--help"])
@@ -27,6 +28,25 @@ def test_generate_jsonl_file(tmp_path, bundled_path):
     assert len(recs) == 2
     assert recs[0]["num_output_tokens"] == 5 and "Paris" in recs[0]["text"] and len(recs[0]["token_ids"]) == 5
     assert recs[1]["finish_reason"] == "error" and "empty" in recs[1]["error"]
+
+
+def test_generate_messages_through_the_chat_template_and_record_history(tmp_path, bundled_path):
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Name a fruit."}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": conv}) + "\n" + json.dumps({"messages": []}) + "\n")
+    with pytest.raises(SystemExit, match="line 2: 'messages' must be a non-empty list"):
+        main(["generate", "--input", str(inp)])
+    inp.write_text(json.dumps({"messages": conv}) + "\n")
+    out, hist = tmp_path / "out.jsonl", tmp_path / "h.jsonl"
+    rc = main(["generate", "--input", str(inp), "--output", str(out), "--max-tokens", "4", "--dtype", "float32",
+               "--kv-cache-memory", "64MiB", "--no-progress", "--record-history", str(hist)])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert rec["prompt"] == "Hi\nHello!\nName a fruit." and rec["num_prompt_tokens"] > 10  # template tokens
+    h = json.loads(hist.read_text())
+    assert h["prompt"] == rec["prompt"] and h["prompt_tokens"] == rec["num_prompt_tokens"]
+    assert h["output_tokens"] == rec["num_output_tokens"]
 
 
 def test_generate_stdin_subprocess(bundled_path):

@@ -148,6 +148,7 @@ def plot(result: dict, path: str) -> None:
         xs = sorted(int(k) for k in errs)
         ax.plot(xs, [100 * errs[k] for k in xs], marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("requests per group")
     ax.set_ylabel("accumulated error of total length (%)")
     ax.set_title(f"Output-length prediction, held-out split (n={result['test_size']})")

@@ -153,6 +153,8 @@ def test_minilm_encoder_matches_transformers():
     ref = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
     assert ours.shape == (2, 384)
     assert torch.allclose(ours, ref, atol=1e-5)
+    half = SentenceEncoder(dtype="bfloat16").encode(texts)  # the fast serving precision stays close
+    assert half.dtype == torch.float32 and ((half * ref).sum(-1) > 0.99).all()
 
 
 PROMPTS = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def add(a, b):"]
@@ -184,6 +186,15 @@ def test_engine_records_history_and_predicts_in_batches(tmp_path):
         stats = llm.engine.stats
         assert stats.predicted == len(PROMPTS) and stats.predict_seconds > 0
         assert isinstance(llm.engine.predictor, LearnedPredictor)
+        assert llm.engine.predictor.count == len(PROMPTS)  # all in batches, none one by one
+        # a request the scheduler asks about before its batch: predicted with the next arrivals, not alone
+        eng = llm.engine
+        seqs = [eng.add_request(f"x{i}", p, greedy) for i, p in enumerate(PROMPTS)]
+        eng.scheduler.predictor.predict(seqs[2])
+        assert all(s.predicted_output_len is not None for s in seqs) and not eng._unpredicted
+        assert eng.predictor.count == 2 * len(PROMPTS)
+        while eng.has_unfinished():
+            eng.step()
 
 
 def test_predictor_cli_train_and_eval(tmp_path, capsys):

@@ -20,7 +20,7 @@ import torch
 from tdpipe.config import EngineConfig, ModelConfig, cpu_supports_bf16, default_threads
 from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.predictor import make_predictor
+from tdpipe.core.predictor import Predictor, make_predictor
 from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.malloc import pin_mmap_threshold
@@ -51,6 +51,27 @@ class EngineStats:
     predict_seconds: float = 0.0  # td-pipe: time spent predicting output lengths (batched, as requests arrive)
     predicted: int = 0
     started: float = field(default_factory=time.perf_counter)
+
+
+class _BatchOnMiss(Predictor):
+    """The predictor the scheduler sees when predictions are batched: asked about a request whose batch has
+    not been predicted yet, it predicts the next chunk of arrivals with that request first, instead of one
+    prompt at a time."""
+
+    def __init__(self, engine: "LLMEngine") -> None:
+        self.engine = engine
+        self.inner = engine.predictor
+        self.name = self.inner.name
+
+    def predict(self, seq: Sequence) -> int:
+        if seq.predicted_output_len is None:
+            self.engine._predict_pending(first=seq)
+        if seq.predicted_output_len is None:  # not the batched model's (e.g. an ignore_eos request: oracle)
+            return self.inner.predict(seq)
+        return seq.predicted_output_len
+
+    def observe(self, seq: Sequence) -> None:
+        self.inner.observe(seq)
 
 
 class LLMEngine:
@@ -101,7 +122,8 @@ class LLMEngine:
             from tdpipe.predictor.history import HistoryWriter
             self.history = HistoryWriter(config.record_history, model=os.path.basename(
                 os.path.normpath(self.model_path)))
-        self.scheduler = make_scheduler(sched, self.block_manager, predictor=self.predictor)
+        self.scheduler = make_scheduler(sched, self.block_manager,
+                                        predictor=_BatchOnMiss(self) if self._batched else self.predictor)
         self.executor = self._make_executor(num_blocks)
         self.sampler = Sampler()
         self._seq_ids = itertools.count()
@@ -204,14 +226,15 @@ class LLMEngine:
 
     PREDICT_CHUNK = 64  # prompts per predictor batch
 
-    def _predict_pending(self) -> None:
+    def _predict_pending(self, first: Sequence | None = None) -> None:
         """Predict output lengths for up to PREDICT_CHUNK arrived requests in one batch. Called while the
         stages compute (after the pipeline is filled), so it stays off the pipeline's critical path; before
-        the first batch it runs first, since Algorithm 1 needs the lengths to admit anything."""
-        chunk = []
+        the first batch it runs first, since Algorithm 1 needs the lengths to admit anything; and when the
+        scheduler asks about a request not predicted yet (`first`), which then leads the batch."""
+        chunk = [first] if first is not None else []
         while self._unpredicted and len(chunk) < self.PREDICT_CHUNK:
             s = self._unpredicted.popleft()
-            if s.predicted_output_len is None and not s.is_finished:
+            if s.predicted_output_len is None and not s.is_finished and s is not first:
                 chunk.append(s)
         if chunk:
             t = time.perf_counter()

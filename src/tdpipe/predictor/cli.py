@@ -31,7 +31,8 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     records = _records(a)
     cfg = TrainConfig(percentiles=a.percentiles, hidden=a.hidden, epochs=a.epochs, seed=a.seed,
-                      max_length=a.max_length, estimate=a.estimate)
+                      max_length=a.max_length, estimate=a.estimate,
+                      encoder_dtype=None if a.encoder_dtype == "auto" else a.encoder_dtype)
     pred = train(records, cfg, history_name=os.path.basename(a.history))
     pred.save(a.output)
     print(f"saved {a.output}")
@@ -88,6 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--hidden", type=int, default=256, help="hidden width of the two-layer head")
     t.add_argument("--epochs", type=int, default=400, help="most full-batch epochs (early stopping on validation)")
     t.add_argument("--max-length", type=int, default=256, help="encoder tokens per prompt (truncated)")
+    t.add_argument("--encoder-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="precision of the MiniLM encoder, kept in the predictor file and used at serving time "
+                        "(auto = bfloat16 where the CPU has bf16 instructions: ~4x faster here)")
     t.add_argument("--seed", type=int, default=0, help="split and initialisation seed")
     t.add_argument("--estimate", choices=["calibrated", "bucket-mean"], default="calibrated",
                    help="the length a predicted bucket stands for: bucket-mean = its mean training length "

@@ -45,16 +45,30 @@ class BertConfig:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
-class SentenceEncoder:
-    """texts -> [N, hidden] unit vectors. Inference only (frozen): the weights are plain tensors."""
+def default_dtype() -> str:
+    """bfloat16 where the CPU has bf16 instructions (about 4x the fp32 matmul rate here), else float32."""
+    from tdpipe.config import cpu_supports_bf16
 
-    def __init__(self, path: str | None = None, max_length: int = 256, threads: int | None = None) -> None:
+    return "bfloat16" if cpu_supports_bf16() else "float32"
+
+
+class SentenceEncoder:
+    """texts -> [N, hidden] unit vectors (float32). Inference only (frozen): the weights are plain tensors,
+    kept in `dtype` ("bfloat16" or "float32"); pooling and normalisation run in float32."""
+
+    def __init__(self, path: str | None = None, max_length: int = 256, threads: int | None = None,
+                 dtype: str = "float32") -> None:
         from safetensors.torch import load_file
         from tokenizers import Tokenizer
 
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"encoder dtype must be float32 or bfloat16, got {dtype!r}")
         path = path or find_minilm()
         self.cfg = BertConfig.from_file(os.path.join(path, "config.json"))
-        self.w = load_file(os.path.join(path, "model.safetensors"))
+        self.dtype_name = dtype
+        self.dtype = getattr(torch, dtype)
+        self.w = {k: v.to(self.dtype) if v.is_floating_point() else v
+                  for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
         self.max_length = max_length
         self.threads = threads
         self.tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
@@ -95,7 +109,7 @@ class SentenceEncoder:
              + w[e + "token_type_embeddings.weight"][0])
         h = F.layer_norm(h, (c.hidden_size,), w[e + "LayerNorm.weight"], w[e + "LayerNorm.bias"], c.layer_norm_eps)
         heads, hd = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-        bias = torch.zeros(n, 1, 1, length).masked_fill(~mask[:, None, None, :], float("-inf"))
+        bias = torch.zeros(n, 1, 1, length, dtype=h.dtype).masked_fill(~mask[:, None, None, :], float("-inf"))
         for i in range(c.num_hidden_layers):
             p = f"encoder.layer.{i}."
 
@@ -111,6 +125,6 @@ class SentenceEncoder:
             f = lin(F.gelu(lin(h, "intermediate.dense")), "output.dense")
             h = F.layer_norm(h + f, (c.hidden_size,), w[p + "output.LayerNorm.weight"],
                              w[p + "output.LayerNorm.bias"], c.layer_norm_eps)
-        m = mask[..., None].to(h.dtype)
-        pooled = (h * m).sum(1) / m.sum(1).clamp(min=1.0)  # mean over real tokens (sentence-transformers)
+        m = mask[..., None].float()
+        pooled = (h.float() * m).sum(1) / m.sum(1).clamp(min=1.0)  # mean over real tokens (sentence-transformers)
         return F.normalize(pooled, dim=-1)

@@ -86,6 +86,7 @@ class LengthHead(nn.Module):
 @dataclass
 class PredictorMeta:
     encoder: str = "all-MiniLM-L6-v2"
+    encoder_dtype: str = "float32"  # the head is trained on (and must be fed) this encoder precision
     max_length: int = 256
     hidden: int = 256
     model: str = ""  # the serving model whose history trained it
@@ -124,7 +125,7 @@ class LearnedPredictor(Predictor):
     def encoder(self):
         if self._encoder is None:
             from tdpipe.predictor.encoder import SentenceEncoder
-            self._encoder = SentenceEncoder(max_length=self.meta.max_length)
+            self._encoder = SentenceEncoder(max_length=self.meta.max_length, dtype=self.meta.encoder_dtype)
         return self._encoder
 
     @torch.no_grad()

@@ -40,15 +40,16 @@ class TrainConfig:
     patience: int = 40
     seed: int = 0
     max_length: int = 256
+    encoder_dtype: str | None = None  # None: bfloat16 where the CPU has bf16 instructions (encoder.default_dtype)
     estimate: str = "calibrated"  # PredictorMeta.estimate
     min_calibration: int = 5  # fewer validation requests in a predicted bucket: keep its training mean
 
 
 def train(records: list[HistoryRecord], cfg: TrainConfig, encoder=None, history_name: str = "",
           log=print) -> LearnedPredictor:
-    from tdpipe.predictor.encoder import SentenceEncoder
+    from tdpipe.predictor.encoder import SentenceEncoder, default_dtype
 
-    enc = encoder or SentenceEncoder(max_length=cfg.max_length)
+    enc = encoder or SentenceEncoder(max_length=cfg.max_length, dtype=cfg.encoder_dtype or default_dtype())
     tr, va, _ = split(records, cfg.seed)
     buckets = Buckets.fit([r.output_tokens for r in tr], cfg.percentiles)
     xs = {n: enc.encode([r.prompt for r in part]) for n, part in (("train", tr), ("val", va))}
@@ -82,7 +83,8 @@ def train(records: list[HistoryRecord], cfg: TrainConfig, encoder=None, history_
     log(f"trained on {len(tr)} records ({buckets.num} buckets, cuts {[round(c) for c in buckets.cuts]}); "
         f"best validation loss {best:.3f} at epoch {best_epoch}, accuracy {val_acc:.3f}")
     mean = sum(r.output_tokens for r in tr) / len(tr)
-    meta = PredictorMeta(max_length=cfg.max_length, hidden=cfg.hidden, model=records[0].model,
+    meta = PredictorMeta(encoder_dtype=getattr(enc, "dtype_name", "float32"), max_length=cfg.max_length,
+                         hidden=cfg.hidden, model=records[0].model,
                          history=history_name, split_seed=cfg.seed, num_records=len(records),
                          train_size=len(tr), mean_length=mean, estimate=cfg.estimate, calibrated=calibrated,
                          stats={"val_loss": best, "val_accuracy": val_acc, "epochs": best_epoch + 1})

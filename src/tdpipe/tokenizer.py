@@ -10,6 +10,14 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """A conversation through the model's chat template: the prompt text and its token ids (the template
+    carries the special tokens, so none are added again)."""
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
 class Detokenizer:
     """Finds stop strings in the growing output text without re-decoding the whole output every step."""
 

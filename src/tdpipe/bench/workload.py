@@ -132,6 +132,7 @@ def from_history(path: str | Path, tokenizer: Any, split: str = "test", limit: i
     benchmarked on prompts it never trained on."""
     from tdpipe.predictor.history import load_history
     from tdpipe.predictor.train import split as split_records
+    from tdpipe.tokenizer import chat_prompt
 
     recs = load_history(str(path))
     parts = {"all": recs}
@@ -141,9 +142,8 @@ def from_history(path: str | Path, tokenizer: Any, split: str = "test", limit: i
         raise ValueError(f"history split must be one of all, train, val, test; got {split!r}")
     out = []
     for r in parts[split][:limit]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        out.append(BenchRequest(tokenizer.encode(text, add_special_tokens=False), max(1, r.output_tokens), r.prompt))
+        ids = chat_prompt(tokenizer, [{"role": "user", "content": r.prompt}])[1]
+        out.append(BenchRequest(ids, max(1, r.output_tokens), r.prompt))
     return out
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 
 from tdpipe.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tdpipe.tokenizer import chat_prompt
 
 
 def _read_prompts(a: argparse.Namespace) -> list[dict]:
@@ -57,8 +58,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             conv = [{"role": "user", "content": r["prompt"]}]
         else:
             continue
-        text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-        r["prompt_token_ids"] = tok.encode(text, add_special_tokens=False)
+        r["prompt_token_ids"] = chat_prompt(tok, conv)[1]
     prompts = [{"prompt": r.get("prompt"), "prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
                else r["prompt"] for r in recs]
     outs = llm.generate(prompts, sp, use_tqdm=not a.no_progress)

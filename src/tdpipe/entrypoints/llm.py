@@ -15,6 +15,7 @@ from tdpipe.executor.pipeline import PipelineError
 from tdpipe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence
+from tdpipe.tokenizer import chat_prompt
 
 log = logging.getLogger("tdpipe")
 
@@ -190,8 +191,7 @@ class LLM:
         tok = self.engine.tokenizer
         prompts = []
         for conv in convs:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
+            text, ids = chat_prompt(tok, conv, add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -89,13 +89,13 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     b, vocab = logits.shape
     k = min(k, vocab)
     vals, ids = logits.topk(k, dim=-1)
-    pos = torch.arange(k).unsqueeze(0)
-    kk = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
-    keep = pos < kk
-    covered = (kk.squeeze(1) <= k) | (k == vocab)
+    limit = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B] tokens top-k keeps
+    keep = torch.arange(k).unsqueeze(0) < limit.unsqueeze(1)
+    within = limit <= k  # top-k alone keeps the row inside the candidates
+    covered = within | (k == vocab)
     if bool((top_p < 1).any()):
         # probabilities renormalised over the top-k set (top-k applies first), else over the whole row
-        lse = torch.where(kk.squeeze(1) <= k, vals.masked_fill(~keep, float("-inf")).logsumexp(-1),
+        lse = torch.where(within, vals.masked_fill(~keep, float("-inf")).logsumexp(-1),
                           logits.logsumexp(-1)).unsqueeze(1)
         p = (vals - lse).exp() * keep
         above = p.cumsum(-1) - p  # mass of the tokens ranked above each candidate
@@ -103,7 +103,7 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         nucleus[:, 0] = True
         keep &= nucleus | (top_p >= 1).unsqueeze(1)
         # a nucleus inside the candidates covers the row only when no top-k wider than them renormalises it
-        covered |= (top_p < 1) & (kk.squeeze(1) == vocab) & (p.sum(-1) >= top_p)
+        covered |= (top_p < 1) & (limit == vocab) & (p.sum(-1) >= top_p)
     if bool((min_p > 0).any()):
         keep &= (vals - vals[:, :1]).exp() >= min_p.unsqueeze(1)  # p_j >= min_p * p_max, normalisation-free
     return vals, ids, keep, covered

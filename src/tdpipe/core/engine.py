@@ -13,7 +13,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,7 +50,7 @@ class EngineStats:
     mixed_steps: int = 0  # hybrid: decodes and prefill chunks in one micro-batch
     predict_seconds: float = 0.0  # td-pipe: time spent predicting output lengths (batched, as requests arrive)
     predicted: int = 0
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.time)
 
 
 class _BatchOnMiss(Predictor):
@@ -74,8 +74,15 @@ class _BatchOnMiss(Predictor):
         self.inner.observe(seq)
 
 
+ExecutorFactory = Callable[["LLMEngine"], Executor]
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`executor_factory`: build the executor from the engine (its model_config, partition, block manager)
+    instead of loading weights; the simulator (executor/sim.py) runs the same loop this way. Such an engine
+    loads no tokenizer: requests come as token ids, and time is the executor's clock."""
+
+    def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
         from tdpipe.executor.pipeline import run_stage_if_worker
         from tdpipe.model.bundled import resolve_model
 
@@ -85,8 +92,9 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         hf = load_hf_config(self.model_path)
         self.model_config = ModelConfig.from_hf(hf)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.detok = Detokenizer(self.tokenizer)
+        self.clock: Callable[[], float] = time.time  # the executor's clock once it exists
+        self.tokenizer = load_tokenizer(self.model_path) if executor_factory is None else None
+        self.detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = self._eos_ids(hf)
         self.dtype = resolve_dtype(config.dtype)
         self.pp = config.parallel.pipeline_parallel_size
@@ -124,25 +132,35 @@ class LLMEngine:
                 os.path.normpath(self.model_path)))
         self.scheduler = make_scheduler(sched, self.block_manager,
                                         predictor=_BatchOnMiss(self) if self._batched else self.predictor)
-        self.executor = self._make_executor(num_blocks)
+        if executor_factory is None:
+            self.executor = self._make_executor(num_blocks)
+        else:
+            from tdpipe.worker.partition import resolve_partition
+
+            self.partition = resolve_partition(mc, self.pp, config.parallel.layer_partition)
+            self.stage_threads = [config.parallel.stage_threads()] * self.pp
+            self.executor = executor_factory(self)
+        self.clock = self.executor.now
         self.sampler = Sampler()
         self._seq_ids = itertools.count()
         self._generators: dict[int, torch.Generator | None] = {}
-        self.stats = EngineStats()
+        self.stats = EngineStats(started=self.clock())
         self._inflight: deque[Batch] = deque()
-        self.trace_start = time.time()
+        self.trace_start = self.clock()
         self.kv_trace: list[tuple[float, float]] = []  # (time, KV usage) for plots (TD-Pipe Fig. 12)
         self.engine_trace: list[dict] = []  # per micro-batch: submit and result times
         self._stage_events: list[list[dict]] = [[] for _ in range(self.pp)]
         torch.manual_seed(config.seed)
         if isinstance(self.scheduler, TDPipeScheduler) and self.scheduler.to_prefill[0] == "intensity":
-            from tdpipe.core.step_profile import load_or_measure
+            from tdpipe.core.step_profile import load_or_measure, measure
 
-            self.scheduler.costs = load_or_measure(self, sched.profile_cache)  # Eq. 1-2 on measured costs
+            # Eq. 1-2 on measured costs (a simulated executor is profiled afresh: its clock is the cost model)
+            self.scheduler.costs = (measure(self, max_batch=512) if executor_factory is not None
+                                    else load_or_measure(self, sched.profile_cache))
 
     def _eos_ids(self, hf: dict[str, Any]) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         try:
             with open(os.path.join(self.model_path, "generation_config.json")) as f:
@@ -197,6 +215,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("this engine has no tokenizer (simulated): give prompt_token_ids")
                 prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             else:
                 prompt_token_ids = list(prompt)
@@ -211,8 +231,10 @@ class LLMEngine:
                              "(the prompt must leave room for at least one output token)")
         room = max_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if self.detok is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine has none (simulated)")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, prompt=text,
-                       max_tokens=max_tokens)
+                       max_tokens=max_tokens, arrival_time=self.clock())
         self._generators[seq.seq_id] = make_generator(params)
         self.scheduler.add(seq)
         if self._batched:
@@ -254,7 +276,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            now = time.time()
+            now = self.clock()
             self.engine_trace.append({"batch_id": batch.batch_id, "submit": now})
             self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
             self.executor.submit(self._to_step(batch))
@@ -268,7 +290,7 @@ class LLMEngine:
         batch = self._inflight.popleft()
         result = self.executor.collect()
         finished = self._finish(batch, result)
-        self.engine_trace[-len(self._inflight) - 1]["done"] = time.time()
+        self.engine_trace[-len(self._inflight) - 1]["done"] = self.clock()
         if finished:
             self.executor.release([s.seq_id for s in finished])
         return finished
@@ -295,7 +317,7 @@ class LLMEngine:
             tokens = self._sample(seqs, result.logits if every else result.logits[rows])
         else:
             tokens = []
-        now = time.perf_counter()
+        now = self.clock()
         finished = []
         for seq, tok in zip(seqs, tokens):
             if seq.first_token_time is None:
@@ -318,7 +340,7 @@ class LLMEngine:
         self.stats.prompt_tokens += batch.num_tokens - n_decode
         self.stats.output_tokens += len(seqs)
         self.scheduler.on_result(batch)
-        self.kv_trace.append((time.time(), self.block_manager.usage()))
+        self.kv_trace.append((now, self.block_manager.usage()))
         return finished
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -362,12 +384,14 @@ class LLMEngine:
     def final_text(self, seq: Sequence) -> str:
         if isinstance(seq.stop_reason, str):  # stop string: text already cut there
             return seq.output_text
+        if self.detok is None:
+            return ""
         ids = seq.output_token_ids
         return self.detok.decode(ids, seq.sampling_params.skip_special_tokens)
 
     # -- trace ---------------------------------------------------------------------------------------------
     def reset_trace(self) -> None:
-        self.trace_start = time.time()
+        self.trace_start = self.clock()
         self.kv_trace = [(self.trace_start, self.block_manager.usage())]
         self.engine_trace = []
         self.executor.trace_events()  # drop what the stages recorded before

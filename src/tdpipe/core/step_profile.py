@@ -55,21 +55,23 @@ def _run(engine: "LLMEngine", seqs: list[Sequence], lens: list[int], prefill: bo
     batch = Batch(-1, seqs, lens, is_prefill=prefill)
     step = StepInput.from_batch(batch)
     step.greedy_rows = [True] * len(seqs)
-    t = time.perf_counter()
+    t = engine.clock()
     engine.executor.submit(step)
     engine.executor.collect()
-    elapsed = time.perf_counter() - t
+    elapsed = engine.clock() - t
     for s, n in zip(seqs, lens):
         s.num_computed_tokens += n
     return elapsed / engine.executor.num_stages
 
 
-def measure(engine: "LLMEngine") -> StepCostModel:
-    """Prefill dummy requests in growing batches, then decode them at growing batch sizes."""
+def measure(engine: "LLMEngine", max_batch: int = 128) -> StepCostModel:
+    """Prefill dummy requests in growing batches, then decode them at growing batch sizes up to `max_batch`
+    (Peak's "sufficiently large batch", Eq. 1: 128 keeps the start-up short on a CPU; the simulator, whose
+    steps cost nothing to time, goes to 512, past where GPU decode turns compute-bound)."""
     bm, cfg = engine.block_manager, engine.scheduler.config
     pp = engine.executor.num_stages
     room = CONTEXT + 2 * REPEATS * 8 + 1
-    cap = max(1, min(cfg.max_num_seqs // pp or 1, 128, (bm.num_blocks - 1) // bm.blocks_needed(room)))
+    cap = max(1, min(cfg.max_num_seqs // pp or 1, max_batch, (bm.num_blocks - 1) // bm.blocks_needed(room)))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     seqs = [Sequence(next(engine._seq_ids), "profile", [rng.randrange(vocab) for _ in range(CONTEXT)],
@@ -86,7 +88,7 @@ def measure(engine: "LLMEngine") -> StepCostModel:
             prefill.append((len(group) * CONTEXT, _run(engine, group, [CONTEXT] * len(group), True)))
             done += len(group)
             k *= 2
-        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, cap) if b <= cap})
+        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, cap) if b <= cap})
         for b in sizes:
             best = float("inf")
             for _ in range(REPEATS):

@@ -36,25 +36,13 @@ def _future_points(v: str) -> tuple[int, int]:
     return step, top
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF folder (config.json + safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto = bfloat16 where the CPU has bf16 instructions, else float32")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded random sampling")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+def add_scheduler_args(g: argparse._ActionsContainer) -> None:
+    """The batching policy and its knobs: shared by the real engine and `tdpipe simulate`."""
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one micro-batch (default: 8192 for separate and 2048 for td-pipe = most "
                         "prompt tokens in a prefill batch, a longer prompt runs alone; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + "
                         "prefill chunks; 2304 for throttle = a ceiling of #MaxP + 256 decodes, Eq. 3 sizes each "
                         "batch)")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (PagedAttention)")
-    g.add_argument("--kv-cache-memory", type=_memory, default=None,
-                   help="KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. 0.3); "
-                        "default min(4 GiB, 40%%)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
     g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid", "throttle", "td-pipe"],
                    help="batching policy. TD-Pipe §4 baselines: separate = PP+SB, prefill and decode batches "
                         "never mixed, prefill first (vLLM); hybrid = PP+HB, Sarathi-Serve: a fixed token budget "
@@ -90,6 +78,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="throttle: #MinP, fewest prefill tokens in a batch while prompts wait (Eq. 3)")
     g.add_argument("--kv-thresh", type=float, default=0.05,
                    help="throttle: KVthresh, no prefill while the free KV fraction is below it (Eq. 3)")
+
+
+def scheduler_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_num_batched_tokens=a.max_num_batched_tokens, scheduler=a.scheduler, throttle_T=a.throttle_T,
+                max_prefill_tokens=a.max_prefill_tokens, min_prefill_tokens=a.min_prefill_tokens,
+                kv_thresh=a.kv_thresh, future_points=_future_points(a.future_points),
+                switch_to_decode=a.switch_to_decode, switch_to_prefill=a.switch_to_prefill,
+                work_stealing=not a.no_work_stealing, predictor=a.predictor, profile_cache=not a.no_profile_cache)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF folder (config.json + safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto = bfloat16 where the CPU has bf16 instructions, else float32")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded random sampling")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (PagedAttention)")
+    g.add_argument("--kv-cache-memory", type=_memory, default=None,
+                   help="KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. 0.3); "
+                        "default min(4 GiB, 40%%)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
+    add_scheduler_args(g)
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads of the engine process (default: all cores with --pp 1, else 1)")
     g = p.add_argument_group("pipeline parallelism (TD-Pipe §3.2)")
@@ -112,15 +125,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-                block_size=a.block_size, kv_cache_memory=a.kv_cache_memory, num_kv_blocks=a.num_kv_blocks,
-                scheduler=a.scheduler, num_threads=a.threads, pipeline_parallel_size=a.pp,
+                max_model_len=a.max_model_len, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
+                num_kv_blocks=a.num_kv_blocks, num_threads=a.threads, pipeline_parallel_size=a.pp,
                 layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace,
-                throttle_T=a.throttle_T, max_prefill_tokens=a.max_prefill_tokens,
-                min_prefill_tokens=a.min_prefill_tokens, kv_thresh=a.kv_thresh,
-                future_points=_future_points(a.future_points), switch_to_decode=a.switch_to_decode,
-                switch_to_prefill=a.switch_to_prefill, work_stealing=not a.no_work_stealing,
-                predictor=a.predictor, profile_cache=not a.no_profile_cache, record_history=a.record_history)
+                record_history=a.record_history) | scheduler_kwargs(a)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:

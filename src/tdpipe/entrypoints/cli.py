@@ -1,4 +1,4 @@
-"""`tdpipe` command line: generate, chat, bench, plot, predictor."""
+"""`tdpipe` command line: generate, chat, bench, plot, predictor, simulate."""
 from __future__ import annotations
 
 import argparse
@@ -185,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tdpipe.predictor import cli as predictor_cli
 
     predictor_cli.add_parser(sub)
+
+    from tdpipe.sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
     return p
 
 

@@ -1,6 +1,7 @@
 """Executors: the only place that knows where compute happens (in-process, stage processes, simulator)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,10 @@ class StepResult:
 
 class Executor:
     num_stages: int = 1
+
+    def now(self) -> float:
+        """The clock the engine stamps requests and traces with: wall time, or a simulator's virtual time."""
+        return time.time()
 
     def submit(self, step: StepInput) -> None:
         raise NotImplementedError

@@ -31,7 +31,8 @@ class LocalExecutor(Executor):
         prefill, decode = step.shape()
         # input preparation runs inline here, so it counts as waiting (the pipeline overlaps it)
         self._events.append({"batch_id": step.batch_id, "start": t1, "end": t2, "wait": t1 - t0, "send": 0.0,
-                             "prefill_tokens": prefill, "decode_seqs": decode})
+                             "prefill_tokens": prefill, "decode_seqs": decode,
+                             "context_tokens": sum(step.seq_lens)})
         self._done.append(StepResult(step.batch_id, logits=out, token_ids=token_ids,
                                      timings={"prepare": t1 - t0, "compute": t2 - t1, "start": t0, "end": t2}))
 

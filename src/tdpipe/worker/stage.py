@@ -131,7 +131,7 @@ class StageWorker:
             end = time.time()
             event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
                      "meta_latency": t_meta - msg.sent_at, "prep": t_prepared - t_meta,
-                     "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1]}
+                     "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1], "context_tokens": sum(msg.seq_lens)}
             self.events.append(event)
             self.outbox.put((out, dst, tensor_tag(msg.batch_id), event))
 

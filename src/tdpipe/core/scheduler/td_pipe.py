@@ -121,19 +121,23 @@ class TDPipeScheduler(SeparateScheduler):
         one: a request still decoding anywhere in (previous point, point] counts with its largest KV there.
         Reading only the points themselves misses the peak between them (requests that finish just after
         a point still grow until then), which preempts under tight caches even with exact lengths."""
-        # a request that outlives its prediction is assumed to finish within the next step
-        remaining = max(self.predicted_len(seq) - seq.num_output_tokens, 1)
-        out, prev = [], 0
-        for fp in self.future_points:
-            out.append(self.bm.blocks_needed(seq.num_tokens + min(fp, remaining)) if remaining > prev else 0)
-            prev = fp
+        out = [0] * len(self.future_points)
+        self.update_usage(seq, out)
         return out
 
     def update_usage(self, seq: Sequence, usage: list[int] | None = None) -> None:
-        """UpdateUsage: add seq's predicted KV (in blocks) at every futurePoint it is predicted to reach."""
+        """UpdateUsage: add seq's predicted KV (in blocks) at every futurePoint it is predicted to reach.
+        Hot (the intensity switch re-plans over every running request): the loop stops at the first point
+        past the request's predicted end, where every later point is zero."""
         usage = self.kv_usage if usage is None else usage
-        for i, b in enumerate(self.seq_usage(seq)):
-            usage[i] += b
+        # a request that outlives its prediction is assumed to finish within the next step
+        remaining = max(self.predicted_len(seq) - len(seq.output_token_ids), 1)
+        n, bs, prev = seq.num_tokens, self.bm.block_size, 0
+        for i, fp in enumerate(self.future_points):
+            if remaining <= prev:
+                break
+            usage[i] += -(-(n + (fp if fp < remaining else remaining)) // bs)
+            prev = fp
 
     def would_overflow(self, seq: Sequence, usage: list[int], used_blocks: int) -> bool:
         """CheckSwitch, one request ahead: admitting seq would pass the capacity, by its predicted peak

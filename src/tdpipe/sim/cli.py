@@ -1,0 +1,188 @@
+"""`tdpipe simulate`: run a workload through the real engine and scheduler on simulated hardware."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tdpipe.entrypoints.args import _memory, _partition, add_scheduler_args, scheduler_kwargs
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from tdpipe.sim.hardware import NAMES
+    from tdpipe.sim.runner import model_names
+
+    p = sub.add_parser(
+        "simulate", help="simulate the engine on GPUs/CPUs it does not run on (TD-Pipe §4 at scale)",
+        description="The real engine, scheduler and block manager over a simulated executor: a virtual clock and a "
+                    "roofline cost model per layer (docs/simulator.md). Reports throughput, bubble ratio per stage "
+                    "and KV usage over time; --trace writes the runtime's trace format for `tdpipe plot timeline`. "
+                    "--figure11 runs TD-Pipe's Figure 11 grid; --compare replays real bench runs on the calibrated "
+                    "CPU model.")
+    g = p.add_argument_group("deployment")
+    g.add_argument("--hardware", default="a100-80g",
+                   help=f"device kind: {', '.join(NAMES)} (this machine, calibrated on first use and cached), or a "
+                        "JSON file with tdpipe.sim.hardware.Hardware's fields")
+    g.add_argument("--num-devices", type=int, default=4, help="devices (GPUs; for cpu: groups of threads)")
+    g.add_argument("--parallel", choices=["pp", "tp"], default="pp",
+                   help="pp: one pipeline stage per device (TD-Pipe, PP+SB, PP+HB); tp: tensor parallel over all "
+                        "devices, two all-reduces per layer (TP+SB, TP+HB)")
+    g.add_argument("--model", default="llama-2-70b",
+                   help=f"shipped config ({', '.join(model_names())}; or 13b/32b/70b), 'bundled' (SmolLM2), a folder "
+                        "with config.json or a config .json file; no weights are read")
+    g.add_argument("--threads-per-device", type=int, default=None,
+                   help="cpu: threads of one device (default: the cores split evenly over the devices)")
+    g.add_argument("--allreduce-bw", type=float, default=None, metavar="GB/s",
+                   help="override the node's all-reduce bus bandwidth (e.g. 300 for NVLink)")
+    g.add_argument("--link-bw", type=float, default=None, metavar="GB/s",
+                   help="override the stage-to-stage bandwidth")
+    g.add_argument("--recalibrate", action="store_true", help="cpu: measure this machine again")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences running (default 256 per pipeline stage: each of vLLM's virtual engines "
+                        "had its own 256)")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=_memory, default=None,
+                   help="KV cache bytes in all (e.g. 2GiB); default: device memory x mem_util minus weights and "
+                        "reserve (GPUs); the real engine's default budget (cpu)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--layer-partition", type=_partition, default=None,
+                   help="layers per stage (default: balanced by FLOPs, embedding and lm_head counted)")
+    add_scheduler_args(g)
+    g = p.add_argument_group("workload (as tdpipe bench throughput)")
+    g.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
+                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling; fixed: --input-len, "
+                        "--output-len")
+    g.add_argument("--input-len", type=int, default=None)
+    g.add_argument("--output-len", type=int, default=None)
+    g.add_argument("--num-prompts", type=int, default=5000, help="requests, all submitted at once (TD-Pipe: 5000)")
+    g.add_argument("--dataset", default=None, help="JSONL with prompt_token_ids and output_len per line")
+    g.add_argument("--workload-seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the simulated timeline (tdpipe-trace/1); draw it with `tdpipe plot timeline FILE`")
+    g.add_argument("--markdown", default=None, metavar="FILE", help="--figure11/--compare: also write the table")
+    g = p.add_argument_group("studies")
+    g.add_argument("--figure11", action="store_true",
+                   help="TD-Pipe's Figure 11 grid: L20+13B, L20+32B, A100+32B, A100+70B x 1/2/4 devices x TP+SB, "
+                        "TP+HB, PP+SB, PP+HB, TD-Pipe, with the paper's stated ratios beside")
+    g.add_argument("--jobs", type=int, default=1, help="--figure11: cells simulated in parallel processes")
+    g.add_argument("--compare", nargs="+", default=None, metavar="BENCH_JSON",
+                   help="replay real `tdpipe bench throughput --json` runs of the bundled model on the calibrated "
+                        "CPU row and print real vs simulated throughput and bubble ratio")
+    p.set_defaults(fn=run)
+    return p
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return scheduler_kwargs(a) | {"max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
+                                  "block_size": a.block_size, "layer_partition": a.layer_partition}
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.compare:
+        return _compare(a)
+    if a.figure11:
+        return _figure11(a)
+    from tdpipe.bench.throughput import build_workload
+    from tdpipe.config import CacheConfig, default_threads
+    from tdpipe.model.weights import load_hf_config
+    from tdpipe.sim.cost import model_bytes
+    from tdpipe.sim.hardware import GB, load_hardware, with_links
+    from tdpipe.sim.runner import SimConfig, resolve_sim_model, simulate
+
+    if a.num_devices < 1:
+        raise ValueError(f"--num-devices must be >= 1, got {a.num_devices}")
+    stages = a.num_devices if a.parallel == "pp" else 1
+    threads = a.threads_per_device or max(1, default_threads() // a.num_devices)
+    hw = load_hardware(a.hardware, threads=threads if a.hardware == "cpu" else None, recalibrate=a.recalibrate)
+    hw = with_links(hw, a.allreduce_bw and a.allreduce_bw * GB, a.link_bw and a.link_bw * GB)
+    path = resolve_sim_model(a.model)
+    hf = load_hf_config(path)
+    blocks = a.num_kv_blocks
+    if blocks is None and (a.kv_cache_memory is not None or a.hardware == "cpu"):
+        from tdpipe.config import ModelConfig
+
+        mc = ModelConfig.from_hf(hf)
+        budget = CacheConfig(kv_cache_memory=a.kv_cache_memory).budget_bytes()
+        blocks = max(1, budget // (mc.kv_bytes_per_token(2) * a.block_size))
+    cfg = SimConfig(hw, a.num_devices, a.parallel, a.model, num_kv_blocks=blocks, engine=_engine_kwargs(a))
+    max_len = min(a.max_model_len or hf.get("max_position_embeddings", 4096), hf.get("max_position_embeddings", 4096))
+    name, reqs = build_workload(argparse.Namespace(**vars(a), history=None), hf["vocab_size"], max_len, _NoTokenizer())
+    res = simulate(cfg, reqs, trace_path=a.trace)
+    res["workload"] = {"name": name, "seed": a.workload_seed}
+    from tdpipe.config import ModelConfig
+
+    res["model_weights_gb"] = model_bytes(ModelConfig.from_hf(hf)) / GB
+    print(format_table(res, stages))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+class _NoTokenizer:
+    def encode(self, *_: Any, **__: Any) -> list[int]:
+        raise ValueError("the simulator has no tokenizer: give the dataset as prompt_token_ids")
+
+
+def format_table(r: dict[str, Any], stages: int) -> str:
+    hw = r["hardware"]
+    rows = [
+        ("deployment", f"{r['num_devices']}x {hw['name']} ({r['parallel']}: {stages} stage(s), tp {r['tp']}), "
+                       f"model {r['model']} ({r['model_weights_gb']:.1f} GB of weights)"),
+        ("policy", f"{r['policy']}, max_num_seqs {r['max_num_seqs']}, budget {r['max_num_batched_tokens']} tokens"),
+        ("workload", f"{r['workload']['name']} (seed {r['workload']['seed']}): {r['num_requests']} requests, "
+                     f"{r['total_input_tokens']} in / {r['total_output_tokens']} out tokens"),
+        ("simulated time", f"{r['elapsed_s']:.2f} s"),
+        ("output tokens/s", f"{r['output_tokens_per_s']:.1f}"),
+        ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
+        ("bubble ratio", f"{r['bubble_ratio']:.3f} mean (per stage: "
+                         f"{', '.join(f'{b:.3f}' for b in r['bubble_ratio_per_stage'])})"),
+        ("KV cache", f"{r['kv_blocks']} blocks = {r['kv_capacity_tokens']} tokens, time-mean usage "
+                     f"{100 * r['kv_usage_mean']:.1f}%"),
+        ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
+                  f"{r['preemptions']} preemptions; {r['phase_switches']} phase switches"),
+        ("simulator", f"{r['sim_wall_s']:.1f} s wall on this machine"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def _figure11(a: argparse.Namespace) -> int:
+    import time
+
+    from tdpipe.sim import grid
+
+    t = time.perf_counter()
+    kw = scheduler_kwargs(a)
+    kw.pop("scheduler")
+    engine = {k: v for k, v in kw.items() if v is not None} | {"block_size": a.block_size}
+    if a.max_num_seqs:
+        engine["max_num_seqs"] = a.max_num_seqs
+    results = grid.run_grid(a.num_prompts, a.workload_seed, engine, jobs=a.jobs)
+    meta = {"num_prompts": a.num_prompts, "seed": a.workload_seed, "wall_s": time.perf_counter() - t,
+            "engine": {k: (list(v) if isinstance(v, tuple) else v) for k, v in engine.items()}}
+    print(grid.write(results, meta, a.json, a.markdown))
+    return 0
+
+
+def _compare(a: argparse.Namespace) -> int:
+    from tdpipe.sim import fidelity
+
+    rows = [fidelity.replay(f) for f in a.compare]
+    md = fidelity.markdown(rows)
+    print(md)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(md)
+    return 0
+
+
+__all__ = ["add_parser", "run"]

@@ -150,8 +150,28 @@ def test_pending_prefills_are_what_the_next_phase_would_admit():
     assert sched.pending_prefills() == [500]
 
 
+def test_reachable_intensity_takes_peak_where_a_switch_can_reach():
+    sched, bm = make(num_blocks=256, budget=1000, depth=2, future_point_step=8, future_point_max=64,
+                     switch_to_prefill="reachable-intensity")
+    c = StepCostModel(d0=0.01, d1=0.0001, p0=0.0, p1=0.0001, peak_batch=256)
+    sched.costs = c
+    for i in range(4):
+        sched.add(mkseq(i, 500, 10))
+    for i in range(10):  # ten requests decoding, five per micro-batch
+        s = mkseq(10 + i, 4, 8)
+        bm.allocate(s)
+        s.num_computed_tokens = 4
+        sched.running.append(s)
+    assert sched.pending_prefills() == [500] and sched._plan_admits == 1  # Algorithm 1 admits one prompt
+    assert sched.reachable_batch() == 6  # (10 running + 1 admitted) / 2, rounded up
+    # the paper's Peak (batch 256) is unreachable: Eq. 1 alone would call batch 5 inefficient
+    assert sched.spatial_intensity(5) < 0.1 < sched.spatial_intensity(5, sched.reachable_batch())
+    assert sched.should_prefill(5) == (sched.spatial_intensity(5, 6) < sched.temporal_intensity(5))
+    assert not sched.should_prefill(6)  # the switch cannot grow the batch: stay in decode
+
+
 @pytest.mark.parametrize("rules", [{}, {"switch_to_decode": "kv-ratio:0.5"}, {"switch_to_prefill": "finish-ratio:0.3"},
-                                   {"work_stealing": False}])
+                                   {"switch_to_prefill": "reachable-intensity"}, {"work_stealing": False}])
 def test_random_stress_every_request_finishes_exactly_once(rules):
     rng = random.Random(7)
     total = switches = 0

@@ -223,7 +223,7 @@ def test_cli_simulate_errors_name_the_problem(capsys):
 def test_grid_cell_and_claims():
     from tdpipe.sim import grid
 
-    assert len(grid.cells()) == 4 * 3 * 6
+    assert len(grid.cells()) == 4 * 3 * 7
     oom = grid.run_cell({"hardware": "a100-80g", "model": "llama-2-70b", "devices": 1, "method": "TD-Pipe"}, 10, 0, {})
     assert "oom" in oom
     fake = []
@@ -282,3 +282,14 @@ def test_replay_of_a_bench_file(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="simulated result"):
         fidelity.replay(str(f))
     assert not math.isnan(r["sim_bubble_ratio"])
+
+
+@pytest.mark.parametrize("rule", ["intensity", "reachable-intensity"])
+def test_td_pipe_intensity_rules_profile_the_simulated_executor(rule):
+    from tdpipe.sim.runner import build_engine
+
+    engine = build_engine(SimConfig(TABLE["l20"], 2, "pp", "13b",
+                                    engine={"scheduler": "td-pipe", "switch_to_prefill": rule}))
+    c = engine.scheduler.costs
+    assert c.source == "profile" and c.peak_batch == 256  # 256 per stage x 2 stages / 2, past the CPU's 128
+    assert c.decode_time(256) > c.decode_time(1) > 0 and c.prefill_time(2048) > c.prefill_time(64)

@@ -140,7 +140,8 @@ class SchedulerConfig:
     min_prefill_tokens: int = 32
     kv_thresh: float = 0.05
     # TD-Pipe (§3.3-3.5): futurePoints every future_point_step decode steps up to future_point_max;
-    # ablation switches (§4.4): "predict" | "kv-ratio:R" and "intensity" | "finish-ratio:R"
+    # ablation switches (§4.4): "predict" | "kv-ratio:R" and "intensity" | "finish-ratio:R"; plus
+    # "reachable-intensity" (Eq. 1 with Peak at the batch a switch can reach; docs/simulator.md)
     future_point_step: int = 32
     future_point_max: int = 1024
     switch_to_decode: str = "predict"

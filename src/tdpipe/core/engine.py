@@ -151,7 +151,7 @@ class LLMEngine:
         self.engine_trace: list[dict] = []  # per micro-batch: submit and result times
         self._stage_events: list[list[dict]] = [[] for _ in range(self.pp)]
         torch.manual_seed(config.seed)
-        if isinstance(self.scheduler, TDPipeScheduler) and self.scheduler.to_prefill[0] == "intensity":
+        if isinstance(self.scheduler, TDPipeScheduler) and self.scheduler.to_prefill[0].endswith("intensity"):
             from tdpipe.core.step_profile import load_or_measure, measure
 
             # Eq. 1-2 on measured costs (a simulated executor is profiled afresh: its clock is the cost model)

@@ -57,7 +57,9 @@ def add_scheduler_args(g: argparse._ActionsContainer) -> None:
                    help="td-pipe: 'predict' (Approach 1, Algorithm 1) or 'kv-ratio:R', switch once KV usage "
                         "reaches R (the §4.4.1 ablation)")
     g.add_argument("--switch-to-prefill", default="intensity",
-                   help="td-pipe: 'intensity' (Approach 3, spatial < temporal intensity, Eq. 1-2) or "
+                   help="td-pipe: 'intensity' (Approach 3, spatial < temporal intensity, Eq. 1-2), "
+                        "'reachable-intensity' (Eq. 1's Peak taken at the decode batch a switch would reach, "
+                        "running + admissible requests / pp, not at the profile's largest batch), or "
                         "'finish-ratio:R', switch once R of the phase's requests finished (§4.4.3 ablation)")
     g.add_argument("--no-work-stealing", action="store_true",
                    help="td-pipe: turn off Approach 2, inter-batch work stealing (§3.4; §4.4.2 ablation)")

@@ -3,7 +3,8 @@
 Methods map onto tdpipe's policies: TP+SB = tensor parallel + `separate`, TP+HB = tensor parallel +
 `hybrid` (chunked prefill), PP+SB = pipeline + `separate`, PP+HB = pipeline + `hybrid`, TD-Pipe = pipeline +
 `td-pipe`. A sixth row, TD-Pipe with the decode-to-prefill switch of its own ablation (finish-ratio 0.5,
-§4.4.3) instead of the intensity comparison, shows what Approach 3 costs at this scale. The paper prints the grid as bars only; its text states the ratios in PAPER_CLAIMS, which the
+§4.4.3) instead of the intensity comparison, shows what Approach 3 costs at this scale; a seventh,
+`reachable-intensity`, keeps Eq. 1-2 but takes Peak at the decode batch a switch can reach. The paper prints the grid as bars only; its text states the ratios in PAPER_CLAIMS, which the
 table sets beside the simulated ones.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (parallel, schedul
     "TD-Pipe": ("pp", {"scheduler": "td-pipe"}),
     # not in the paper's figure: TD-Pipe with Approach 3 replaced by its §4.4.3 ablation rule
     "TD-Pipe (finish-ratio 0.5)": ("pp", {"scheduler": "td-pipe", "switch_to_prefill": "finish-ratio:0.5"}),
+    # ... and with Eq. 1's Peak taken at the batch a switch can reach (the thrash fix, docs/simulator.md)
+    "TD-Pipe (reachable intensity)": ("pp", {"scheduler": "td-pipe", "switch_to_prefill": "reachable-intensity"}),
 }
 PAIRS = [("l20", "llama-2-13b"), ("l20", "qwen2.5-32b"), ("a100-80g", "qwen2.5-32b"), ("a100-80g", "llama-2-70b")]
 DEVICES = (1, 2, 4)

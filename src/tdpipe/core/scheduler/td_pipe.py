@@ -12,7 +12,8 @@ micro-batches that cycle through the pipeline.
   Approach 3, spatial-temporal intensity comparison (§3.5): switch to PREFILL when the spatial intensity
     (achieved / peak per-request decode throughput at the current batch size, Eq. 1) drops below the
     temporal intensity (1 - bubble / total of switching now, Eq. 2). Replacement: `finish-ratio:R`
-    (switch once R of the phase's requests finished).
+    (switch once R of the phase's requests finished). Variant: `reachable-intensity`, Eq. 1's Peak at the
+    decode batch a switch can reach rather than the profile's largest (no thrash when KV is the limit).
 Predicted output lengths come from a `Predictor` (core/predictor.py; kept in `Sequence.predicted_output_len`
 once asked). Step costs come from a `StepCostModel`, profiled on the real executor at start-up
 (core/step_profile.py). Pure Python.
@@ -79,6 +80,8 @@ def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
     """'predict' / 'intensity' or 'kv-ratio:R' / 'finish-ratio:R' -> (kind, R)."""
     if rule == default:
         return default, 0.0
+    if flag == "switch_to_prefill" and rule == "reachable-intensity":
+        return rule, 0.0
     kind, _, value = rule.partition(":")
     expected = "kv-ratio" if flag == "switch_to_decode" else "finish-ratio"
     try:
@@ -86,7 +89,8 @@ def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
     except ValueError:
         r = -1.0
     if kind != expected or not 0.0 < r <= 1.0:
-        raise ValueError(f"{flag} must be {default!r} or '{expected}:R' with 0 < R <= 1, got {rule!r}")
+        extra = ", 'reachable-intensity'" if flag == "switch_to_prefill" else ""
+        raise ValueError(f"{flag} must be {default!r}{extra} or '{expected}:R' with 0 < R <= 1, got {rule!r}")
     return kind, r
 
 
@@ -108,6 +112,7 @@ class TDPipeScheduler(SeparateScheduler):
         self.num_switches = 0
         self._plan_key: tuple[int, int, int] | None = None  # cache of the pending-prefill plan (Eq. 2)
         self._plan: list[int] = []
+        self._plan_admits = 0  # requests the pending-prefill plan admits
 
     # -- Approach 1: AI-based greedy prefill (Algorithm 1) ------------------------------------------------
     def predicted_len(self, seq: Sequence) -> int:
@@ -191,12 +196,22 @@ class TDPipeScheduler(SeparateScheduler):
         return chosen[: self.config.max_num_seqs]
 
     # -- Approach 3: spatial-temporal intensity comparison --------------------------------------------------
-    def spatial_intensity(self, batch: int) -> float:
-        """Eq. 1: achieved / peak per-request decode throughput."""
+    def spatial_intensity(self, batch: int, peak_batch: int | None = None) -> float:
+        """Eq. 1: achieved / peak per-request decode throughput (peak at `peak_batch`, default the profile's)."""
         c = self.costs
+        pb = c.peak_batch if peak_batch is None else peak_batch
         achieved = batch / c.decode_time(batch)
-        peak = c.peak_batch / c.decode_time(c.peak_batch)
+        peak = pb / c.decode_time(pb)
         return achieved / peak
+
+    def reachable_batch(self) -> int:
+        """The decode micro-batch a switch now would lead to: the running requests plus those the pending
+        prefills admit, over pp micro-batches. `reachable-intensity` takes Eq. 1's Peak there instead of at
+        the profile's largest batch: when the KV cache, not the phase, limits the batch, a switch cannot
+        reach that Peak, and comparing with it switches after every decode round (docs/simulator.md)."""
+        self.pending_prefills()
+        n = len(self.running) + self._plan_admits
+        return max(1, min(self.costs.peak_batch, self.config.max_num_seqs, -(-n // self.config.pipeline_depth)))
 
     def pending_prefills(self) -> list[int]:
         """Token counts of the prefill batches a switch now would run: Algorithm 1 (or the kv-ratio rule)
@@ -205,6 +220,7 @@ class TDPipeScheduler(SeparateScheduler):
         key = (len(self.running), len(self.waiting), self.phase_finished)
         if key == self._plan_key:
             return self._plan
+        start = len(self.running)
         usage = [0] * len(self.future_points)
         for s in self.running:
             self.update_usage(s, usage)
@@ -223,7 +239,7 @@ class TDPipeScheduler(SeparateScheduler):
             cur += s.num_tokens
         if cur:
             batches.append(cur)
-        self._plan_key, self._plan = key, batches
+        self._plan_key, self._plan, self._plan_admits = key, batches, n_seqs - start
         return batches
 
     def temporal_intensity(self, batch: int) -> float:
@@ -248,6 +264,9 @@ class TDPipeScheduler(SeparateScheduler):
             return False
         if self.to_prefill[0] == "finish-ratio":
             return self.phase_finished >= self.to_prefill[1] * max(1, self.phase_requests)
+        if self.to_prefill[0] == "reachable-intensity":
+            peak = self.reachable_batch()
+            return peak > batch and self.spatial_intensity(batch, peak) < self.temporal_intensity(batch)
         return self.spatial_intensity(batch) < self.temporal_intensity(batch)
 
     # -- the policy ---------------------------------------------------------------------------------------------

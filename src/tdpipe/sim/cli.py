@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from tdpipe.entrypoints.args import _memory, _partition, add_scheduler_args, scheduler_kwargs
@@ -88,11 +87,10 @@ def run(a: argparse.Namespace) -> int:
     if a.figure11:
         return _figure11(a)
     from tdpipe.bench.throughput import build_workload
-    from tdpipe.config import CacheConfig, default_threads
-    from tdpipe.model.weights import load_hf_config
+    from tdpipe.config import ModelConfig, default_threads
     from tdpipe.sim.cost import model_bytes
     from tdpipe.sim.hardware import GB, load_hardware, with_links
-    from tdpipe.sim.runner import SimConfig, resolve_sim_model, simulate
+    from tdpipe.sim.runner import SimConfig, sim_model_config, simulate
 
     if a.num_devices < 1:
         raise ValueError(f"--num-devices must be >= 1, got {a.num_devices}")
@@ -100,22 +98,13 @@ def run(a: argparse.Namespace) -> int:
     threads = a.threads_per_device or max(1, default_threads() // a.num_devices)
     hw = load_hardware(a.hardware, threads=threads if a.hardware == "cpu" else None, recalibrate=a.recalibrate)
     hw = with_links(hw, a.allreduce_bw and a.allreduce_bw * GB, a.link_bw and a.link_bw * GB)
-    path = resolve_sim_model(a.model)
-    hf = load_hf_config(path)
-    blocks = a.num_kv_blocks
-    if blocks is None and (a.kv_cache_memory is not None or a.hardware == "cpu"):
-        from tdpipe.config import ModelConfig
-
-        mc = ModelConfig.from_hf(hf)
-        budget = CacheConfig(kv_cache_memory=a.kv_cache_memory).budget_bytes()
-        blocks = max(1, budget // (mc.kv_bytes_per_token(2) * a.block_size))
-    cfg = SimConfig(hw, a.num_devices, a.parallel, a.model, num_kv_blocks=blocks, engine=_engine_kwargs(a))
+    _, hf = sim_model_config(a.model)
+    cfg = SimConfig(hw, a.num_devices, a.parallel, a.model, num_kv_blocks=a.num_kv_blocks,
+                    kv_cache_memory=a.kv_cache_memory, engine=_engine_kwargs(a))
     max_len = min(a.max_model_len or hf.get("max_position_embeddings", 4096), hf.get("max_position_embeddings", 4096))
     name, reqs = build_workload(argparse.Namespace(**vars(a), history=None), hf["vocab_size"], max_len, _NoTokenizer())
     res = simulate(cfg, reqs, trace_path=a.trace)
     res["workload"] = {"name": name, "seed": a.workload_seed}
-    from tdpipe.config import ModelConfig
-
     res["model_weights_gb"] = model_bytes(ModelConfig.from_hf(hf)) / GB
     print(format_table(res, stages))
     if a.json:

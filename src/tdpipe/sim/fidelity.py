@@ -6,6 +6,7 @@ stage, the exact number of KV blocks, the workload's name, size and seed) and th
 """
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -14,10 +15,9 @@ SCHEDULER_KEYS = ("max_num_batched_tokens", "scheduler", "throttle_T", "max_pref
 
 
 def replay(bench_path: str) -> dict[str, Any]:
-    from tdpipe.bench import workload as wl
-    from tdpipe.bench.throughput import SHAREGPT_MAX_MODEL_LEN
+    from tdpipe.bench.throughput import build_workload
     from tdpipe.sim.calibrate import cpu_hardware
-    from tdpipe.sim.runner import SimConfig, simulate
+    from tdpipe.sim.runner import SimConfig, sim_model_config, simulate
 
     with open(bench_path) as f:
         real = json.load(f)
@@ -34,13 +34,13 @@ def replay(bench_path: str) -> dict[str, Any]:
     threads = real["stage_threads"][0]
     hw = cpu_hardware(threads)
     max_len = eng["max_model_len"]
-    seed, n = real["workload"]["seed"], real["num_requests"]
-    vocab = 49152  # the bundled SmolLM2 (checked below against the engine's config)
-    if name == "sharegpt":
-        reqs = wl.sharegpt_like(n, vocab, seed, min(max_len, SHAREGPT_MAX_MODEL_LEN))
-    else:
-        outs = real["total_output_tokens"] // n
-        reqs = wl.fixed(n, real["total_input_tokens"] // n, outs, vocab, seed)
+    n = real["num_requests"]
+    fixed = name == "fixed"
+    flags = argparse.Namespace(  # the bench's own workload builder, as the real run called it
+        workload=name, num_prompts=n, workload_seed=real["workload"]["seed"], dataset=None, history=None,
+        input_len=real["total_input_tokens"] // n if fixed else None,
+        output_len=real["total_output_tokens"] // n if fixed else None)
+    _, reqs = build_workload(flags, sim_model_config(None)[1]["vocab_size"], max_len)
     kw = {k: eng[k] for k in SCHEDULER_KEYS if k in eng}
     if "future_points" in kw:
         kw["future_points"] = tuple(kw["future_points"])

@@ -51,11 +51,9 @@ def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str
                     engine=dict(engine) | policy)
     out = dict(cell)
     try:
-        from tdpipe.model.weights import load_hf_config
-        from tdpipe.sim.runner import resolve_sim_model
+        from tdpipe.sim.runner import sim_model_config
 
-        vocab = load_hf_config(resolve_sim_model(cell["model"]))["vocab_size"]
-        reqs = wl.sharegpt_like(num_prompts, vocab, seed, 2048)
+        reqs = wl.sharegpt_like(num_prompts, sim_model_config(cell["model"])[1]["vocab_size"], seed, 2048)
         res = simulate(cfg, reqs)
     except DoesNotFit as e:
         return out | {"oom": str(e)}

@@ -42,6 +42,14 @@ def resolve_sim_model(spec: str | None) -> str:
                      "config .json file")
 
 
+def sim_model_config(spec: str | None) -> tuple[str, dict[str, Any]]:
+    """(folder, HF config dict) of a model spec as resolve_sim_model takes it."""
+    from tdpipe.model.weights import load_hf_config
+
+    path = resolve_sim_model(spec)
+    return path, load_hf_config(path)
+
+
 def _config_folder(path: Path) -> str:
     """A config file not named config.json: copied into a cache folder the engine can read."""
     import hashlib
@@ -62,7 +70,10 @@ class SimConfig:
     parallel: str = "pp"  # pp: one stage per device; tp: one stage over all devices (Megatron TP)
     model: str | None = None
     dtype_bytes: int = 2
-    num_kv_blocks: int | None = None  # fixes the KV capacity (e.g. to match a real run); None: from memory
+    num_kv_blocks: int | None = None  # fixes the KV capacity (e.g. to match a real run)
+    # otherwise a budget as CacheConfig takes it; None: from device memory (GPU rows), the engine's default
+    # budget (CPU rows, whose memory is the host's)
+    kv_cache_memory: int | float | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # LLM-style scheduler kwargs
 
     def __post_init__(self) -> None:
@@ -107,7 +118,6 @@ def build_engine(cfg: SimConfig):
     """The real LLMEngine, built with a SimExecutor; raises DoesNotFit when no KV cache fits."""
     from tdpipe.core.engine import LLMEngine
     from tdpipe.executor.sim import SimExecutor
-    from tdpipe.model.weights import load_hf_config
     from tdpipe.worker.partition import resolve_partition
 
     kw = dict(cfg.engine)
@@ -118,16 +128,19 @@ def build_engine(cfg: SimConfig):
                             max_num_seqs=kw.pop("max_num_seqs", None) or 256 * cfg.pp,
                             max_model_len=kw.pop("max_model_len", None) or 0,
                             future_point_step=fp[0], future_point_max=fp[1], **kw)
-    path = resolve_sim_model(cfg.model)
-    mc = ModelConfig.from_hf(load_hf_config(path))
+    path, hf = sim_model_config(cfg.model)
+    mc = ModelConfig.from_hf(hf)
     blocks = cfg.num_kv_blocks
-    if blocks is None:
+    if blocks is None and cfg.kv_cache_memory is None and not cfg.hardware.threads:
         partition = resolve_partition(mc, cfg.pp, layer_partition)
         blocks = kv_blocks_from_memory(mc, cfg.hardware, partition, cfg.tp, block_size, cfg.dtype_bytes)
         if blocks < 1:
             raise DoesNotFit(f"no KV block fits beside the weights of {Path(path).name} on {cfg.num_devices}x "
                              f"{cfg.hardware.name}")
-    engine_cfg = EngineConfig(model=path, cache=CacheConfig(block_size=block_size, num_blocks=blocks),
+    # KV bytes per token follow dtype_bytes, not the host CPU's dtype
+    engine_cfg = EngineConfig(model=path, dtype="bfloat16" if cfg.dtype_bytes == 2 else "float32",
+                              cache=CacheConfig(block_size=block_size, kv_cache_memory=cfg.kv_cache_memory,
+                                                num_blocks=blocks),
                               scheduler=sched,
                               parallel=ParallelConfig(pipeline_parallel_size=cfg.pp, layer_partition=layer_partition))
 
@@ -217,4 +230,4 @@ def _time_mean(kv: list[list[float]]) -> float:
 
 
 __all__ = ["DoesNotFit", "PAPER_MODELS", "SimConfig", "build_engine", "kv_blocks_from_memory", "model_names",
-           "resolve_sim_model", "simulate"]
+           "resolve_sim_model", "sim_model_config", "simulate"]

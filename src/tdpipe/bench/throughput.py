@@ -212,6 +212,9 @@ def run(a: argparse.Namespace) -> int:
         "mfu": flops.total / (elapsed * peak * 1e9),
         "achieved_gflops": flops.total / elapsed / 1e9,
         "elapsed_s": elapsed,
+        # CPU seconds of the engine process over the run: with pp > 1 the control plane alone (scheduling,
+        # sampling, prediction, transport), which on a CPU server competes with the stages for cores
+        "engine_cpu_s": timed["engine_cpu_s"],
         "num_requests": len(reqs),
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
@@ -316,15 +319,15 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
               getattr(sched, "num_switches", 0), model.seconds if model else 0.0, model.count if model else 0,
               st.predicted)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
              getattr(sched, "num_switches", 0), model.seconds if model else 0.0, model.count if model else 0,
              st.predicted)
     keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps", "phase_switches", "predict_seconds",
             "predicted", "predicted_in_batches")
-    return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()),
+    return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()), "engine_cpu_s": cpu,
             "stats": {k: b - a for k, a, b in zip(keys, before, after)}}
 
 
@@ -406,6 +409,9 @@ def format_table(r: dict[str, Any]) -> str:
                   f"{r['preemptions']} preemptions" + (f"; {r['phase_switches']} phase switches"
                                                        if r["policy"] == "td-pipe" else "")),
         ("KV cache", f"{r['kv_blocks']} blocks, {r['kv_capacity_tokens']} tokens"),
+        ("engine CPU", f"{r['engine_cpu_s']:.1f} s = {100 * r['engine_cpu_s'] / r['elapsed_s']:.1f} % of elapsed"
+                       + (" (control plane only: the stages are other processes)" if r["pp"] > 1
+                          else " (engine and model in one process)")),
     ]
     pc = r.get("predictor")
     if pc:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from tdpipe.core.engine import LLMEngine
 
 log = logging.getLogger("tdpipe")
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: bf16 linears packed for oneDNN (model/packed_linear.py)
 CONTEXT = 64  # prompt tokens per dummy request (decode attention reads this much KV)
 REPEATS = 3
 
@@ -43,12 +43,14 @@ def cache_dir() -> Path:
 def profile_key(engine: "LLMEngine") -> dict:
     import torch
 
+    from tdpipe.model.packed_linear import packing_available
+
     st = os.stat(engine.model_path)
     return {"version": PROFILE_VERSION, "model": os.path.abspath(engine.model_path), "model_mtime": st.st_mtime,
             "dtype": str(engine.dtype), "pp": engine.pp, "partition": [list(p) for p in engine.partition],
             "threads": engine.stage_threads, "max_num_seqs": engine.scheduler.config.max_num_seqs,
             "block_size": engine.block_manager.block_size, "cpu": cpu_name(), "cores": os.cpu_count(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "packed_linear": packing_available()}
 
 
 def _run(engine: "LLMEngine", seqs: list[Sequence], lens: list[int], prefill: bool) -> float:

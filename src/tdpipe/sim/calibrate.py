@@ -36,7 +36,7 @@ from tdpipe.sim.cost import CostModel, StepShape
 from tdpipe.sim.hardware import GB, Hardware
 
 log = logging.getLogger("tdpipe")
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5  # 5: bf16 linears packed for oneDNN (model/packed_linear.py)
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 DECODE_CONTEXTS = (128, 512)
 PREFILLS = ((1, 16), (1, 64), (1, 256), (1, 1024), (4, 256), (8, 256), (1, 2048))  # (prompts, tokens each)
@@ -51,9 +51,11 @@ def cache_path(model_path: str, threads: list[int]) -> Path:
 
     from tdpipe.config import cpu_name
     from tdpipe.model.bundled import cache_dir
+    from tdpipe.model.packed_linear import packing_available
 
     key = {"v": CALIBRATION_VERSION, "model": os.path.abspath(model_path), "threads": sorted(threads),
-           "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__}
+           "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+           "packed_linear": packing_available()}
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "sim" / f"cpu-{digest}.json"
 

@@ -12,6 +12,7 @@ import torch
 from tdpipe.config import ModelConfig
 from tdpipe.core.batch import StepInput
 from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
+from tdpipe.model.packed_linear import pack_linears
 from tdpipe.model.weights import iter_safetensors
 
 
@@ -87,6 +88,7 @@ class ModelRunner:
         model.rotary.to(self.device)
         model.load_weights(iter_safetensors(model_path, names=model.wants))
         self.model = model.to(dtype).eval()
+        pack_linears(self.model)  # bf16 on CPU: weights packed for oneDNN once, not per call
         self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32
         n_layers = model.end_layer - model.start_layer
         shape = (n_layers, 2, num_blocks, model_config.num_kv_heads, block_size, model_config.head_dim)

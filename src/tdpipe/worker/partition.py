@@ -69,8 +69,10 @@ class LlamaLike:
 
     def __init__(self, cfg: ModelConfig, dtype) -> None:
         from tdpipe.model.llama import LlamaForCausalLM
+        from tdpipe.model.packed_linear import pack_linears
 
         self.model = LlamaForCausalLM(cfg).to(dtype).eval()
+        pack_linears(self.model)  # the same GEMMs the stages run
         self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32
         self.cfg, self.dtype = cfg, dtype
 

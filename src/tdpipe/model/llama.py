@@ -51,7 +51,7 @@ class Attention(nn.Module):
         k = rotary(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.fresh:
+        if meta.fresh and not pa.kernel_prefill(q, k_cache):
             o = pa.prefill_attention(q, k, v, meta.cu_seqlens_list, self.scale)
         else:
             o = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,

@@ -133,6 +133,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # ----------------------------------------------------------------------------------------------------
 
 
+def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Should fresh prompts (no cached prefix) attend through the paged kernel rather than SDPA? Yes for
+    bf16 on CPU: their K/V are already stored, and the kernel runs 2-2.4x faster than torch's CPU flash
+    SDPA (2048 prompt tokens over 8 prompts, one layer: 10 ms vs 25 ms), about a tenth of a prefill
+    layer. float32 keeps SDPA, the path that matches transformers bit for bit."""
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype == torch.bfloat16
+            and k_cache.dtype == torch.bfloat16 and q.shape[-1] <= 256 and load_kernel() is not None)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: IntSeq,
                       scale: float) -> torch.Tensor:
     """Causal self-attention of fresh sequences packed varlen-style (q [T, Hq, D], k/v [T, Hkv, D]).

@@ -190,3 +190,15 @@ def test_reference_paths_when_kernel_disabled(monkeypatch):
     kc2 = kc.clone()
     pa.store_kv(torch.ones(1, 1, 64), torch.ones(1, 1, 64), kc2, vc.clone(), torch.tensor([3]))
     assert torch.equal(kc2[0, 0, 3], torch.ones(64))
+
+
+def test_fresh_prefill_dispatch_and_kernel_agrees_with_sdpa(kernel):
+    """bf16 fresh prompts go through the paged kernel (model/llama.py); it must match the SDPA path."""
+    lens = [5, 17, 40, 1]
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.bfloat16, 16, 3, 3, 64, lens, lens, seed=4)
+    assert pa.kernel_prefill(q, kc)
+    assert not pa.kernel_prefill(q.float(), kc.float())  # float32 stays on SDPA (bit-exact with transformers)
+    via_kernel = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
+    via_sdpa = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.125)
+    torch.testing.assert_close(via_kernel.double(), via_sdpa.double(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(via_kernel.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])

@@ -109,15 +109,22 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def _attention_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> ModuleType | None:
+    """The C++ kernel when it can take this q and cache (CPU, supported dtypes, head_dim <= 256), else None."""
+    if (q.device.type != "cpu" or k_cache.device.type != "cpu" or k_cache.dtype not in _KERNEL_DTYPES
+            or q.dtype not in _Q_DTYPES or q.shape[-1] > 256):
+        return None
+    return load_kernel()
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
                     cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over cached K/V; returns [T, Hq, D] in q's dtype.
 
     block_tables int32 [S, max_blocks], cu_seqlens_q int32 [S+1], seq_lens int32 [S] (lists accepted).
     """
-    kern = load_kernel() if q.device.type == "cpu" and k_cache.device.type == "cpu" else None
-    if (kern is None or k_cache.dtype not in _KERNEL_DTYPES or q.dtype not in _Q_DTYPES
-            or q.shape[-1] > 256):
+    kern = _attention_kernel(q, k_cache)
+    if kern is None:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -138,8 +145,7 @@ def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     bf16 on CPU: their K/V are already stored, and the kernel runs 2-2.4x faster than torch's CPU flash
     SDPA (2048 prompt tokens over 8 prompts, one layer: 10 ms vs 25 ms), about a tenth of a prefill
     layer. float32 keeps SDPA, the path that matches transformers bit for bit."""
-    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype == torch.bfloat16
-            and k_cache.dtype == torch.bfloat16 and q.shape[-1] <= 256 and load_kernel() is not None)
+    return q.dtype == k_cache.dtype == torch.bfloat16 and _attention_kernel(q, k_cache) is not None
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: IntSeq,

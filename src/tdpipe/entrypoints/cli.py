@@ -194,8 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from tdpipe.entrypoints.preflight import PreflightError
+
     try:
         return args.fn(args) or 0
+    except PreflightError as e:
+        print(f"tdpipe: error: {e}", file=sys.stderr)
+        return 2
     except ValueError as e:
         print(f"tdpipe: error: {e}", file=sys.stderr)
         return 2

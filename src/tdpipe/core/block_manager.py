@@ -88,6 +88,11 @@ class BlockManager:
                 self.free_blocks.append(b)
         seq.block_table = []
 
+    def reset(self) -> None:
+        """Every block free again: only for an engine with no sequence left (recovery after an interrupt)."""
+        self.ref_counts = [0] * self.num_blocks
+        self.free_blocks = deque(range(self.num_blocks))
+
     def check_no_leaks(self) -> None:
         """Every block free with count 0; call when no sequence holds blocks."""
         leaked = [b for b, c in enumerate(self.ref_counts) if c != 0]

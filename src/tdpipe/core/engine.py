@@ -111,10 +111,17 @@ class LLMEngine:
         cache = config.cache
         dtype_bytes = torch.finfo(self.dtype).bits // 8
         block_bytes = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size
-        num_blocks = cache.num_blocks or max(1, cache.budget_bytes() // block_bytes)
+        num_blocks = cache.num_blocks or cache.budget_bytes() // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory: {cache.budget_bytes()} bytes hold no KV block (one block of "
+                             f"{cache.block_size} tokens needs {block_bytes} bytes for this model in "
+                             f"{str(self.dtype).removeprefix('torch.')})")
         capacity = num_blocks * cache.block_size
         if capacity < sched.max_model_len:
-            log.info("KV capacity %d tokens < max_model_len %d: lowering max_model_len", capacity, sched.max_model_len)
+            # visible: every request is cut to this length, so a silent change would look like a short answer
+            log.warning("the KV cache holds only %d tokens (%d blocks of %d): max_model_len lowered from %d to "
+                        "%d; a prompt and its output must fit in it (raise --kv-cache-memory for more)",
+                        capacity, num_blocks, cache.block_size, sched.max_model_len, capacity)
             sched.max_model_len = capacity
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
@@ -146,6 +153,8 @@ class LLMEngine:
         self._generators: dict[int, torch.Generator | None] = {}
         self.stats = EngineStats(started=self.clock())
         self._inflight: deque[Batch] = deque()
+        self.requests: dict[str, Sequence] = {}  # unfinished requests by id (abort_request looks them up)
+        self._closed = False
         self.trace_start = self.clock()
         self.kv_trace: list[tuple[float, float]] = []  # (time, KV usage) for plots (TD-Pipe Fig. 12)
         self.engine_trace: list[dict] = []  # per micro-batch: submit and result times
@@ -210,6 +219,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None) -> Sequence:
         """Validate and queue a request. Raises ValueError naming the problem; nothing is queued then."""
+        self._check_open()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text = prompt if isinstance(prompt, str) else None
@@ -237,6 +249,7 @@ class LLMEngine:
                        max_tokens=max_tokens, arrival_time=self.clock())
         self._generators[seq.seq_id] = make_generator(params)
         self.scheduler.add(seq)
+        self.requests[request_id] = seq
         if self._batched:
             self._unpredicted.append(seq)
         return seq
@@ -266,10 +279,70 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was shut down; create a new LLM")
+
+    # -- abort ---------------------------------------------------------------------------------------
+    def abort_request(self, request_ids: str | list[str]) -> list[Sequence]:
+        """Finish these requests now with finish_reason "abort" (unknown or finished ids are ignored).
+
+        A waiting or idle running request leaves its queue and frees its KV blocks at once. One inside a
+        micro-batch still in flight keeps its blocks until that batch returns (the stages may still write
+        them); its result is then dropped and the blocks freed by the scheduler as for any finished request.
+        Returns the sequences aborted."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done = []
+        now = self.clock()
+        for rid in ids:
+            seq = self.requests.pop(rid, None)
+            if seq is None or seq.is_finished:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason, seq.finish_time = "abort", now
+            self._generators.pop(seq.seq_id, None)
+            if not seq.in_flight:
+                self.scheduler.abort(seq)
+                self.executor.release([seq.seq_id])
+            done.append(seq)
+        return done
+
+    def abort_all(self) -> list[Sequence]:
+        """After an exception escaped step() (a KeyboardInterrupt, say) the engine may hold micro-batches in
+        flight and requests in any state: drop the in-flight results, abort every request, and check that
+        the page table is whole again, so the next call starts from a clean engine."""
+        self._check_open()
+        try:
+            self.executor.drain()
+        except Exception as e:  # noqa: BLE001 - a dead pipeline: later calls raise its error
+            log.debug("drain after interrupt failed: %s", e)
+        for batch in self._inflight:
+            for s in batch.seqs:
+                s.in_flight = False
+        self._inflight.clear()
+        seqs = self.abort_request(list(self.requests))
+        for seq in list(self.scheduler.waiting) + list(self.scheduler.running):  # not in self.requests (a
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"  # step interrupted midway)
+            self.scheduler.abort(seq)
+            seqs.append(seq)
+        self.scheduler.reset_idle()
+        bm = self.block_manager
+        if bm.num_free_blocks != bm.num_blocks:
+            # only an interrupt inside an allocation can get here: nothing runs, so every block is free
+            log.warning("abort: %d KV blocks were still referenced with no request left; freeing them",
+                        bm.num_blocks - bm.num_free_blocks)
+            bm.reset()
+        return seqs
+
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Keep the pipeline full (up to pp micro-batches in flight), then complete the oldest one.
-        Returns the sequences that finished in it."""
+        Returns the sequences that finished in it (aborted ones included, once their batch is back)."""
+        self._check_open()
         if self._unpredicted and not self._inflight:
             self._predict_pending()
         while len(self._inflight) < self.executor.num_stages:
@@ -287,12 +360,13 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
-        batch = self._inflight.popleft()
         result = self.executor.collect()
+        batch = self._inflight.popleft()  # after collect: an interrupted wait leaves the batch in flight
+        aborted = [s.seq_id for s in batch.seqs if s.is_finished]  # while in flight: result dropped
         finished = self._finish(batch, result)
         self.engine_trace[-len(self._inflight) - 1]["done"] = self.clock()
-        if finished:
-            self.executor.release([s.seq_id for s in finished])
+        if finished or aborted:
+            self.executor.release([s.seq_id for s in finished] + aborted)
         return finished
 
     def _to_step(self, batch: Batch) -> StepInput:
@@ -308,7 +382,7 @@ class LLMEngine:
         for seq, n in zip(seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         # a prefill chunk that does not reach the end of the prompt samples nothing (chunked policies)
-        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens == s.num_tokens]
+        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens == s.num_tokens and not s.is_finished]
         every = len(rows) == len(seqs)
         seqs = [seqs[i] for i in rows]
         if result.token_ids is not None:
@@ -327,6 +401,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = now
                 self._generators.pop(seq.seq_id, None)
+                self.requests.pop(seq.request_id, None)
                 self.predictor.observe(seq)
                 if self.history is not None:
                     self._record(seq)
@@ -430,6 +505,37 @@ class LLMEngine:
                                          seq.finish_reason or "length", params, request_id=seq.request_id))
 
     def shutdown(self) -> None:
+        """Stop the stages and drop the weights and the KV cache now (not at garbage collection: the engine
+        is referenced from its scheduler's predictor, a cycle). Every later call raises. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self.history is not None:
             self.history.close()
-        self.executor.shutdown()
+        try:
+            self.executor.shutdown()
+        finally:
+            self.executor = _ClosedExecutor(self.executor.num_stages)
+            self.requests.clear()
+            self._inflight.clear()
+            self._generators.clear()
+            self.predictor = self.scheduler = self.sampler = None  # type: ignore[assignment]
+
+
+class _ClosedExecutor(Executor):
+    """What a shut-down engine holds instead of its executor: no model, no KV cache, and every call raises."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+
+    def submit(self, step: StepInput) -> None:
+        raise RuntimeError("this engine was shut down; create a new LLM")
+
+    def collect(self) -> StepResult:
+        raise RuntimeError("this engine was shut down; create a new LLM")
+
+    def drain(self) -> None:
+        pass
+
+    def trace_events(self) -> list[list[dict]]:
+        return [[] for _ in range(self.num_stages)]

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
-
-import json
 
 from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tdpipe.core.engine import LLMEngine
+from tdpipe.entrypoints.conversation import check_conversation
+from tdpipe.entrypoints.interrupt import deferred_sigint
 from tdpipe.executor.pipeline import PipelineError
 from tdpipe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tdpipe.sampling.params import SamplingParams
@@ -90,10 +93,28 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}) in one continuous batch.
 
-        A request with bad input (empty or too long prompt, invalid sampling params given as a dict) is
-        returned with finish_reason "error" and `.error` set; the other requests still complete.
-        Outputs come back in the order of `prompts`.
+        A request with bad input (a prompt of the wrong type, empty or too long, invalid sampling params
+        given as a dict) is returned with finish_reason "error" and `.error` set; the other requests still
+        complete. Outputs come back in the order of `prompts`. A KeyboardInterrupt aborts this call's
+        requests and frees their KV blocks: the next call works.
         """
+        outputs: list[RequestOutput | None] = []
+        try:
+            for i, out in self.generate_unordered(prompts, sampling_params, use_tqdm, _outputs=outputs):
+                outputs[i] = out
+        except PipelineError as e:
+            left = sum(1 for o in outputs if o is None)
+            raise PipelineError(f"generate() failed: {e}; {left} of {len(outputs)} requests did not finish") from None
+        return outputs  # type: ignore[return-value]
+
+    def generate_unordered(self, prompts: PromptType | Seq[PromptType],
+                           sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None,
+                           use_tqdm: bool = True, *, _outputs: list | None = None
+                           ) -> Iterator[tuple[int, RequestOutput]]:
+        """Like generate(), but yields (index in `prompts`, output) as each request finishes, so a caller
+        can save finished work at once (`tdpipe generate -o` writes each line as it comes). Rejected requests
+        come first. Leaving the loop early, or an exception in it, aborts the requests still running."""
+        self._check_open()
         items = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -103,24 +124,27 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
-        outputs: list[RequestOutput | None] = [None] * len(items)
-        live: dict[int, int] = {}  # seq_id -> position in outputs
+        if _outputs is not None:
+            _outputs.extend([None] * len(items))
+        live: dict[int, int] = {}  # seq_id -> position in prompts
+        rejected: list[tuple[int, RequestOutput]] = []
         for i, (prompt, sp) in enumerate(zip(items, params_list)):
             rid = str(next(self._req_ids))
-            text, ids = self._split_prompt(prompt)
+            text, ids = None, None
             try:
+                text, ids = self._split_prompt(prompt, i)
                 if isinstance(sp, dict):
                     sp = SamplingParams(**sp)
                 seq = self.engine.add_request(rid, text if text is not None else ids, sp, prompt_token_ids=ids)
                 live[seq.seq_id] = i
             except (ValueError, TypeError) as e:
                 log.warning("request %s rejected: %s", rid, e)
-                outputs[i] = RequestOutput(rid, text, list(ids or []),
-                                           [CompletionOutput(0, "", [], "error")], error=str(e))
-        self._run(live, outputs, use_tqdm)
-        return outputs  # type: ignore[return-value]
+                rejected.append((i, RequestOutput(rid, text, [t for t in ids or [] if isinstance(t, int)],
+                                                  [CompletionOutput(0, "", [], "error")], error=str(e))))
+        yield from rejected
+        yield from self._run(live, use_tqdm)
 
-    def _run(self, live: dict[int, int], outputs: list[RequestOutput | None], use_tqdm: bool) -> None:
+    def _run(self, live: dict[int, int], use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         bar = None
         if use_tqdm and live:
             from tqdm.auto import tqdm
@@ -130,20 +154,25 @@ class LLM:
         t0 = time.perf_counter()
         out0, in0 = engine.stats.output_tokens, engine.stats.prompt_tokens
         last = 0.0
+        left = len(live)
         try:
-            while engine.has_unfinished():
-                for seq in engine.step():
-                    outputs[live[seq.seq_id]] = self._to_output(seq)
+            while left:
+                with deferred_sigint():  # Ctrl-C lands between steps, never inside the page table
+                    done = engine.step()
+                for seq in done:
+                    left -= 1
                     if bar is not None:
                         bar.update(1)
+                    yield live[seq.seq_id], self._to_output(seq)
                 if bar is not None and time.perf_counter() - last > 0.5:
                     last = time.perf_counter()
                     dt = last - t0
                     bar.set_postfix_str(f"in: {(engine.stats.prompt_tokens - in0) / dt:.0f} tok/s, "
                                         f"out: {(engine.stats.output_tokens - out0) / dt:.0f} tok/s", refresh=False)
-        except PipelineError as e:
-            left = sum(1 for o in outputs if o is None)
-            raise PipelineError(f"generate() failed: {e}; {left} of {len(outputs)} requests did not finish") from None
+        except BaseException:  # KeyboardInterrupt, PipelineError, the caller leaving early (GeneratorExit)
+            if not engine.closed:
+                engine.abort_all()
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -165,22 +194,38 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts: Any) -> list[PromptType]:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
+        if isinstance(prompts, (str, dict, _Rejected)) or not hasattr(prompts, "__iter__"):
+            return [prompts]  # one prompt (of the wrong type, it fails as its own request)
         items = list(prompts)
         if items and all(isinstance(t, int) for t in items):  # one prompt given as token ids
             return [items]
         return items
 
     @staticmethod
-    def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+    def _split_prompt(prompt: PromptType, index: int = 0) -> tuple[str | None, list[int] | None]:
+        """(text, token ids) of one prompt; ValueError naming the prompt when it has the wrong shape."""
+        if isinstance(prompt, _Rejected):
+            raise ValueError(prompt.error)
         if isinstance(prompt, str):
             return prompt, None
         if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(text).__name__}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            return prompt.get("prompt", ""), None
-        return None, list(prompt)
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(type(t) is int for t in ids):
+                    raise ValueError(f"prompt {index}: 'prompt_token_ids' must be a list of integers")
+                return text, list(ids)
+            if text is None:
+                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            return text, None
+        if isinstance(prompt, (list, tuple)):
+            if not all(type(t) is int for t in prompt):
+                raise ValueError(f"prompt {index}: a token-id list must hold only integers")
+            return None, list(prompt)
+        raise ValueError(f"prompt {index}: expected a string, a list of token ids or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     # -- chat ----------------------------------------------------------------------------------------
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -189,11 +234,26 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = []
-        for conv in convs:
-            text, ids = chat_prompt(tok, conv, add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts: list[PromptType] = []
+        for i, conv in enumerate(convs):
+            try:  # a malformed conversation fails as its own request, with the message's number
+                text, ids = chat_prompt(tok, check_conversation(conv), add_generation_prompt)
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+            except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) too
+                prompts.append(_Rejected(f"conversation {i}: {e}"))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
+        """Stop the stage workers and release the weights and the KV cache; every later call raises."""
         self.engine.shutdown()
+
+    def _check_open(self) -> None:
+        if self.engine.closed:
+            raise RuntimeError("this LLM was shut down; create a new one")
+
+
+@dataclass
+class _Rejected:
+    """A prompt already known to be invalid (a malformed conversation): generate() reports it as an error."""
+
+    error: str

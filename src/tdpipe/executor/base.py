@@ -31,6 +31,11 @@ class Executor:
         """The oldest submitted micro-batch's result (blocking)."""
         raise NotImplementedError
 
+    def drain(self) -> None:
+        """Wait for every submitted micro-batch and drop its result, leaving nothing in flight: how the
+        engine recovers from an exception (a KeyboardInterrupt) between submit() and collect()."""
+        raise NotImplementedError
+
     def release(self, seq_ids: list[int]) -> None:
         """These sequences finished (stages may drop their block tables)."""
 

@@ -42,3 +42,6 @@ class LocalExecutor(Executor):
 
     def collect(self) -> StepResult:
         return self._done.popleft()
+
+    def drain(self) -> None:
+        self._done.clear()  # submit() computes inline: nothing is running, only unread results

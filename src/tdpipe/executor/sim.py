@@ -71,6 +71,10 @@ class SimExecutor(Executor):
         self._left = time.perf_counter()
         return StepResult(batch_id, token_ids=[SIM_TOKEN] * rows)
 
+    def drain(self) -> None:
+        while self._pending:
+            self.collect()
+
     def trace_events(self) -> list[list[dict]]:
         events, self._events = self._events, [[] for _ in range(self.num_stages)]
         return events

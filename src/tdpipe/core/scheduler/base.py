@@ -56,6 +56,21 @@ class Scheduler:
         if done:
             self.running = [s for s in self.running if not s.is_finished]
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop a finished-by-abort sequence that is not in flight: out of its queue, KV blocks freed."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.block_table:
+            self.bm.free(seq)
+        seq.in_flight = False
+        if not self.waiting and not self.running:
+            self.reset_idle()
+
+    def reset_idle(self) -> None:
+        """Nothing waits or runs: policies drop state about requests that are gone (td-pipe's predicted KV)."""
+
     # -- shared mechanics ----------------------------------------------------------------------------
     def decode_batch_cap(self) -> int:
         """Decodes per micro-batch: the running set split evenly over the `pipeline_depth` micro-batches in

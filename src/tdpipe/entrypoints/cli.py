@@ -6,74 +6,150 @@ import json
 import sys
 
 from tdpipe.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tdpipe.entrypoints.conversation import check_conversation
+from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
+from tdpipe.entrypoints.results import ResultSink
+from tdpipe.executor.pipeline import PipelineError
 from tdpipe.tokenizer import chat_prompt
 
 
 def _read_prompts(a: argparse.Namespace) -> list[dict]:
     """Prompts from arguments, --input (text: one per line; .jsonl: {"prompt": ...}, {"prompt_token_ids": ...} or
-    {"messages": [{"role", "content"}, ...]}, a conversation for the chat template), or stdin."""
+    {"messages": [{"role", "content"}, ...]}, a conversation for the chat template), or stdin.
+
+    A JSONL line that is not valid, or whose fields have the wrong type, becomes {"error": "line N: ..."}:
+    that request fails alone and the others run."""
     if a.prompts:
         return [{"prompt": p} for p in a.prompts]
-    f = open(a.input) if a.input and a.input != "-" else sys.stdin
+    f = open(a.input, encoding="utf-8") if a.input and a.input != "-" else sys.stdin
     with f:
         lines = [ln.rstrip("\n") for ln in f]
-    jsonl = (a.input or "").endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
+    jsonl = (a.input or "").endswith(".jsonl") or bool(lines and lines[0].lstrip().startswith("{"))
     out = []
     for i, ln in enumerate(lines):
         if not ln.strip():
             continue
-        if jsonl:
-            try:
-                rec = json.loads(ln)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"line {i + 1} of the input is not valid JSON: {e}")
-            if not any(k in rec for k in ("prompt", "prompt_token_ids", "messages")):
-                raise SystemExit(f"line {i + 1}: a JSONL record needs a 'prompt', 'prompt_token_ids' or "
-                                 "'messages' field")
-            if "messages" in rec and not (isinstance(rec["messages"], list) and rec["messages"] and all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in rec["messages"])):
-                raise SystemExit(f"line {i + 1}: 'messages' must be a non-empty list of {{role, content}}")
-            out.append(rec)
-        else:
-            out.append({"prompt": ln})
+        out.append(_parse_record(ln, i + 1) if jsonl else {"prompt": ln})
     return out
+
+
+def _parse_record(ln: str, lineno: int) -> dict:
+    try:
+        rec = json.loads(ln)
+    except json.JSONDecodeError as e:
+        return {"error": f"line {lineno}: not valid JSON: {e}"}
+    if not isinstance(rec, dict):
+        return {"error": f"line {lineno}: expected a JSON object, got {type(rec).__name__}"}
+    err = None
+    if not any(k in rec for k in ("prompt", "prompt_token_ids", "messages")):
+        err = "a JSONL record needs a 'prompt', 'prompt_token_ids' or 'messages' field"
+    elif "prompt" in rec and not isinstance(rec["prompt"], str):
+        err = f"'prompt' must be a string, got {type(rec['prompt']).__name__}"
+    elif "prompt_token_ids" in rec and not (isinstance(rec["prompt_token_ids"], list) and all(
+            type(t) is int for t in rec["prompt_token_ids"])):
+        err = "'prompt_token_ids' must be a list of integers"
+    elif "messages" in rec:
+        try:
+            check_conversation(rec["messages"])
+        except ValueError as e:
+            err = f"'messages': {e}"
+    if err:
+        return {"error": f"line {lineno}: {err}", "prompt": rec.get("prompt") if isinstance(
+            rec.get("prompt"), str) else None}
+    return rec | {"line": lineno}
+
+
+def _check_generate_paths(a: argparse.Namespace) -> None:
+    """Every file the run reads or writes, checked before the model loads (a missing directory for -o must
+    not cost a run)."""
+    check_readable(a.input, "--input")
+    check_writable(a.output, "--output")
+    check_writable(a.trace, "--trace")
+    check_writable(a.record_history, "--record-history")
+    if a.resume and not a.output:
+        raise PreflightError("--resume needs --output FILE: it skips the prompts already answered there")
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from tdpipe import LLM, SamplingParams
 
+    _check_generate_paths(a)
     recs = _read_prompts(a)
     if not recs:
         raise SystemExit("no prompts: give them as arguments, with --input FILE, or on stdin")
     sp = SamplingParams(**sampling_kwargs(a))  # validate flags before loading the model
-    llm = LLM(**engine_kwargs(a))
-    tok = llm.get_tokenizer()
-    for r in recs:
+    sink = ResultSink(a.output, ordered=a.ordered, resume=a.resume)
+    sink.check_resumed(recs)
+    todo = [i for i in range(len(recs)) if i not in sink.done]
+    with sink:
+        for i in todo:  # lines that failed to parse are answered (with their error) before any model loads
+            if "error" in recs[i]:
+                sink.write(i, _error_record(i, recs[i], recs[i]["error"]))
+        todo = [i for i in todo if "error" not in recs[i]]
+        if not todo:
+            return sink.finish(len(recs))
+        llm = None
+        try:
+            llm = LLM(**engine_kwargs(a))
+            prompts, errors = _to_prompts(llm.get_tokenizer(), recs, todo, a.chat_template)
+            for i, err in errors.items():
+                sink.write(i, _error_record(i, recs[i], err))
+            todo = [i for i in todo if i not in errors]
+            for k, o in llm.generate_unordered([prompts[i] for i in todo], sp, use_tqdm=not a.no_progress):
+                i = todo[k]
+                sink.write(i, _output_record(i, recs[i], o, a.output_token_ids))
+        except KeyboardInterrupt:
+            return sink.stopped(len(recs), "interrupted", 130)
+        except OSError as e:
+            if not sink.write_failed:
+                raise
+            return sink.stopped(len(recs), f"writing {a.output} failed ({e.strerror or e})", 1)
+        except (PipelineError, RuntimeError) as e:
+            return sink.stopped(len(recs), f"the run failed: {e}", 1)
+        finally:
+            if llm is not None:
+                llm.shutdown()
+        return sink.finish(len(recs))
+
+
+def _to_prompts(tok, recs: list[dict], todo: list[int], chat_template: bool) -> tuple[dict[int, object],
+                                                                                     dict[int, str]]:
+    """Each record as a prompt for LLM.generate, and the errors of conversations the template rejects."""
+    out: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    for i in todo:
+        r = recs[i]
         if "prompt_token_ids" in r:
+            out[i] = {"prompt": r.get("prompt"), "prompt_token_ids": r["prompt_token_ids"]}
             continue
-        if "messages" in r:  # a conversation: always through the chat template; its text (for the history,
-            conv = r["messages"]  # the predictor) is the turns' contents
+        conv = r.get("messages") or ([{"role": "user", "content": r["prompt"]}] if chat_template else None)
+        if conv is None:
+            out[i] = r["prompt"]
+            continue
+        if "messages" in r:  # its text (for the history, the predictor) is the turns' contents
             r.setdefault("prompt", "\n".join(m["content"] for m in conv))
-        elif a.chat_template:
-            conv = [{"role": "user", "content": r["prompt"]}]
-        else:
-            continue
-        r["prompt_token_ids"] = chat_prompt(tok, conv)[1]
-    prompts = [{"prompt": r.get("prompt"), "prompt_token_ids": r["prompt_token_ids"]} if "prompt_token_ids" in r
-               else r["prompt"] for r in recs]
-    outs = llm.generate(prompts, sp, use_tqdm=not a.no_progress)
-    f = open(a.output, "w") if a.output else sys.stdout
-    with f:
-        for r, o in zip(recs, outs):
-            c = o.outputs[0]
-            rec = {"request_id": o.request_id, "prompt": o.prompt, "text": c.text, "finish_reason": c.finish_reason,
-                   "num_prompt_tokens": len(o.prompt_token_ids), "num_output_tokens": len(c.token_ids)}
-            if o.error:
-                rec["error"] = o.error
-            if a.output_token_ids:
-                rec["token_ids"] = c.token_ids
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    return 0
+        try:
+            out[i] = {"prompt": r["prompt"], "prompt_token_ids": chat_prompt(tok, conv)[1]}
+        except Exception as e:  # noqa: BLE001 - the template's own errors
+            errors[i] = f"line {r.get('line', i + 1)}: chat template: {e}"
+    return out, errors
+
+
+def _output_record(i: int, r: dict, o, with_ids: bool) -> dict:
+    c = o.outputs[0]
+    rec = {"index": i, "request_id": o.request_id, "prompt": o.prompt if o.prompt is not None else r.get("prompt"),
+           "text": c.text, "finish_reason": c.finish_reason, "num_prompt_tokens": len(o.prompt_token_ids),
+           "num_output_tokens": len(c.token_ids)}
+    if o.error:
+        rec["error"] = (f"line {r['line']}: " if "line" in r else "") + o.error
+    if with_ids:
+        rec["token_ids"] = c.token_ids
+    return rec
+
+
+def _error_record(i: int, r: dict, error: str) -> dict:
+    return {"index": i, "request_id": None, "prompt": r.get("prompt"), "text": "", "finish_reason": "error",
+            "num_prompt_tokens": 0, "num_output_tokens": 0, "error": error}
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -140,10 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate for prompts given as arguments, in a text file (one per line) or "
                                    "JSONL file ({'prompt': ...}, {'prompt_token_ids': [...]} or {'messages': "
                                    "[{'role': ..., 'content': ...}, ...]} per line), or on stdin. Writes one JSON "
-                                   "object per prompt, in input order.")
+                                   "object per prompt as it finishes ('index' = its input position; --ordered "
+                                   "for input order). Exit code 0 when every request succeeded, 1 when any "
+                                   "failed (its record has 'error'), 130 when interrupted; --resume finishes "
+                                   "an interrupted run.")
     g.add_argument("prompts", nargs="*", help="prompts (if none: --input or stdin)")
     g.add_argument("--input", "-i", default=None, help="text or .jsonl file of prompts ('-' = stdin)")
-    g.add_argument("--output", "-o", default=None, help="JSONL output file (default stdout)")
+    g.add_argument("--output", "-o", default=None,
+                   help="JSONL output file (default stdout); each answer is written and flushed as it finishes, "
+                        "so an interrupted or failed run keeps every finished answer")
+    g.add_argument("--ordered", action="store_true",
+                   help="write answers in input order (holding back only those that finish before an earlier "
+                        "one); default: as they finish. Every record has 'index', its prompt's position")
+    g.add_argument("--resume", action="store_true",
+                   help="skip the prompts already answered in --output (same input) and append the rest")
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user turn of the chat template")
     g.add_argument("--output-token-ids", action="store_true", help="include output token ids in the JSONL")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -194,8 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tdpipe.entrypoints.preflight import PreflightError
-
     try:
         return args.fn(args) or 0
     except PreflightError as e:
@@ -204,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tdpipe: error: {e}", file=sys.stderr)
         return 2
+    except PipelineError as e:
+        print(f"tdpipe: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tdpipe: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

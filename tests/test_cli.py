@@ -23,8 +23,8 @@ def test_generate_jsonl_file(tmp_path, bundled_path):
     out = tmp_path / "out.jsonl"
     rc = main(["generate", "--input", str(inp), "--output", str(out), "--max-tokens", "5", "--dtype", "float32",
                "--kv-cache-memory", "64MiB", "--no-progress", "--output-token-ids", "--ignore-eos"])
-    assert rc == 0
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rc == 1  # one request failed
+    recs = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"])
     assert len(recs) == 2
     assert recs[0]["num_output_tokens"] == 5 and "Paris" in recs[0]["text"] and len(recs[0]["token_ids"]) == 5
     assert recs[1]["finish_reason"] == "error" and "empty" in recs[1]["error"]
@@ -34,9 +34,6 @@ def test_generate_messages_through_the_chat_template_and_record_history(tmp_path
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Name a fruit."}]
     inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"messages": conv}) + "\n" + json.dumps({"messages": []}) + "\n")
-    with pytest.raises(SystemExit, match="line 2: 'messages' must be a non-empty list"):
-        main(["generate", "--input", str(inp)])
     inp.write_text(json.dumps({"messages": conv}) + "\n")
     out, hist = tmp_path / "out.jsonl", tmp_path / "h.jsonl"
     rc = main(["generate", "--input", str(inp), "--output", str(out), "--max-tokens", "4", "--dtype", "float32",
@@ -54,7 +51,7 @@ def test_generate_stdin_subprocess(bundled_path):
                         "--kv-cache-memory", "64MiB", "--no-progress", "--chat-template"],
                        input="Say hello\nName a fruit\n", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    recs = sorted((json.loads(line) for line in r.stdout.splitlines()), key=lambda x: x["index"])
     assert [x["prompt"] for x in recs] == ["Say hello", "Name a fruit"]
     assert all(x["num_output_tokens"] <= 3 for x in recs)
 

@@ -150,7 +150,6 @@ class LLMEngine:
         self.clock = self.executor.now
         self.sampler = Sampler()
         self._seq_ids = itertools.count()
-        self._generators: dict[int, torch.Generator | None] = {}
         self.stats = EngineStats(started=self.clock())
         self._inflight: deque[Batch] = deque()
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id (abort_request looks them up)
@@ -247,7 +246,6 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none (simulated)")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, prompt=text,
                        max_tokens=max_tokens, arrival_time=self.clock())
-        self._generators[seq.seq_id] = make_generator(params)
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         if self._batched:
@@ -304,7 +302,6 @@ class LLMEngine:
                 continue
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason, seq.finish_time = "abort", now
-            self._generators.pop(seq.seq_id, None)
             if not seq.in_flight:
                 self.scheduler.abort(seq)
                 self.executor.release([seq.seq_id])
@@ -400,7 +397,6 @@ class LLMEngine:
             if self._check_stop(seq, tok):
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = now
-                self._generators.pop(seq.seq_id, None)
                 self.requests.pop(seq.request_id, None)
                 self.predictor.observe(seq)
                 if self.history is not None:
@@ -419,18 +415,27 @@ class LLMEngine:
         return finished
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """A seeded row's randomness is keyed by (seed, index of the token being sampled), not kept in a
+        per-request generator: a request recomputed after preemption samples position i with the same
+        draw as without preemption, whatever was sampled or dropped meanwhile."""
+        from tdpipe.sampling.sampler import draw_keys
+
         params = [s.sampling_params for s in seqs]
         eos = sorted(self.eos_token_ids)
-        for i, (s, p) in enumerate(zip(seqs, params)):
-            if len(s.output_token_ids) < p.min_tokens:  # no stop token before min_tokens
-                ban = ([] if p.ignore_eos else eos) + list(p.stop_token_ids or [])
-                if ban:
-                    logits[i, ban] = float("-inf")
+        banned: list[list[int]] = []
+        for s, p in zip(seqs, params):  # no stop token before min_tokens; the sampler masks them in its copy
+            short = len(s.output_token_ids) < p.min_tokens
+            banned.append(([] if p.ignore_eos else eos) + list(p.stop_token_ids or []) if short else [])
         need_hist = [p.needs_penalties for p in params]
         prompts = [s.prompt_token_ids if h else [] for s, h in zip(seqs, need_hist)]
         outs = [s.output_token_ids if h else [] for s, h in zip(seqs, need_hist)]
-        gens = [self._generators.get(s.seq_id) for s in seqs]
-        return self.sampler(logits, params, prompts, outs, gens)
+        keys: list[int | None] = [None] * len(seqs)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            for i, k in zip(seeded, draw_keys([params[i].seed for i in seeded],
+                                              [len(seqs[i].output_token_ids) for i in seeded])):
+                keys[i] = k
+        return self.sampler(logits, params, prompts, outs, keys, banned if any(banned) else None)
 
     def _check_stop(self, seq: Sequence, tok: int) -> bool:
         p = seq.sampling_params
@@ -516,9 +521,9 @@ class LLMEngine:
             self.executor.shutdown()
         finally:
             self.executor = _ClosedExecutor(self.executor.num_stages)
+            self.clock = time.time  # was the old executor's bound method: it would keep the model alive
             self.requests.clear()
             self._inflight.clear()
-            self._generators.clear()
             self.predictor = self.scheduler = self.sampler = None  # type: ignore[assignment]
 
 

@@ -46,16 +46,25 @@ CPU_LINK_LATENCY = 0.2e-3
 CPU_LINK_BW = 2 * GB
 
 
-def cache_path(model_path: str, threads: list[int]) -> Path:
+def cache_key(model_path: str, threads: list[int]) -> dict:
+    """What the calibration's timings depend on: the model files, the thread counts, the CPU, torch and
+    whether the C++ kernels and packed linears run."""
     import torch
 
     from tdpipe.config import cpu_name
-    from tdpipe.model.bundled import cache_dir
+    from tdpipe.model.bundled import model_identity
     from tdpipe.model.packed_linear import packing_available
 
-    key = {"v": CALIBRATION_VERSION, "model": os.path.abspath(model_path), "threads": sorted(threads),
-           "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-           "packed_linear": packing_available()}
+    return {"v": CALIBRATION_VERSION, "model": os.path.abspath(model_path), "threads": sorted(threads),
+            "model_files": model_identity(model_path), "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1",
+            "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "packed_linear": packing_available()}
+
+
+def cache_path(model_path: str, threads: list[int]) -> Path:
+    from tdpipe.model.bundled import cache_dir
+
+    key = cache_key(model_path, threads)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "sim" / f"cpu-{digest}.json"
 
@@ -289,20 +298,31 @@ def cpu_hardware(threads: int | None = None, model: str | None = None, recalibra
     from tdpipe.model.bundled import resolve_model
 
     counts = default_thread_counts()
-    path = cache_path(resolve_model(model), counts)
-    if path.exists() and not recalibrate:
-        try:
-            return pick_threads(json.loads(path.read_text()), threads)
-        except (OSError, ValueError, KeyError):
-            log.warning("ignoring unreadable calibration %s", path)
     if threads is not None and threads not in counts:
         counts = sorted(set(counts) | {threads})
-        path = cache_path(resolve_model(model), counts)
-    doc = calibrate(counts, model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
-    log.info("CPU calibration cached at %s", path)
+    model_path = resolve_model(model)
+    path = cache_path(model_path, counts)
+    key = json.loads(json.dumps(cache_key(model_path, counts)))  # as JSON has it
+    if path.exists() and not recalibrate:
+        try:
+            doc = json.loads(path.read_text())
+            if not isinstance(doc, dict) or doc.get("key") != key:
+                raise ValueError("its key does not match")
+            return pick_threads(doc, threads)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("tdpipe: calibration %s is damaged (%s: %s); calibrating again", path,
+                        type(e).__name__, e)
+    doc = calibrate(counts, model) | {"key": key}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # renamed into place: never half a file
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(path)
+        log.info("CPU calibration cached at %s", path)
+    except OSError as e:
+        log.warning("could not cache the CPU calibration at %s: %s", path, e)
     return pick_threads(doc, threads)
 
 
-__all__ = ["calibrate", "cache_path", "cpu_hardware", "fit", "measure_bandwidth", "measure_steps", "pick_threads"]
+__all__ = ["calibrate", "cache_key", "cache_path", "cpu_hardware", "fit", "measure_bandwidth", "measure_steps",
+           "pick_threads"]

@@ -239,3 +239,23 @@ def test_tiny_kv_budget_is_an_error_or_a_visible_warning(bundled_path, caplog):
         llm = LLM(dtype="float32", kv_cache_memory=1 << 20)  # one block: 16 tokens
     assert "max_model_len lowered from 8192 to" in caplog.text
     llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["hybrid", "throttle", "td-pipe"])
+def test_interrupt_recovers_under_every_policy(bundled_path, policy):
+    from tdpipe import LLM
+
+    with LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, scheduler=policy,
+             predictor="constant:40") as llm:
+        ref = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        timer = threading.Timer(0.5, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Tell me a story"] * 48, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+        timer.join()
+        llm.engine.block_manager.check_no_leaks()
+        if policy == "td-pipe":
+            assert not any(llm.engine.scheduler.kv_usage)  # no predicted KV of aborted requests left
+        again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]

@@ -217,7 +217,9 @@ def test_resolve_gguf_uses_keyed_cache(tmp_path: Path, monkeypatch: pytest.Monke
     cached = bundled._gguf_cache_folder(gg)
     assert cached.parent == tmp_path / "cache" / "models" and cached.name.startswith("m-")
     cached.mkdir(parents=True)
-    (cached / "config.json").write_text("{}")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (cached / name).write_text("{}")
+    bundled.write_manifest(cached, bundled._source_of(gg))
     assert resolve_model(str(gg)) == str(cached)
     os.utime(gg, ns=(1, 1))  # a changed file maps to a new folder
     assert bundled._gguf_cache_folder(gg) != cached

@@ -302,5 +302,11 @@ class TDPipeScheduler(SeparateScheduler):
         if self.phase is Phase.PREFILL and not self.waiting and not self.running:
             self.kv_usage = [0] * len(self.future_points)
 
+    def reset_idle(self) -> None:
+        """Every request was aborted: no predicted KV is left, and the next request opens a prefill phase."""
+        self.phase = Phase.PREFILL
+        self.initial.clear()
+        self.kv_usage = [0] * len(self.future_points)
+
 
 __all__ = ["Phase", "StepCostModel", "TDPipeScheduler", "parse_switch"]

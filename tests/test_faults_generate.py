@@ -1,0 +1,149 @@
+"""Fault injection on `tdpipe generate -o` (run alone with `pytest -m faults`): SIGKILL and SIGINT of the engine
+process and SIGKILL of a stage, during start-up and at a random point of the run, at pp = 1 and 2.
+
+After every fault: each answer on disk is one whole JSON line, no prompt twice; the run is over within 20 s;
+no stage process is left; a SIGINT exits 130 with one line and no traceback; and `--resume` answers exactly
+the prompts that are missing. The random points come from a seed printed on failure."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.faults
+
+N = 24
+DEADLINE = 20.0
+
+
+def _cmd(out, inp, pp: int, resume: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "generate", "-i", str(inp), "-o", str(out),
+           "--max-tokens", "48", "--ignore-eos", "--max-num-seqs", "4", "--max-model-len", "512",
+           "--kv-cache-memory", "64MiB", "--dtype", "float32", "--no-progress", "--sampling-seed", "7", "--temperature", "0.8"]
+    if pp > 1:
+        cmd += ["--pp", str(pp), "--layer-partition", "15,15"]
+    return cmd + (["--resume"] if resume else [])
+
+
+def _stages_of(pid: int) -> list[int]:
+    """Stage workers started by engine `pid` (their command line names it with --parent)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"tdpipe.worker.stage" in args and b"--parent" in args and \
+                args[args.index(b"--parent") + 1] == str(pid).encode():
+            found.append(int(d))
+    return found
+
+
+def _records(out) -> list[dict]:
+    if not os.path.exists(out):
+        return []
+    text = open(out).read()
+    assert text == "" or text.endswith("\n"), "a cut line on disk"
+    recs = [json.loads(x) for x in text.splitlines()]  # every line valid JSON
+    idx = [r["index"] for r in recs]
+    assert len(idx) == len(set(idx)), f"a prompt answered twice: {idx}"
+    return recs
+
+
+def _wait_for(cond, timeout: float) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("".join(f"Write a short story number {i} about a lighthouse.\n" for i in range(N)))
+    return inp
+
+
+CASES = [(pp, victim, sig, when) for pp in (1, 2)
+         for victim, sig in [("engine", signal.SIGKILL), ("engine", signal.SIGINT)] + ([("stage", signal.SIGKILL)]
+                                                                                       if pp > 1 else [])
+         for when in ("startup", "running")]
+
+
+@pytest.mark.parametrize("pp,victim,sig,when", CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    out = tmp_path / "out.jsonl"
+    p = subprocess.Popen(_cmd(out, prompts, pp), start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        if when == "startup":
+            if victim == "stage":
+                assert _wait_for(lambda: len(_stages_of(p.pid)) == pp, 60), "stages never started"
+            time.sleep(rng.uniform(0.0, 1.5))
+        else:
+            k = rng.randint(1, 6)
+            assert _wait_for(lambda: len(_records(out)) >= k or p.poll() is not None, 240), f"seed {seed}"
+        if p.poll() is not None:
+            pytest.fail(f"the run ended before the fault (rc {p.returncode}), seed {seed}: {p.stderr.read()}")
+        stages = _stages_of(p.pid)
+        if victim == "engine":
+            os.killpg(p.pid, sig) if sig == signal.SIGINT else p.send_signal(sig)  # Ctrl-C hits the group
+        else:
+            os.kill(rng.choice(stages), sig)
+        t = time.time()
+        try:
+            err = p.communicate(timeout=DEADLINE)[1]
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {DEADLINE} s after the fault (seed {seed})")
+        took = time.time() - t
+        assert _wait_for(lambda: not any(os.path.exists(f"/proc/{s}") and _alive(s) for s in stages), DEADLINE), \
+            f"stage processes left behind (seed {seed})"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    recs = _records(out)
+    assert took < DEADLINE
+    if victim == "engine" and sig == signal.SIGINT:
+        assert p.returncode == 130, err
+        assert "Traceback" not in err, err
+        assert len(err.strip().splitlines()) <= 3, err
+        assert f"{len(recs)} of {N} prompts answered" in err or when == "startup", err
+    elif victim == "stage":
+        assert p.returncode == 1, err
+        assert "Traceback" not in err and f"stage" in err and f"{len(recs)} of {N} prompts answered" in err, err
+    # --resume finishes exactly the rest
+    r = subprocess.run(_cmd(out, prompts, pp, resume=True), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert sorted(x["index"] for x in _records(out)) == list(range(N))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_resumed_answers_equal_an_uninterrupted_run(tmp_path, prompts):
+    """Seeded sampling: the answers a resumed run adds are the ones one uninterrupted run gives."""
+    whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
+    subprocess.run(_cmd(whole, prompts, 1), check=True, capture_output=True, timeout=600)
+    ref = {r["index"]: r["text"] for r in _records(whole)}
+    keep = [json.dumps(r) for r in _records(whole)][: N // 3]
+    cut.write_text("\n".join(keep) + "\n" + keep[-1][:10])  # a run killed mid-line
+    r = subprocess.run(_cmd(cut, prompts, 1, resume=True), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "unfinished last line" in r.stderr
+    assert {x["index"]: x["text"] for x in _records(cut)} == ref

@@ -169,9 +169,26 @@ def _params(output_len: int) -> Any:
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
 
 
+def preflight(a: argparse.Namespace) -> None:
+    """Every path the run reads or writes, checked before the model loads: a missing --dataset fails in a
+    second, and a --json in a missing directory no longer loses a whole benchmark's results at the end."""
+    from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
+
+    model = getattr(a, "model", None)
+    if model and not os.path.exists(os.path.expanduser(model)):
+        raise PreflightError(f"--model {model}: no such file or directory (tdpipe reads a local model folder or "
+                             ".gguf file; it never downloads from a hub)")
+    check_readable(getattr(a, "dataset", None), "--dataset")
+    check_readable(getattr(a, "history", None), "--history")
+    check_writable(getattr(a, "json", None), "--json")
+    check_writable(getattr(a, "trace", None), "--trace")
+    check_writable(getattr(a, "record_history", None), "--record-history")
+
+
 def run(a: argparse.Namespace) -> int:
     from tdpipe import LLM
 
+    preflight(a)
     if a.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
     if a.compare_pp1 and a.pp <= 1:

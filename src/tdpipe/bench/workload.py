@@ -87,38 +87,47 @@ def from_jsonl(path: str | Path, tokenizer: Any, limit: int | None = None) -> li
     """Requests from a JSONL file: `prompt` (text, tokenized with special tokens) or `prompt_token_ids`,
     plus `output_len` (or `max_tokens`). Errors name the line, so a broken dataset is fixed in one go."""
     out: list[BenchRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON: {e}") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            if "prompt_token_ids" in rec:
-                ids = rec["prompt_token_ids"]
-                if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
-                    raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
-            elif "prompt" in rec:
-                if not isinstance(rec["prompt"], str):
-                    raise ValueError(f"{where}: 'prompt' must be a string")
-                ids = tokenizer.encode(rec["prompt"], add_special_tokens=True)
-                if not ids:
-                    raise ValueError(f"{where}: 'prompt' tokenizes to no tokens")
-            else:
-                raise ValueError(f"{where}: missing field 'prompt' or 'prompt_token_ids'")
-            key = "output_len" if "output_len" in rec else "max_tokens" if "max_tokens" in rec else None
-            if key is None:
-                raise ValueError(f"{where}: missing field 'output_len' (or 'max_tokens')")
-            olen = rec[key]
-            if not (isinstance(olen, int) and not isinstance(olen, bool) and olen >= 1):
-                raise ValueError(f"{where}: '{key}' must be an integer >= 1, got {olen!r}")
-            out.append(BenchRequest(list(ids), olen, rec.get("prompt")))
+    try:
+        f = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        with f:
+            for n, line in enumerate(f, start=1):
+                if limit is not None and len(out) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not valid JSON: {e}") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+                if "prompt_token_ids" in rec:
+                    ids = rec["prompt_token_ids"]
+                    if not (isinstance(ids, list) and ids and all(type(t) is int for t in ids)):
+                        raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")
+                elif "prompt" in rec:
+                    if not isinstance(rec["prompt"], str):
+                        raise ValueError(f"{where}: 'prompt' must be a string")
+                    ids = tokenizer.encode(rec["prompt"], add_special_tokens=True)
+                    if not ids:
+                        raise ValueError(f"{where}: 'prompt' tokenizes to no tokens")
+                else:
+                    raise ValueError(f"{where}: missing field 'prompt' or 'prompt_token_ids'")
+                key = "output_len" if "output_len" in rec else "max_tokens" if "max_tokens" in rec else None
+                if key is None:
+                    raise ValueError(f"{where}: missing field 'output_len' (or 'max_tokens')")
+                olen = rec[key]
+                if not (isinstance(olen, int) and not isinstance(olen, bool) and olen >= 1):
+                    raise ValueError(f"{where}: '{key}' must be an integer >= 1, got {olen!r}")
+                out.append(BenchRequest(list(ids), olen, rec.get("prompt")))
+    except UnicodeDecodeError as e:  # a binary file given by mistake
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); expected JSONL") from None
     if not out:
         raise ValueError(f"{path}: no requests")
     return out

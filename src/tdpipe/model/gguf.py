@@ -48,6 +48,39 @@ _BLOCK_NAMES = {
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def open_gguf(gguf_path: str | Path) -> GGUFReader:
+    """A GGUFReader over a file checked to be whole: a missing, foreign, truncated or corrupt file is a
+    ModelFileError naming the file (the reader's own errors, e.g. "cannot reshape array of size 375744",
+    say neither which file nor what is wrong)."""
+    from tdpipe.model.weights import MissingModelFile, ModelFileError, human_size
+
+    path = Path(gguf_path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise MissingModelFile(f"GGUF file not found: {path}") from None
+    except OSError as e:
+        raise ModelFileError(f"cannot read {path}: {e.strerror or e}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - numpy/struct errors from a short or scrambled file
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise ModelFileError(f"{path}: truncated or corrupt GGUF file ({human_size(size)}; the reader "
+                             f"failed with: {msg})") from None
+    need = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if need > size:
+        raise ModelFileError(f"{path}: truncated: header says {human_size(need)} of data, file has "
+                             f"{human_size(size)}")
+    return reader
+
+
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
@@ -131,7 +164,11 @@ def _tensors(reader: GGUFReader, cfg: dict, permute: bool) -> Iterator[tuple[str
     q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in reader.tensors:
         name = hf_name(t.name)
-        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (ValueError, NotImplementedError) as e:  # a scrambled type or a short data block
+            raise ValueError(f"GGUF tensor {t.name!r} (type {t.tensor_type!r}) cannot be dequantised: "
+                             f"{' '.join(str(e).split())}") from None
         # numpy dims are already HF's (out_features, in_features); GGUF's `shape` is reversed.
         w = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
         if permute and ".q_proj." in name:
@@ -143,7 +180,7 @@ def _tensors(reader: GGUFReader, cfg: dict, permute: bool) -> Iterator[tuple[str
 
 def gguf_to_hf(gguf_path: str | Path) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
     """Return an HF config dict and a lazy iterator of float32 tensors under HF names."""
-    reader = GGUFReader(str(gguf_path))
+    reader = open_gguf(gguf_path)
     cfg, permute = _config(reader)
     return cfg, _tensors(reader, cfg, permute)
 
@@ -209,9 +246,14 @@ def convert_gguf_to_hf_folder(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        reader = GGUFReader(str(gguf_path))
-        cfg, permute = _config(reader)
-        tensors = {name: w.to(dtype) for name, w in _tensors(reader, cfg, permute)}
+        reader = open_gguf(gguf_path)
+        try:
+            cfg, permute = _config(reader)
+            tensors = {name: w.to(dtype) for name, w in _tensors(reader, cfg, permute)}
+        except ValueError as e:  # name the file: the conversion usually runs behind --model or the bundle
+            from tdpipe.model.weights import ModelFileError
+
+            raise ModelFileError(f"{gguf_path}: {e}") from None
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")

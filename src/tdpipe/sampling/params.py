@@ -1,10 +1,14 @@
 """Per-request sampling settings, named and defaulted like vLLM's so user code ports unchanged."""
 
+import math
 from dataclasses import dataclass
-from numbers import Real
+from numbers import Integral, Real
 
 # Below this temperature, dividing logits overflows float32; such rows are treated as greedy.
 SAMPLING_EPS = 1e-5
+
+# The seeds torch's generators take (and vLLM passes on to them): int64 below zero, uint64 above.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -13,7 +17,8 @@ def _require(ok: bool, msg: str) -> None:
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """Python and numpy integers; never bool (True would silently mean 1) nor a float that happens to be whole."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def _is_real(x) -> bool:
@@ -44,34 +49,45 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.n) and self.n == 1, f"n must be 1 (only n=1 is supported), got {self.n!r}")
+        self._check_int("n", lambda n: n == 1, "1 (only n=1 is supported)")
         self._check_real("temperature", lambda t: t >= 0, ">= 0")
         self._check_real("top_p", lambda p: 0 < p <= 1, "in (0, 1]")
         self._check_real("min_p", lambda p: 0 <= p <= 1, "in [0, 1]")
         self._check_real("repetition_penalty", lambda r: r > 0, "> 0")
         self._check_real("presence_penalty", lambda p: -2 <= p <= 2, "in [-2, 2]")
         self._check_real("frequency_penalty", lambda p: -2 <= p <= 2, "in [-2, 2]")
-        _require(_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (-1, 0)),
-                 f"top_k must be -1 or 0 (disabled) or an int >= 1, got {self.top_k!r}")
+        self._check_int("top_k", lambda k: k >= 1 or k in (-1, 0), "-1 or 0 (disabled) or an int >= 1")
         if self.top_k == 0:
             self.top_k = -1  # one spelling of "disabled" keeps the sampler's checks simple
-        _require(self.seed is None or _is_int(self.seed), f"seed must be an int or None, got {self.seed!r}")
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-                 f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
-        _require(_is_int(self.min_tokens) and self.min_tokens >= 0,
-                 f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        # torch.Generator.manual_seed takes exactly this range; outside it the request would fail mid-batch
+        self._check_int("seed", lambda s: SEED_MIN <= s <= SEED_MAX, "None or an int in [-2**63, 2**64 - 1]",
+                        optional=True)
+        self._check_int("max_tokens", lambda m: m >= 1, "None or an int >= 1", optional=True)
+        self._check_int("min_tokens", lambda m: m >= 0, "an int >= 0")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                  f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)  # a string such as "no" is truthy: it would silently mean True
+            _require(isinstance(value, bool), f"{name} must be a bool (True or False), got {value!r}")
         _require(self.logprobs is None, f"logprobs is not supported yet, got {self.logprobs!r}")
         self.stop = self._normalise_stop(self.stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        _require(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids),
-                 f"stop_token_ids must be a list of ints >= 0, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(ids)
+        _require(isinstance(ids, (list, tuple)) and all(_is_int(t) and 0 <= t < (1 << 63) for t in ids),
+                 f"stop_token_ids must be None or a list of ints >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in ids]
+
+    def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
+        """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        _require(_is_int(value) and ok(int(value)), f"{name} must be {allowed}, got {value!r}")
+        setattr(self, name, int(value))
 
     def _check_real(self, name: str, ok, allowed: str) -> None:
         value = getattr(self, name)
-        # `ok` is written so NaN fails it (every comparison with NaN is False).
+        if _is_real(value) and not math.isfinite(value):  # inf passes `> 0`; NaN fails every `ok` anyway
+            raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
         _require(_is_real(value) and ok(value), f"{name} must be {allowed}, got {value!r}")
         setattr(self, name, float(value))
 

@@ -81,14 +81,28 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                                   "block_size": a.block_size, "layer_partition": a.layer_partition}
 
 
+def preflight(a: argparse.Namespace) -> None:
+    """Inputs and outputs checked before anything is simulated: a --figure11 grid takes hours, and a --json
+    in a missing directory used to lose all of it at the very end."""
+    from tdpipe.entrypoints.preflight import check_readable, check_writable
+
+    for path in a.compare or []:
+        check_readable(path, "--compare")
+    check_readable(a.dataset, "--dataset")
+    check_writable(a.json, "--json")
+    check_writable(a.trace, "--trace")
+    check_writable(a.markdown, "--markdown")
+
+
 def run(a: argparse.Namespace) -> int:
+    preflight(a)
     if a.compare:
         return _compare(a)
     if a.figure11:
         return _figure11(a)
     from tdpipe.bench.throughput import build_workload
     from tdpipe.config import ModelConfig, default_threads
-    from tdpipe.sim.cost import model_bytes
+    from tdpipe.sim.cost import check_tensor_parallel, model_bytes
     from tdpipe.sim.hardware import GB, load_hardware, with_links
     from tdpipe.sim.runner import SimConfig, sim_model_config, simulate
 
@@ -99,6 +113,7 @@ def run(a: argparse.Namespace) -> int:
     hw = load_hardware(a.hardware, threads=threads if a.hardware == "cpu" else None, recalibrate=a.recalibrate)
     hw = with_links(hw, a.allreduce_bw and a.allreduce_bw * GB, a.link_bw and a.link_bw * GB)
     _, hf = sim_model_config(a.model)
+    check_tensor_parallel(ModelConfig.from_hf(hf), a.num_devices if a.parallel == "tp" else 1, a.model)
     cfg = SimConfig(hw, a.num_devices, a.parallel, a.model, num_kv_blocks=a.num_kv_blocks,
                     kv_cache_memory=a.kv_cache_memory, engine=_engine_kwargs(a))
     max_len = min(a.max_model_len or hf.get("max_position_embeddings", 4096), hf.get("max_position_embeddings", 4096))

@@ -22,6 +22,24 @@ from tdpipe.config import ModelConfig
 from tdpipe.sim.hardware import Hardware
 
 
+def check_tensor_parallel(mc: ModelConfig, tp: int, model: str | None = None) -> None:
+    """Fail when `tp` devices cannot split the model Megatron-style: every rank needs a whole number of
+    query heads, of KV heads (replicating KV heads over ranks, as vLLM does when tp > KV heads, is not
+    modelled) and of MLP columns. Otherwise the cost model would price a deployment that cannot exist."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor parallel size must be an integer >= 1, got {tp!r}")
+    name = f"{model}: " if model else ""
+    parts = [("attention heads", mc.num_heads), ("KV heads", mc.num_kv_heads),
+             ("intermediate_size (MLP columns)", mc.intermediate_size)]
+    bad = [f"{n} {what}" for what, n in parts if n % tp]
+    if bad:
+        raise ValueError(f"{name}tensor parallel size {tp} cannot split the model: its {' and '.join(bad)} "
+                         f"are not divisible by {tp}; use a tp that divides heads {mc.num_heads}, KV heads "
+                         f"{mc.num_kv_heads} and intermediate_size {mc.intermediate_size}, or --parallel pp"
+                         + (" (KV heads replicated over ranks, as vLLM does for tp > KV heads, are not modelled)"
+                            if tp > mc.num_kv_heads else ""))
+
+
 def layer_params(mc: ModelConfig) -> int:
     """Weights of one decoder layer: attention projections (with Qwen2's q/k/v biases), SwiGLU MLP, 2 norms."""
     h, i = mc.hidden_size, mc.intermediate_size
@@ -67,8 +85,7 @@ class CostModel:
 
     def __init__(self, mc: ModelConfig, hw: Hardware, partition: list[tuple[int, int]], tp: int = 1,
                  dtype_bytes: int = 2) -> None:
-        if tp < 1:
-            raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+        check_tensor_parallel(mc, tp)
         self.mc, self.hw, self.tp, self.b = mc, hw, tp, dtype_bytes
         self.layers = [e - s for s, e in partition]
         self.num_stages = len(partition)
@@ -110,4 +127,4 @@ class CostModel:
         return self.hw.link_latency + s.tokens * self.mc.hidden_size * self.b / self.hw.link_bw
 
 
-__all__ = ["CostModel", "StepShape", "layer_params", "model_bytes", "stage_weight_bytes"]
+__all__ = ["CostModel", "StepShape", "check_tensor_parallel", "layer_params", "model_bytes", "stage_weight_bytes"]

@@ -46,13 +46,19 @@ def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str
     from tdpipe.sim.hardware import load_hardware
     from tdpipe.sim.runner import DoesNotFit, SimConfig, simulate
 
+    from tdpipe.config import ModelConfig
+    from tdpipe.sim.cost import check_tensor_parallel
+    from tdpipe.sim.runner import sim_model_config
+
     parallel, policy = METHODS[cell["method"]]
     cfg = SimConfig(load_hardware(cell["hardware"]), cell["devices"], parallel, cell["model"],
                     engine=dict(engine) | policy)
     out = dict(cell)
+    try:  # a tp that cannot split the model is a cell that cannot exist, not a throughput to print
+        check_tensor_parallel(ModelConfig.from_hf(sim_model_config(cell["model"])[1]), cfg.tp, cell["model"])
+    except ValueError as e:
+        return out | {"invalid": str(e)}
     try:
-        from tdpipe.sim.runner import sim_model_config
-
         reqs = wl.sharegpt_like(num_prompts, sim_model_config(cell["model"])[1]["vocab_size"], seed, 2048)
         res = simulate(cfg, reqs)
     except DoesNotFit as e:
@@ -90,7 +96,8 @@ def _star(a: tuple) -> dict[str, Any]:
 
 
 def _line(r: dict[str, Any]) -> str:
-    what = "OOM" if "oom" in r else f"{r['output_tokens_per_s']:.0f} out tok/s, bubble {r['bubble_ratio']:.3f}"
+    what = ("OOM" if "oom" in r else "invalid: " + r["invalid"] if "invalid" in r
+            else f"{r['output_tokens_per_s']:.0f} out tok/s, bubble {r['bubble_ratio']:.3f}")
     return f"{r['hardware']} {r['model']} x{r['devices']} {r['method']}: {what}"
 
 
@@ -130,7 +137,7 @@ def claims(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"Simulated output tokens/s, {meta['num_prompts']} ShareGPT-like requests (seed {meta['seed']}); "
-             "OOM: the weights leave no KV cache.", ""]
+             "OOM: the weights leave no KV cache; n/a: tp cannot split the model.", ""]
     for hw, m in PAIRS:
         lines += [f"**{hw} + {m}**", "", "| method | " + " | ".join(f"{n} dev" for n in DEVICES) + " | bubble (4 dev) |",
                   "| --- | " + " | ".join("---:" for _ in DEVICES) + " | ---: |"]
@@ -139,8 +146,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             b4 = "-"
             for n in DEVICES:
                 r = next(x for x in results if (x["hardware"], x["model"], x["devices"], x["method"]) == (hw, m, n, name))
-                row.append("OOM" if "oom" in r else f"{r['output_tokens_per_s']:.0f}")
-                if n == 4 and "oom" not in r:
+                row.append("OOM" if "oom" in r else "n/a" if "invalid" in r else f"{r['output_tokens_per_s']:.0f}")
+                if n == 4 and "output_tokens_per_s" in r:
                     b4 = f"{r['bubble_ratio']:.2f}"
             lines.append(f"| {name} | " + " | ".join(row) + f" | {b4} |")
         lines.append("")

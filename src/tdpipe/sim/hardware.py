@@ -10,6 +10,7 @@ calibration. Any row can be replaced by a JSON file with the same fields (`--har
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -49,6 +50,8 @@ class Hardware:
 
     @classmethod
     def from_json(cls, data: dict) -> "Hardware":
+        if not isinstance(data, dict):
+            raise ValueError(f"hardware JSON must be an object of Hardware's fields, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -56,6 +59,14 @@ class Hardware:
         missing = [f for f in ("name", "flops", "mem_bw", "memory", "allreduce_bw", "link_bw") if f not in data]
         if missing:
             raise ValueError(f"hardware JSON misses field(s) {missing}")
+        for f in fields(cls):  # a string or inf here would surface as a TypeError or an infinite throughput
+            v = data.get(f.name)
+            if f.name in data and f.type in ("float", "int") and not _finite_number(v):
+                raise ValueError(f"hardware field {f.name} must be a finite number, got {v!r}")
+            if f.name in data and f.type == "bool" and not isinstance(v, bool):
+                raise ValueError(f"hardware field {f.name} must be true or false, got {v!r}")
+            if f.name in data and f.type == "str" and not isinstance(v, str):
+                raise ValueError(f"hardware field {f.name} must be a string, got {v!r}")
         hw = cls(**data)
         for f in ("flops", "mem_bw", "memory", "allreduce_bw", "link_bw"):
             if not getattr(hw, f) > 0:
@@ -66,6 +77,10 @@ class Hardware:
             if not 0 < getattr(hw, f) <= 1:
                 raise ValueError(f"hardware field {f} must be in (0, 1], got {getattr(hw, f)!r}")
         return hw
+
+
+def _finite_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 # PCIe Gen4 x16 is ~25 GB/s one way on paper; TD-Pipe measured 14.65 / 14.82 GB/s all-reduce on its PCIe
@@ -99,11 +114,13 @@ def load_hardware(spec: str, threads: int | None = None, recalibrate: bool = Fal
 
         return cpu_hardware(threads, recalibrate=recalibrate)
     path = Path(spec)
+    if spec.lower().endswith(".json") and not path.is_file():
+        raise ValueError(f"hardware file {spec}: " + ("is a directory" if path.is_dir() else "no such file"))
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-        except ValueError as e:
-            raise ValueError(f"hardware file {spec}: not valid JSON: {e}") from None
+        except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"hardware file {spec}: not valid JSON: {' '.join(str(e).split())}") from None
         if isinstance(data, dict) and "devices" in data:  # a calibration file: one row per thread count
             from tdpipe.sim.calibrate import pick_threads
 

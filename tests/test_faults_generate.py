@@ -16,14 +16,16 @@ import pytest
 
 pytestmark = pytest.mark.faults
 
-N = 24
+N = 16
 DEADLINE = 20.0
 
 
-def _cmd(out, inp, pp: int, resume: bool = False) -> list[str]:
+def _cmd(out, inp, pp: int, resume: bool = False, seeded: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "generate", "-i", str(inp), "-o", str(out),
-           "--max-tokens", "48", "--ignore-eos", "--max-num-seqs", "4", "--max-model-len", "512",
-           "--kv-cache-memory", "64MiB", "--dtype", "float32", "--no-progress", "--sampling-seed", "7", "--temperature", "0.8"]
+           "--max-tokens", "32", "--ignore-eos", "--max-num-seqs", "4", "--max-model-len", "512",
+           "--kv-cache-memory", "64MiB", "--no-progress"]
+    if seeded:
+        cmd += ["--dtype", "float32", "--sampling-seed", "7", "--temperature", "0.8"]
     if pp > 1:
         cmd += ["--pp", str(pp), "--layer-partition", "15,15"]
     return cmd + (["--resume"] if resume else [])
@@ -89,7 +91,7 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
         if when == "startup":
             if victim == "stage":
                 assert _wait_for(lambda: len(_stages_of(p.pid)) == pp, 60), "stages never started"
-            time.sleep(rng.uniform(0.0, 1.5))
+            time.sleep(rng.uniform(0.2, 2.0))  # after the interpreter starts (its own first ms are not ours)
         else:
             k = rng.randint(1, 6)
             assert _wait_for(lambda: len(_records(out)) >= k or p.poll() is not None, 240), f"seed {seed}"
@@ -139,11 +141,11 @@ def _alive(pid: int) -> bool:
 def test_resumed_answers_equal_an_uninterrupted_run(tmp_path, prompts):
     """Seeded sampling: the answers a resumed run adds are the ones one uninterrupted run gives."""
     whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
-    subprocess.run(_cmd(whole, prompts, 1), check=True, capture_output=True, timeout=600)
+    subprocess.run(_cmd(whole, prompts, 1, seeded=True), check=True, capture_output=True, timeout=600)
     ref = {r["index"]: r["text"] for r in _records(whole)}
     keep = [json.dumps(r) for r in _records(whole)][: N // 3]
     cut.write_text("\n".join(keep) + "\n" + keep[-1][:10])  # a run killed mid-line
-    r = subprocess.run(_cmd(cut, prompts, 1, resume=True), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(_cmd(cut, prompts, 1, resume=True, seeded=True), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "unfinished last line" in r.stderr
     assert {x["index"]: x["text"] for x in _records(cut)} == ref

@@ -24,9 +24,9 @@ from tdpipe.core.predictor import Predictor, make_predictor
 from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.malloc import pin_mmap_threshold
-from tdpipe.model.weights import load_hf_config
+from tdpipe.model.weights import check_model_folder, load_hf_config
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sampling.sampler import Sampler, make_generator
+from tdpipe.sampling.sampler import Sampler
 from tdpipe.sequence import Sequence, SequenceStatus
 from tdpipe.tokenizer import Detokenizer, load_tokenizer
 
@@ -90,7 +90,8 @@ class LLMEngine:
         pin_mmap_threshold()  # per-step [batch, vocab] tensors must not fragment the heap (tdpipe/malloc.py)
         self.config = config
         self.model_path = resolve_model(config.model)
-        hf = load_hf_config(self.model_path)
+        # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
+        hf = load_hf_config(self.model_path) if executor_factory is not None else check_model_folder(self.model_path)
         self.model_config = ModelConfig.from_hf(hf)
         self.clock: Callable[[], float] = time.time  # the executor's clock once it exists
         self.tokenizer = load_tokenizer(self.model_path) if executor_factory is None else None

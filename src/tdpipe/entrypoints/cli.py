@@ -1,15 +1,27 @@
 """`tdpipe` command line: generate, chat, bench, plot, predictor, simulate."""
 from __future__ import annotations
 
-import argparse
-import json
+import os
+import signal
 import sys
+
+
+def _interrupted_while_starting(signum: int, frame: object) -> None:
+    """Ctrl-C while Python imports torch (a second or two): one line, not a traceback from inside an import."""
+    print("tdpipe: interrupted", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "tdpipe":  # the command, not an import
+    signal.signal(signal.SIGINT, _interrupted_while_starting)  # main() puts the normal handler back
+
+import argparse  # noqa: E402
+import json  # noqa: E402
 
 from tdpipe.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
 from tdpipe.entrypoints.results import ResultSink
-from tdpipe.executor.pipeline import PipelineError
 from tdpipe.tokenizer import chat_prompt
 
 
@@ -72,6 +84,7 @@ def _check_generate_paths(a: argparse.Namespace) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from tdpipe import LLM, SamplingParams
+    from tdpipe.executor.pipeline import PipelineError
 
     _check_generate_paths(a)
     recs = _read_prompts(a)
@@ -279,7 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("tdpipe: interrupted", file=sys.stderr)
+        return 130
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C is a KeyboardInterrupt
     try:
         return args.fn(args) or 0
     except PreflightError as e:
@@ -288,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"tdpipe: error: {e}", file=sys.stderr)
         return 2
-    except PipelineError as e:
+    except RuntimeError as e:
+        from tdpipe.executor.pipeline import PipelineError
+
+        if not isinstance(e, PipelineError):
+            raise
         print(f"tdpipe: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -278,6 +278,8 @@ def resolve_model(model: str | None) -> str:
         if check_entry(out, source) is None:
             return str(out)
         return _convert(str(path), out, {"source_path": str(path.resolve())}, source, str(path))
+    if not path.exists():
+        raise ValueError(f"--model {model}: no such file or folder (tdpipe never downloads from a hub)")
     raise ValueError(
         f"cannot resolve model {model!r}: expected nothing (bundled {BUNDLED_MODEL}), a local folder with "
         "config.json, or a local .gguf file (tdpipe never downloads from a hub)"

@@ -116,6 +116,26 @@ def _record(build_dir: Path, name: str) -> None:
         pass  # the next load checks the headers instead
 
 
+def _loaded_before(build_dir: Path, so: Path) -> bool:
+    try:
+        recorded = json.loads((build_dir / MANIFEST).read_text())["size"]
+        return so.exists() and recorded == so.stat().st_size and elf_damage(so) is None
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _import_built(name: str, so: Path) -> ModuleType:
+    """Import a built extension module from its .so (what torch's loader does once the build is done)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {so}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType:
     """torch's JIT build and import, run under our flock; checks and rebuilds a damaged entry first."""
     from torch.utils import cpp_extension
@@ -126,6 +146,16 @@ def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType
         return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=LDFLAGS,
                                   build_directory=str(build_dir), verbose=False)
 
+    so = build_dir / f"{name}.so"
+    if _loaded_before(build_dir, so):
+        # the .so is whole and the size it had when it last loaded fine: import it directly. torch's JIT
+        # path would take its lock file even to find nothing to build, and a kill in that moment left a
+        # lock that forced a rebuild (a minute) on the next start
+        (build_dir / "lock").unlink(missing_ok=True)
+        try:
+            return _import_built(name, so)
+        except (ImportError, OSError):
+            pass  # rebuilt below
     why = entry_damage(build_dir, name)
     if why:
         notice(f"the cached {name} kernel in {build_dir} is damaged ({why}); building it again")

@@ -62,3 +62,13 @@ def save_random_qwen2(d, bundled_path: str):
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{bundled_path}/{f}", d / f)
     return model
+
+
+# tests that load a model or start processes are end-to-end: `-m "not slow and not faults"` skips them
+_MODEL_FIXTURES = {"bundled_path", "llm_fp32", "hf_fp32", "llm_pp2", "qwen2_folder", "smol_folder"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

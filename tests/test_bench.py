@@ -157,6 +157,7 @@ def test_peak_positive():
 
 
 # -- end to end (tiny random model) ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bench_throughput_end_to_end(tmp_path):
     import shutil
 

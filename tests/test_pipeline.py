@@ -159,6 +159,7 @@ def test_td_pipe_phases(pp, pp1_tokens):
         llm.engine.block_manager.check_no_leaks()
 
 
+@pytest.mark.slow
 def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch):
     """Eq. 1-2 run on costs measured through the real stages at start-up; the second start reads the cache."""
     monkeypatch.setattr("tdpipe.core.step_profile.cache_dir", lambda: tmp_path)
@@ -281,6 +282,7 @@ def test_trace_file(llm_pp2, trace_file):
 # --------------------------------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_stage_fails_generate(victim):
     llm = LLM(dtype="float32", kv_cache_memory=256 << 20, pipeline_parallel_size=2)
@@ -477,6 +479,7 @@ def test_torchrun_two_nodes_loopback(tmp_path, pp1_tokens):
 # --------------------------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_cli_layer_partition_wrong_sum(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "tdpipe")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tdpipe.entrypoints.cli"]

@@ -259,3 +259,38 @@ def test_interrupt_recovers_under_every_policy(bundled_path, policy):
             assert not any(llm.engine.scheduler.kv_usage)  # no predicted KV of aborted requests left
         again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_at_pp2_then_next_call_works(bundled_path, monkeypatch):
+    """pp = 2: micro-batches are in flight when the interrupt lands; they are drained and dropped, and the
+    stages' block tables stay in step with the engine's for the next call."""
+    from tdpipe import LLM
+
+    with LLM(dtype="float32", pipeline_parallel_size=2, layer_partition=[15, 15], kv_cache_memory=64 << 20,
+             max_model_len=512) as llm:
+        ref = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        timer = threading.Timer(1.0, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Tell me a story"] * 32, SamplingParams(max_tokens=300, ignore_eos=True), use_tqdm=False)
+        timer.join()
+        llm.engine.block_manager.check_no_leaks()
+        again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
+        # and a KeyboardInterrupt raised inside collect() itself (not deferred to the step boundary)
+        real, calls = llm.engine.executor.collect, [0]
+
+        def boom():
+            calls[0] += 1
+            if calls[0] == 5:
+                raise KeyboardInterrupt
+            return real()
+
+        monkeypatch.setattr(llm.engine.executor, "collect", boom)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Tell me a story"] * 16, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+        monkeypatch.setattr(llm.engine.executor, "collect", real)
+        llm.engine.block_manager.check_no_leaks()
+        again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]

@@ -179,6 +179,7 @@ def test_tokenizer_files_missing_or_damaged(tmp_path, bundled_path):
         load_tokenizer(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_damaged_gguf_names_the_file(tmp_path):
     from tdpipe.model.bundled import bundled_gguf_path
     from tdpipe.model.gguf import convert_gguf_to_hf_folder, gguf_to_hf

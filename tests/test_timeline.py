@@ -147,6 +147,7 @@ def test_plot_many_events_no_kv(tmp_path):
     assert out.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_cli_plot_timeline_subprocess(tmp_path):
     f = tmp_path / "trace.json"
     f.write_text(json.dumps(two_stage()))

@@ -46,6 +46,7 @@ def test_unpermute_inverts_llama_cpp_permute(shape: tuple[int, ...]) -> None:
     assert torch.equal(unpermute_rope_rows(_llama_cpp_permute(w, 3), 3), w)
 
 
+@pytest.mark.slow
 def test_gguf_tensors_match_transformers_loader() -> None:
     """Same numbers as transformers' own GGUF reader (which also un-permutes q/k)."""
     import transformers.modeling_gguf_pytorch_utils as ggp  # transformers is pinned to 5.x in pyproject

@@ -4,21 +4,36 @@ submit() sends a micro-batch's metadata to every stage at once and posts the rec
 collect() waits for the oldest result. Up to pp micro-batches are in flight, so while the engine samples
 one batch's tokens the stages compute the others (SiPipe §5.1).
 
-Launch: by default the engine starts the stages itself (`python -m tdpipe.worker.stage`) on this machine.
-Under torchrun (env:// variables set) rank 0 is the engine and ranks 1..pp are the stages, on any nodes.
-A watchdog thread waits on the stage processes; when one dies the engine fails the run with that stage's
-exit code and kills the rest, so nothing hangs and nothing is left behind.
+Launch: by default the engine starts the stages itself (`python -m tdpipe.worker.stage`) on this machine,
+each in its own process group, so a Ctrl-C in the terminal reaches the engine alone; the stages exit when
+the engine does, however it dies. Under torchrun (env:// variables set) rank 0 is the engine and ranks
+1..pp are the stages, on any nodes.
+
+Nothing hangs and nothing is left behind: a watchdog thread waits on the stage processes; when one dies the
+engine fails the run with that stage's exit code (and the reason the stage wrote into the store, if any)
+and kills the rest. The engine's main thread never blocks in C++: the gloo groups are built in a helper
+thread over a store whose waits poll, and every wait on a message runs in a waiter thread while the main
+thread waits on an Event in short slices, checking the watchdog and taking Ctrl-C (KeyboardInterrupt)
+within a fraction of a second. After a KeyboardInterrupt out of collect(), drain() empties the pipeline so
+the next submit() starts clean.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -26,8 +41,13 @@ from tdpipe.core.batch import StepInput
 from tdpipe.core.block_sync import BlockTableSender
 from tdpipe.executor import messages as m
 from tdpipe.executor.base import Executor, StepResult
-from tdpipe.executor.transport import (Transport, serve_rendezvous, tensor_tag, torchrun_env,
-                                       torchrun_rendezvous)
+from tdpipe.executor.transport import (Rendezvous, Transport, failure_reason, serve_rendezvous, tensor_tag,
+                                       torchrun_env, torchrun_rendezvous)
+
+_SLICE = 0.1  # seconds: how often a waiting main thread looks at the watchdog's verdict
+_STOP_GRACE = 5.0  # seconds the stages get to leave on STOP before they are killed
+_JOIN = 5.0  # seconds to wait for a helper thread to leave gloo once the stages are gone
+_live: weakref.WeakSet[PipelineExecutor] = weakref.WeakSet()
 
 
 class PipelineError(RuntimeError):
@@ -41,13 +61,93 @@ class StageSpec:
     threads: int
 
 
+class _Pending:
+    """Works the waiter thread waits on, in order; `done` is set when all finished (or one failed)."""
+
+    __slots__ = ("works", "keep", "done", "error")
+
+    def __init__(self, works: list, keep: object) -> None:
+        self.works = works
+        self.keep = keep  # the tensors the works read or write stay alive until they finish
+        self.done = threading.Event()
+        self.error: str | None = None
+
+
+class _Waiter:
+    """Waits on gloo works in a helper thread, one after another in submission order. The engine's main
+    thread then blocks on a threading.Event, which wakes for Ctrl-C and can be given up on, instead of in a
+    gloo wait, which ignores signals, closes the connection if given a timeout, and is the only way a gloo
+    send or receive ever reports completion (is_completed() stays False until someone waits)."""
+
+    def __init__(self, wait) -> None:
+        self._wait = wait
+        self._q: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._ended = threading.Event()  # not Thread.join, see PipelineExecutor._connect
+        threading.Thread(target=self._run, name="tdpipe-waiter", daemon=True).start()
+
+    def add(self, works: list, keep: object = None) -> _Pending:
+        p = _Pending(works, keep)
+        self._q.put(p)
+        return p
+
+    def stop(self, timeout: float) -> None:
+        """Let the thread finish what is queued (fast once the stages are gone: their connections are
+        closed) and end; no thread of ours may still be inside gloo when the interpreter exits."""
+        self._q.put(None)
+        self._ended.wait(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                p = self._q.get()
+                if p is None:
+                    return
+                for w in p.works:
+                    try:
+                        self._wait(w)
+                    except Exception as e:  # noqa: BLE001 - reported to whoever waits on p
+                        p.error = p.error or str(e)
+                p.keep = None
+                p.done.set()
+        finally:
+            self._ended.set()
+
+
 @dataclass
 class _InFlight:
     step: StepInput
-    work: object
+    pending: _Pending  # the result's receive
     buf: torch.Tensor
     greedy: bool
     submitted: float
+
+
+@contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C that lands in the body until its end, where the previous handler gets it (a second
+    one raises at once). For sections that leave the stages and the engine disagreeing if cut midway.
+    A no-op off the main thread or when SIGINT is not handled in Python."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(signal.SIGINT)
+    if not callable(old):
+        yield
+        return
+    hits: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        hits.append(signum)
+        if len(hits) > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if hits:
+        old(signal.SIGINT, None)
 
 
 class PipelineExecutor(Executor):
@@ -58,35 +158,87 @@ class PipelineExecutor(Executor):
         self.vocab = model_config.vocab_size
         self.dtype = dtype
         self.procs: list[subprocess.Popen] = []
+        self.stage_pids: list[int] = []
         self._failure: str | None = None
         self._closing = False
         self._dead = False
+        self._start_abandoned = False
+        self._rv: Rendezvous | None = None
+        self.t: Transport | None = None
+        self._waiter: _Waiter | None = None
+        self._watchdog: threading.Thread | None = None
+        self._connecting: threading.Event | None = None  # set when the group-building thread is done
         self.sender = BlockTableSender()
         self._inflight: deque[_InFlight] = deque()
-        self._pending_sends: deque = deque()
+        _live.add(self)
+        try:
+            self._start(model_config, model_path, dtype, num_blocks, block_size, max_num_batched_tokens,
+                        device)
+        except BaseException:
+            # Ctrl-C, a stage that failed, anything: no stage outlives a constructor that did not return
+            self._start_abandoned = True
+            self._dead = True
+            self.shutdown()
+            raise
+
+    def _start(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
+               max_num_batched_tokens: int, device: str) -> None:
         world = self.num_stages + 1
         if torchrun_env():
             rv = torchrun_rendezvous()
             if rv.world_size != world:
                 raise ValueError(f"torchrun started {rv.world_size} processes; pipeline_parallel_size "
                                  f"{self.num_stages} needs {world} (the engine plus one per stage)")
+            self._rv = rv
             self.launcher = "torchrun"
         else:
             rv, port = serve_rendezvous(world)
+            self._rv = rv
             self.launcher = "spawn"
             self._spawn(port, world)
-        self.t = Transport(rv)
+        self.t = self._connect(rv)
+        self._waiter = _Waiter(self.t.wait)
         dname = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        for k, s in enumerate(stages):
+        for k, s in enumerate(self.stages):
             init = m.StageInit(k, self.num_stages, s.start_layer, s.end_layer, model_config, model_path, dname,
                                num_blocks, block_size, s.threads, device, max_num_batched_tokens)
             self._send_all([k], m.INIT, init)
-        self.stage_pids = []
         for k in range(self.num_stages):
             kind, info = self._reply(k)
             if kind != m.READY:
                 self._fail(str(info), reported=True)
             self.stage_pids.append(info["pid"])
+
+    def _connect(self, rv: Rendezvous) -> Transport:
+        """Build the gloo groups in a helper thread while this thread watches for a dead stage and Ctrl-C:
+        a peer that died during the rendezvous would otherwise keep this thread in C++ for minutes."""
+        box: dict[str, object] = {}
+        done = self._connecting = threading.Event()
+
+        def build() -> None:
+            try:
+                box["t"] = Transport(rv, self._check_start)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                box["e"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=build, name="tdpipe-connect", daemon=True).start()
+        # an Event, not Thread.join: a join cut short by Ctrl-C marks the thread finished in Python 3.11
+        # (it releases the thread's own state lock), and a later join would not wait
+        while not done.wait(_SLICE):
+            if self._failure is not None:
+                self._fail()
+        if "e" in box:
+            if self._failure is not None:
+                self._fail()
+            self._fail(f"connecting to the stages failed: {box['e']}")
+        return box["t"]  # type: ignore[return-value]
+
+    def _check_start(self) -> None:
+        """Called between the polls of the group rendezvous: give up once the start is abandoned."""
+        if self._start_abandoned or self._failure is not None:
+            raise RuntimeError("the pipeline's start-up was abandoned")
 
     # -- processes ---------------------------------------------------------------------------------------
     def _spawn(self, port: int, world: int) -> None:
@@ -94,7 +246,8 @@ class PipelineExecutor(Executor):
             env = dict(os.environ, OMP_NUM_THREADS=str(s.threads))
             cmd = [sys.executable, "-m", "tdpipe.worker.stage", "--master", f"127.0.0.1:{port}",
                    "--rank", str(k + 1), "--world-size", str(world), "--parent", str(os.getpid())]
-            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            # own process group: the terminal's Ctrl-C goes to the engine only, which stops the stages
+            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0))
         self._watchdog = threading.Thread(target=self._watch, name="tdpipe-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -123,8 +276,10 @@ class PipelineExecutor(Executor):
                 if dead and not self._closing:
                     k, rc = dead[0]
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                    self._failure = (f"pipeline stage {k} (pid {self.procs[k].pid}) {how}; "
-                                     "the run is aborted and the other stages stopped")
+                    why = failure_reason(self._rv.store, k + 1) if self._rv is not None else None
+                    self._failure = (f"pipeline stage {k} (pid {self.procs[k].pid}) {how}"
+                                     + (f" ({why})" if why else "")
+                                     + "; the run is aborted and the other stages stopped")
                     self._kill_all()
                     return
         finally:
@@ -141,35 +296,72 @@ class PipelineExecutor(Executor):
             except subprocess.TimeoutExpired:
                 pass
 
-    def _fail(self, why: str | None = None, reported: bool = False) -> None:
+    def _reported(self) -> str | None:
+        """The first failure a stage wrote into the store (torchrun: the engine cannot see exit codes)."""
+        if self._rv is None:
+            return None
+        for k in range(self.num_stages):
+            why = failure_reason(self._rv.store, k + 1)
+            if why:
+                return why
+        return None
+
+    def _fail(self, why: str | None = None, reported: bool = False) -> NoReturn:
         """Turn a broken pipe, closed connection or dead stage into one clear error, after cleaning up.
         `reported`: `why` is the stage's own account (it failed to start), better than an exit code."""
-        if self.procs and self._failure is None and not reported:
+        if self._watchdog is not None and self._failure is None and not reported:
             self._watchdog.join(timeout=3)  # the watchdog names the stage that died
-        msg = why if reported else self._failure or why or (
-            "the pipeline broke (a stage on another node died or is unreachable)")
+        if reported:
+            msg = why
+        elif self._failure is not None:
+            msg = self._failure
+        else:
+            stage_says = self._reported()
+            msg = (f"the pipeline broke: {stage_says}" if stage_says else why
+                   or "the pipeline broke (a stage on another node died or is unreachable)")
         self._dead = True
         self.shutdown()
         raise PipelineError(msg)
 
+    def _abandon(self) -> None:
+        """Interrupted where the pipeline cannot be brought back (Ctrl-C while draining it, or in the middle
+        of sending a step): stop the stages; every later call raises "the pipeline was shut down"."""
+        self._dead = True
+        self.shutdown()
+
     # -- messaging ---------------------------------------------------------------------------------------
-    def _send_all(self, stages: list[int], kind: int, obj: object, packed=None) -> None:
-        packed = packed or self.t.pack(kind, obj)
+    def _send_all(self, stages: list[int], kind: int, obj: object) -> list[_Pending]:
+        packed = self.t.pack(kind, obj)
+        out = []
         try:
             for k in stages:
-                works = self.t.isend_packed(self.t.ctrl, packed, k + 1)
-                self._pending_sends.append((works, packed))
+                out.append(self._waiter.add(self.t.isend_packed(self.t.ctrl, packed, k + 1), keep=packed))
         except RuntimeError as e:
             self._fail(f"sending to the stages failed: {e}")
-        while self._pending_sends and all(w.is_completed() for w in self._pending_sends[0][0]):
-            self._pending_sends.popleft()
+        return out
+
+    def _await(self, p: _Pending, what: str) -> None:
+        """Wait for the waiter thread to finish `p`, in slices: a dead stage or Ctrl-C ends the wait."""
+        while not p.done.wait(_SLICE):
+            if self._failure is not None:
+                self._fail()
+            if self._dead:
+                raise PipelineError("the pipeline was shut down")
+        if p.error is not None:
+            self._fail(f"{what}: {p.error}")
 
     def _reply(self, k: int) -> tuple[int, object]:
+        what = f"stage {k} stopped answering"
+
+        def wait(work) -> None:
+            self._await(self._waiter.add([work]), what)
+
         try:
-            return self.t.recv_obj(self.t.reply, k + 1)
+            return self.t.recv_obj(self.t.reply, k + 1, wait=wait)
+        except PipelineError:
+            raise
         except RuntimeError as e:
-            self._fail(f"stage {k} stopped answering: {e}")
-            raise  # unreachable
+            self._fail(f"{what}: {e}")
 
     def release(self, seq_ids: list[int]) -> None:
         self.sender.release(seq_ids)
@@ -179,27 +371,40 @@ class PipelineExecutor(Executor):
         if self._dead:
             raise PipelineError(self._failure or "the pipeline was shut down")
         greedy = bool(step.greedy_rows) and all(step.greedy_rows)
-        deltas = self.sender.deltas(step.seq_ids, step.kv_epochs, step.block_tables)
-        msg = m.StepMessage(step.batch_id, step.token_ids, step.query_lens, step.seq_lens, step.seq_ids,
-                            deltas, self.sender.take_freed(), step.is_prefill, greedy, step.shape(), time.time())
         n = len(step.query_lens)
         buf = torch.empty(n, dtype=torch.int64) if greedy else torch.empty(n, self.vocab, dtype=self.dtype)
-        try:
-            work = self.t.irecv(buf, self.num_stages, tensor_tag(step.batch_id))  # last stage's rank = pp
-        except RuntimeError as e:
-            self._fail(f"posting the result receive failed: {e}")
-        self._inflight.append(_InFlight(step, work, buf, greedy, time.time()))
-        self._send_all([0], m.STEP, msg)  # the first stage needs the token ids
-        if self.num_stages > 1:
-            msg.token_ids = []
-            self._send_all(list(range(1, self.num_stages)), m.STEP, msg)
+        # from the deltas on, all or nothing: the sender's record of what the stages hold, the posted
+        # receive and the messages must agree
+        with _sigint_deferred():
+            try:
+                deltas = self.sender.deltas(step.seq_ids, step.kv_epochs, step.block_tables)
+                msg = m.StepMessage(step.batch_id, step.token_ids, step.query_lens, step.seq_lens,
+                                    step.seq_ids, deltas, self.sender.take_freed(), step.is_prefill, greedy,
+                                    step.shape(), time.time())
+                try:  # the last stage's rank is pp
+                    work = self.t.irecv(buf, self.num_stages, tensor_tag(step.batch_id))
+                except RuntimeError as e:
+                    self._fail(f"posting the result receive failed: {e}")
+                self._inflight.append(_InFlight(step, self._waiter.add([work], keep=buf), buf, greedy,
+                                                time.time()))
+                self._send_all([0], m.STEP, msg)  # the first stage needs the token ids
+                if self.num_stages > 1:
+                    msg.token_ids = []
+                    self._send_all(list(range(1, self.num_stages)), m.STEP, msg)
+            except PipelineError:
+                raise
+            except BaseException:
+                self._abandon()
+                raise
 
     def collect(self) -> StepResult:
-        f = self._inflight.popleft()
-        try:
-            f.work.wait()
-        except RuntimeError as e:
-            self._fail(f"waiting for the last stage failed: {e}")
+        """The oldest micro-batch's result. A KeyboardInterrupt while waiting leaves it in flight (see
+        drain()); a dead stage raises PipelineError."""
+        if self._dead:
+            raise PipelineError(self._failure or "the pipeline was shut down")
+        f = self._inflight[0]
+        self._await(f.pending, "waiting for the last stage failed")
+        self._inflight.popleft()
         done = time.time()
         res = StepResult(f.step.batch_id, timings={"submit": f.submitted, "done": done})
         if f.greedy:
@@ -208,37 +413,91 @@ class PipelineExecutor(Executor):
             res.logits = f.buf.float() if f.buf.dtype != torch.float32 else f.buf
         return res
 
+    def drain(self) -> int:
+        """Wait for every micro-batch still in flight and discard its result, so the pipeline is empty and
+        the next submit() starts clean; returns how many were dropped. For the engine after an exception
+        (a KeyboardInterrupt, say) escaped between submit() and collect(): the stages finish those batches
+        and keep their KV (the engine frees those blocks itself), and the block tables stay in sync, since
+        every delta sent was applied; finished sequences still go through release(). The engine must forget
+        its own record of those batches too. A KeyboardInterrupt during the drain gives up: the stages are
+        stopped and every later call raises PipelineError("the pipeline was shut down")."""
+        if self._dead:
+            self._inflight.clear()
+            raise PipelineError(self._failure or "the pipeline was shut down")
+        dropped = 0
+        try:
+            while self._inflight:
+                self._await(self._inflight[0].pending, "waiting for the last stage failed")
+                self._inflight.popleft()
+                dropped += 1
+        except KeyboardInterrupt:
+            self._inflight.clear()
+            self._abandon()
+            raise
+        except PipelineError:
+            self._inflight.clear()
+            raise
+        return dropped
+
     def trace_events(self) -> list[list[dict]]:
         """Collect every stage's trace events since the last call (absolute time.time() stamps)."""
         if self._dead:
             return [[] for _ in self.stages]
-        self._send_all(list(range(self.num_stages)), m.TRACE, None)
         out = []
-        for k in range(self.num_stages):
-            kind, events = self._reply(k)
-            out.append(events if kind == m.TRACE_DATA else [])
+        with _sigint_deferred():  # a reply left half-received would answer the next call
+            try:
+                self._send_all(list(range(self.num_stages)), m.TRACE, None)
+                for k in range(self.num_stages):
+                    kind, events = self._reply(k)
+                    out.append(events if kind == m.TRACE_DATA else [])
+            except PipelineError:
+                raise
+            except BaseException:
+                self._abandon()
+                raise
         return out
 
     def shutdown(self) -> None:
+        """STOP the stages (they finish what is in flight first) and wait for them; kill what is left after
+        a few seconds, or at once if the pipeline is dead. Idempotent."""
         if self._closing:
             return
         self._closing = True
-        if not self._dead:
-            try:
-                self._send_all(list(range(self.num_stages)), m.STOP, None)
-                for works, _ in self._pending_sends:
-                    for w in works:
-                        w.wait()
-            except Exception:  # noqa: BLE001 - shutting down anyway
-                pass
-        deadline = time.time() + 5
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        self._kill_all()
-        self._dead = True
+        try:
+            if not self._dead and self.t is not None and self._waiter is not None:
+                try:
+                    pending = self._send_all(list(range(self.num_stages)), m.STOP, None)
+                    deadline = time.monotonic() + _STOP_GRACE
+                    for p in pending:
+                        p.done.wait(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    pass
+                deadline = time.monotonic() + _STOP_GRACE
+                for p in self.procs:
+                    try:
+                        p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        pass
+        finally:
+            self._dead = True
+            self._kill_all()
+            # a helper thread left inside gloo's C++ at interpreter exit aborts the process ("terminate
+            # called without an active exception"): with the stages gone both leave within moments
+            if self._waiter is not None:
+                self._waiter.stop(_JOIN)
+            if self._connecting is not None:
+                self._connecting.wait(_JOIN)
+
+
+@atexit.register
+def _shutdown_live() -> None:
+    """At interpreter exit, stop the pipelines nobody shut down: the stages get their STOP (and finish what
+    is in flight) instead of noticing a dead engine, and no helper thread is left inside gloo."""
+    for ex in list(_live):
+        try:
+            ex.shutdown()
+        except BaseException:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def run_stage_if_worker(pipeline_parallel_size: int) -> None:
@@ -250,6 +509,8 @@ def run_stage_if_worker(pipeline_parallel_size: int) -> None:
 
     try:
         stage.serve(torchrun_rendezvous())
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank under torchrun: the engine reports it
+        os._exit(130)
     except BaseException:  # noqa: BLE001
         stage._fatal(f"stage rank {os.environ['RANK']}")
     os._exit(0)

@@ -7,18 +7,36 @@ Three process groups over one store, so no pair of peers ever shares a channel b
         from the metadata it already holds, so a tensor travels alone with no size handshake
         (gLLM §3.3, SiPipe §5.3). gloo, CPU tensors (CUDA stages with NCCL are not built yet).
 Groups are built directly (not the global default group), so several engines can live in one process.
+
+Nothing listens beyond the loopback when the engine spawns its stages: the rendezvous store is bound to
+127.0.0.1 (torch's TCPStore server otherwise binds every interface) and the gloo groups use a loopback
+device (gloo otherwise binds the address the machine's hostname resolves to). Under torchrun the store is
+torchrun's own (see torchrun_rendezvous) and gloo uses the loopback only when MASTER_ADDR is a loopback
+address and GLOO_SOCKET_IFNAME is unset.
+
+Timeouts: a gloo group's timeout bounds its construction only (START_TIMEOUT); every wait on a message
+passes FOREVER, because a stage waits for the engine's next step for as long as the engine is idle. The
+group rendezvous goes through _PollingStore, whose waits run in short slices in Python and ask an abort
+callback between them, so a process never sits in C++ for minutes on a peer that died.
 """
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import pickle
+import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-CTRL_TIMEOUT = datetime.timedelta(minutes=30)
+START_TIMEOUT = datetime.timedelta(minutes=10)  # building the groups (torchrun ranks may start far apart)
+FOREVER = datetime.timedelta(days=365)  # any wait on a message: idle is not an error
+STORE_TIMEOUT = datetime.timedelta(seconds=120)
+_POLL = (0.001, 0.05)  # seconds between store checks while building the groups: first, most
 
 
 @dataclass
@@ -26,18 +44,44 @@ class Rendezvous:
     rank: int
     world_size: int
     store: dist.Store
+    loopback: bool = False  # every rank is on this machine: gloo listens on 127.0.0.1 only
+
+
+def _listen(host: str, port: int) -> int:
+    """A listening TCP socket bound to `host` only, for TCPStore(master_listen_fd=...)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(128)
+        return s.detach()
+    except BaseException:
+        s.close()
+        raise
 
 
 def serve_rendezvous(world_size: int, host: str = "127.0.0.1") -> tuple[Rendezvous, int]:
-    """Engine side, single machine: a TCPStore on a free port; returns it and the port for the workers."""
-    store = dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=120),
-                          wait_for_workers=False)
-    return Rendezvous(0, world_size, store), store.port
+    """Engine side, single machine: a TCPStore on a free port of `host` only (TCPStore's own server binds
+    every interface); returns it and the port for the workers. The fd is adopted by the store."""
+    fd = _listen(host, 0)
+    port = _port_of(fd)
+    store = dist.TCPStore(host, port, world_size, True, timeout=STORE_TIMEOUT, wait_for_workers=False,
+                          master_listen_fd=fd)
+    return Rendezvous(0, world_size, store, loopback=_is_loopback(host)), port
+
+
+def _port_of(fd: int) -> int:
+    s = socket.socket(fileno=os.dup(fd))
+    try:
+        return s.getsockname()[1]
+    finally:
+        s.close()
 
 
 def join_rendezvous(host: str, port: int, rank: int, world_size: int) -> Rendezvous:
-    store = dist.TCPStore(host, port, world_size, False, timeout=datetime.timedelta(seconds=120))
-    return Rendezvous(rank, world_size, store)
+    store = dist.TCPStore(host, port, world_size, False, timeout=STORE_TIMEOUT)
+    return Rendezvous(rank, world_size, store, loopback=_is_loopback(host))
 
 
 def torchrun_env() -> bool:
@@ -46,21 +90,144 @@ def torchrun_env() -> bool:
 
 
 def torchrun_rendezvous() -> Rendezvous:
-    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=300)))
-    return Rendezvous(rank, world, store)
+    """The store of a multi-process launch. Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) it is the
+    store torchrun's agent on node 0 already serves at MASTER_ADDR:MASTER_PORT; that server binds every
+    interface and is not ours to change, so every rank connects to it as a client (dist.rendezvous).
+    Without torchrun's agent (the env:// variables set by hand) rank 0 serves the store itself, bound to
+    MASTER_ADDR's address only instead of every interface."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    loopback = _is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=300)))
+        return Rendezvous(rank, world, store, loopback)
+    timeout = datetime.timedelta(seconds=300)
+    if rank == 0:
+        addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+        store = dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=_listen(addr, port), multi_tenant=True)
+    else:
+        store = dist.TCPStore(host, port, world, False, timeout=timeout)
+    return Rendezvous(rank, world, store, loopback)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback
+                   for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        return False
+
+
+# -- failure reports ---------------------------------------------------------------------------------------
+# A stage that fails writes one line into the store before it exits, so the engine can say why (not only
+# "exited with code 1"), and the stage need not print a traceback next to the engine's error.
+
+def _failure_key(rank: int) -> str:
+    return f"tdpipe/failed/{rank}"
+
+
+def report_failure(store: dist.Store, rank: int, reason: str) -> bool:
+    """Stage side, best effort. The check() round trip makes sure the server holds the key before the
+    stage exits (a set is not acknowledged, and the engine reads on another connection)."""
+    try:
+        store.set(_failure_key(rank), reason.encode())
+        store.check([_failure_key(rank)])
+        return True
+    except Exception:  # noqa: BLE001 - the engine (and its store) may be gone already
+        return False
+
+
+def failure_reason(store: dist.Store, rank: int) -> str | None:
+    """Engine side: what stage rank `rank` reported before it failed, if anything."""
+    try:
+        if store.check([_failure_key(rank)]):
+            return store.get(_failure_key(rank)).decode(errors="replace")
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+class _PollingStore(dist.Store):
+    """The store the gloo groups rendezvous through. A TCPStore wait blocks in C++ until its timeout and
+    ignores Ctrl-C; these waits poll check() in short slices and call `abort` between them, which raises to
+    give up (the engine's watchdog found a dead stage, or Ctrl-C: Python signal handlers run here)."""
+
+    def __init__(self, inner: dist.Store, abort: Callable[[], None] | None,
+                 timeout: datetime.timedelta) -> None:
+        super().__init__()
+        self.inner = inner
+        self.abort = abort
+        self.limit = timeout.total_seconds()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = timeout.total_seconds() if timeout else self.limit
+        deadline = time.monotonic() + limit
+        pause = _POLL[0]
+        while not self.inner.check(keys):
+            if self.abort is not None:
+                self.abort()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {limit:.0f} s waiting for the pipeline's other "
+                                   f"processes to connect (store keys {keys})")
+            time.sleep(pause)
+            pause = min(_POLL[1], pause * 2)  # a peer still starting (torchrun) is not polled 1000 times/s
+
+
+class PeerLost(RuntimeError):
+    """A gloo send or receive failed: the process at the other end died or the connection broke. Never the
+    root cause of a failure, so a stage that sees it lets the engine name the process that went first."""
+
+
+def _gloo(fn):
+    """Turn gloo's RuntimeErrors into PeerLost (posting a send or receive on a closed pair raises too)."""
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PeerLost:
+            raise
+        except RuntimeError as e:
+            raise PeerLost(str(e)) from e
+    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
+    return call
 
 
 class Transport:
-    def __init__(self, rv: Rendezvous) -> None:
+    def __init__(self, rv: Rendezvous, abort: Callable[[], None] | None = None) -> None:
+        """Build the three groups. `abort` is called while waiting for the peers and may raise to give up."""
         self.rank, self.world_size = rv.rank, rv.world_size
-        store = dist.PrefixStore("tdpipe", rv.store)
         self._store = rv.store  # keep the TCPStore (and its server on rank 0) alive
-        self.ctrl = self._gloo(dist.PrefixStore("ctrl", store))
-        self.reply = self._gloo(dist.PrefixStore("reply", store))
-        self.data = self._gloo(dist.PrefixStore("data", store))
+        store = _PollingStore(dist.PrefixStore("tdpipe", rv.store), abort, START_TIMEOUT)
+        self._polling = store  # referenced from C++ only through the PrefixStores: keep the Python object
+        if rv.loopback:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = START_TIMEOUT
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        else:
+            opts = START_TIMEOUT  # torch's default device: GLOO_SOCKET_IFNAME, else the hostname's address
+        self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), self.rank, self.world_size, opts)
+        self.reply = dist.ProcessGroupGloo(dist.PrefixStore("reply", store), self.rank, self.world_size, opts)
+        self.data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), self.rank, self.world_size, opts)
 
-    def _gloo(self, store: dist.Store) -> dist.ProcessGroupGloo:
-        return dist.ProcessGroupGloo(store, self.rank, self.world_size, CTRL_TIMEOUT)
+    @staticmethod
+    @_gloo
+    def wait(work) -> None:
+        """Wait for a send or receive with no time limit. Never pass a short timeout to a gloo wait: a timed
+        out wait closes the connection to that peer, and is_completed() stays False until someone waits."""
+        work.wait(FOREVER)
 
     # -- objects (metadata) -----------------------------------------------------------------------------
     # One message per object: [kind, nbytes] then the pickle, received into a fixed-size buffer (gloo
@@ -76,27 +243,33 @@ class Transport:
             return [torch.cat([head, torch.frombuffer(bytearray(data), dtype=torch.uint8)])]
         return [head, torch.frombuffer(bytearray(data), dtype=torch.uint8)]
 
+    @_gloo
     def isend_packed(self, group: dist.ProcessGroup, packed: list[torch.Tensor], dst: int) -> list:
         return [group.send([t], dst, i) for i, t in enumerate(packed)]
 
-    def recv_obj(self, group: dist.ProcessGroup, src: int) -> tuple[int, object]:
+    def recv_obj(self, group: dist.ProcessGroup, src: int,
+                 wait: Callable[[object], None] | None = None) -> tuple[int, object]:
+        """`wait`: how to wait on each receive (the engine waits in a helper thread, see pipeline.py)."""
+        wait = wait or self.wait
         slab = torch.empty(self.SLAB, dtype=torch.uint8)
-        group.recv([slab], src, 0).wait()
+        wait(_gloo(group.recv)([slab], src, 0))
         kind, n = slab[:16].view(torch.int64).tolist()
         if n + 16 <= self.SLAB:
             return kind, pickle.loads(slab[16:16 + n].numpy().tobytes())
         payload = torch.empty(n, dtype=torch.uint8)
-        group.recv([payload], src, 1).wait()
+        wait(_gloo(group.recv)([payload], src, 1))
         return kind, pickle.loads(payload.numpy().tobytes())
 
     def send_obj(self, group: dist.ProcessGroup, kind: int, obj: object, dst: int) -> None:
         for w in self.isend_packed(group, self.pack(kind, obj), dst):
-            w.wait()
+            self.wait(w)
 
     # -- tensors (activations, results) -------------------------------------------------------------------
+    @_gloo
     def isend(self, t: torch.Tensor, dst: int, tag: int):
         return self.data.send([t], dst, tag)
 
+    @_gloo
     def irecv(self, t: torch.Tensor, src: int, tag: int):
         return self.data.recv([t], src, tag)
 

@@ -8,28 +8,40 @@ Three threads, so a stage never waits on its own bookkeeping:
   sender  sends hidden states to the next stage, or logits / argmax ids to the engine (SiPipe §5.1).
 Every micro-batch leaves a trace event: compute start/end, time waiting for input, send time, shape.
 
-Run as `python -m tdpipe.worker.stage --master HOST:PORT --rank R --world-size W` (the engine spawns
-these), or by torchrun through tdpipe.executor.pipeline.run_stage_if_worker.
+Run as `python -m tdpipe.worker.stage --master HOST:PORT --rank R --world-size W --parent PID` (the
+engine spawns these), or by torchrun through tdpipe.executor.pipeline.run_stage_if_worker.
+
+A spawned stage belongs to the engine: it runs in its own process group and ignores SIGINT (a Ctrl-C in
+the terminal is the engine's to handle; the engine then stops the stages), and a thread waits on the
+engine's pidfd and exits the moment the engine is gone, however it died. A stage that fails writes one
+line saying why into the rendezvous store, which the engine reports in its PipelineError; the stage prints
+at most that line itself (the traceback too with TDPIPE_DEBUG=1).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import queue
+import select
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
 from tdpipe.core.batch import StepInput
 from tdpipe.core.block_sync import BlockTableMirror
 from tdpipe.executor import messages as m
-from tdpipe.executor.transport import Rendezvous, Transport, join_rendezvous, tensor_tag
+from tdpipe.executor.transport import (PeerLost, Rendezvous, Transport, join_rendezvous, report_failure,
+                                       tensor_tag)
 
 ENGINE = 0
+_failure_store: Rendezvous | None = None  # where _fatal reports (set once the store is joined)
+_parent: int | None = None  # the engine's pid, for a stage the engine spawned
 
 
 class StageWorker:
@@ -94,7 +106,7 @@ class StageWorker:
                     return
                 tensor, dst, tag, event = item
                 t0 = time.time()
-                self.t.isend(tensor, dst, tag).wait()
+                self.t.wait(self.t.isend(tensor, dst, tag))
                 event["send"] = time.time() - t0
                 self.outbox.task_done()
         except BaseException:  # noqa: BLE001
@@ -121,7 +133,7 @@ class StageWorker:
                 continue
             msg, inp, buf, work, t_meta, t_prepared = payload
             if work is not None:
-                work.wait()
+                self.t.wait(work)
             start = time.time()
             out = self.runner.execute(inp, buf)
             if buf is not None:
@@ -144,53 +156,114 @@ class StageWorker:
         return logits.contiguous().cpu()
 
 
-def _fatal(where: str) -> None:
+def _debug() -> bool:
+    return os.environ.get("TDPIPE_DEBUG", "") not in ("", "0")
+
+
+def _engine_gone() -> bool:
+    return _parent is not None and os.getppid() != _parent
+
+
+def _fatal(where: str, reason: str | None = None) -> None:
     """A stage that fails exits at once: the engine sees the exit (or the closed connection) and fails the
     run within seconds, rather than waiting on a stage that will never answer."""
-    print(f"tdpipe: {where} failed:", file=sys.stderr)
-    traceback.print_exc()
-    sys.stderr.flush()
+    _tell(where, reason)
     os._exit(1)
 
 
-def serve(rv: Rendezvous, device: str = "cpu") -> None:
-    """Join the pipeline as a stage: receive StageInit, build, acknowledge, run until STOP."""
+def _tell(where: str, reason: str | None = None) -> None:
+    """Say why this stage fails, once. The reason goes into the store for the engine's error message; this
+    process prints it (one line) only where the engine may not show it: under torchrun, or if the store
+    could not take it; the traceback too with TDPIPE_DEBUG=1. A stage whose engine is gone says nothing
+    (its errors are only the engine's connections closing)."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, PeerLost) and _parent is not None and not _debug():
+        # another process died: the engine's watchdog stops this stage within moments, or, if it was the
+        # engine, the parent watch ends it; only a stage still here after that has something to say
+        time.sleep(1.0)
+    if reason is None:
+        reason = f"{where} failed: {type(exc).__name__}: {exc}" if exc is not None else f"{where} failed"
+    reason = " ".join(reason.split())
+    if _engine_gone():
+        return
+    rv = _failure_store
+    reported = rv is not None and report_failure(rv.store, rv.rank, reason)
+    if _debug():
+        print(f"tdpipe: {reason}", file=sys.stderr)
+        traceback.print_exc()
+    elif not reported or _parent is None:
+        print(f"tdpipe: {reason}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def serve(rv: Rendezvous, device: str = "cpu", abort: Callable[[], None] | None = None) -> None:
+    """Join the pipeline as a stage: receive StageInit, build, acknowledge, run until STOP.
+    `abort`: called while the groups are being built, may raise to give up."""
+    global _failure_store
     from tdpipe.malloc import pin_mmap_threshold
 
+    _failure_store = rv
     pin_mmap_threshold()  # activations of varying size every step (see tdpipe/malloc.py)
-    t = Transport(rv)
+    t = Transport(rv, abort)
     kind, init = t.recv_obj(t.ctrl, ENGINE)
     if kind != m.INIT:
         raise RuntimeError(f"stage rank {rv.rank}: expected INIT from the engine, got message kind {kind}")
     try:
         worker = StageWorker(t, init)
-    except BaseException as e:
-        t.send_obj(t.reply, m.FAILED, f"stage {init.stage} failed to start: {e!r}", ENGINE)
-        raise
+    except Exception as e:  # noqa: BLE001 - one clear line to the engine, no traceback here
+        reason = f"stage {init.stage} failed to start: {e!r}"
+        _tell(f"stage {init.stage} (start-up)", reason)  # first: the engine stops this process on FAILED
+        try:  # the engine may be waiting on another stage's reply first: the store carries the reason too
+            for w in t.isend_packed(t.reply, t.pack(m.FAILED, reason), ENGINE):
+                w.wait(datetime.timedelta(seconds=2))
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)
     t.send_obj(t.reply, m.READY, {"pid": os.getpid(), "stage": init.stage}, ENGINE)
-    worker.run()
-
-
-def _die_with_parent() -> None:
-    """A spawned stage must not outlive the engine (no orphans), even if the engine is SIGKILLed."""
     try:
-        import ctypes
+        worker.run()
+    except Exception:  # noqa: BLE001
+        _fatal(f"stage {init.stage} (compute)")
 
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+def _watch_parent(parent: int) -> None:
+    """A spawned stage must not outlive the engine (no orphans), however the engine dies (SIGKILL
+    included). A thread blocks on the engine's pidfd (polls getppid() where pidfds are missing) and exits
+    the process when it fires. Not PR_SET_PDEATHSIG: that fires when the *thread* that spawned the stage
+    exits, which kills the stages of an engine built in a short-lived thread."""
+    def watch() -> None:
+        fd = None
+        try:
+            fd = os.pidfd_open(parent)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # after pidfd_open: the fd, if any, is the engine's
+            os._exit(1)
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while os.getppid() == parent:
+                time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tdpipe-parent", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _parent
     p = argparse.ArgumentParser(description="tdpipe pipeline stage worker (started by the engine)")
     p.add_argument("--master", required=True, help="HOST:PORT of the engine's rendezvous store")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--parent", type=int, default=None, help="engine pid: exit if it is gone")
+    p.add_argument("--parent", type=int, default=None, help="engine pid: exit when it is gone")
     a = p.parse_args(argv)
-    _die_with_parent()
-    if a.parent is not None and os.getppid() != a.parent:
-        return 1  # the engine died before we set PDEATHSIG
+    # Ctrl-C is the engine's to handle; a write to the terminal from this background process group must
+    # not stop the stage (`stty tostop`)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    if a.parent is not None:
+        _parent = a.parent
+        _watch_parent(a.parent)
     host, port = a.master.rsplit(":", 1)
     try:
         serve(join_rendezvous(host, int(port), a.rank, a.world_size))

@@ -80,8 +80,9 @@ def trace_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm_pp2(trace_file):
     with LLM(dtype="float32", kv_cache_memory=64 << 20, pipeline_parallel_size=2, trace=trace_file) as llm:
+        procs = llm.engine.executor.procs  # shutdown() drops the executor
         yield llm
-    assert_all_exited(llm.engine.executor.procs)
+    assert_all_exited(procs)
 
 
 # --------------------------------------------------------------------------------------------- parity
@@ -384,7 +385,7 @@ time.sleep(600)
 
 
 def test_killed_engine_takes_its_stages_along(qwen2_folder, tmp_path):
-    """No orphans even when the engine itself is SIGKILLed (PR_SET_PDEATHSIG on the spawned stages)."""
+    """No orphans even when the engine itself is SIGKILLed (each stage watches the engine's pidfd)."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
     eng = subprocess.Popen([sys.executable, str(script), qwen2_folder[0]], stdout=subprocess.PIPE, text=True)

@@ -31,7 +31,7 @@ class Executor:
         """The oldest submitted micro-batch's result (blocking)."""
         raise NotImplementedError
 
-    def drain(self) -> None:
+    def drain(self) -> int | None:
         """Wait for every submitted micro-batch and drop its result, leaving nothing in flight: how the
         engine recovers from an exception (a KeyboardInterrupt) between submit() and collect()."""
         raise NotImplementedError

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from procs import alive, stage_pids_of
 
 pytestmark = pytest.mark.faults
 
@@ -29,23 +30,6 @@ def _cmd(out, inp, pp: int, resume: bool = False, seeded: bool = False) -> list[
     if pp > 1:
         cmd += ["--pp", str(pp), "--layer-partition", "15,15"]
     return cmd + (["--resume"] if resume else [])
-
-
-def _stages_of(pid: int) -> list[int]:
-    """Stage workers started by engine `pid` (their command line names it with --parent)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"tdpipe.worker.stage" in args and b"--parent" in args and \
-                args[args.index(b"--parent") + 1] == str(pid).encode():
-            found.append(int(d))
-    return found
 
 
 def _records(out) -> list[dict]:
@@ -90,14 +74,14 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
     try:
         if when == "startup":
             if victim == "stage":
-                assert _wait_for(lambda: len(_stages_of(p.pid)) == pp, 60), "stages never started"
+                assert _wait_for(lambda: len(stage_pids_of(p.pid)) == pp, 60), "stages never started"
             time.sleep(rng.uniform(0.2, 2.0))  # after the interpreter starts (its own first ms are not ours)
         else:
             k = rng.randint(1, 6)
             assert _wait_for(lambda: len(_records(out)) >= k or p.poll() is not None, 240), f"seed {seed}"
         if p.poll() is not None:
             pytest.fail(f"the run ended before the fault (rc {p.returncode}), seed {seed}: {p.stderr.read()}")
-        stages = _stages_of(p.pid)
+        stages = stage_pids_of(p.pid)
         if victim == "engine":
             os.killpg(p.pid, sig) if sig == signal.SIGINT else p.send_signal(sig)  # Ctrl-C hits the group
         else:
@@ -108,7 +92,7 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
         except subprocess.TimeoutExpired:
             pytest.fail(f"still running {DEADLINE} s after the fault (seed {seed})")
         took = time.time() - t
-        assert _wait_for(lambda: not any(os.path.exists(f"/proc/{s}") and _alive(s) for s in stages), DEADLINE), \
+        assert _wait_for(lambda: not any(os.path.exists(f"/proc/{s}") and alive(s) for s in stages), DEADLINE), \
             f"stage processes left behind (seed {seed})"
     finally:
         if p.poll() is None:
@@ -123,19 +107,11 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
         assert f"{len(recs)} of {N} prompts answered" in err or when == "startup", err
     elif victim == "stage":
         assert p.returncode == 1, err
-        assert "Traceback" not in err and f"stage" in err and f"{len(recs)} of {N} prompts answered" in err, err
+        assert "Traceback" not in err and "stage" in err and f"{len(recs)} of {N} prompts answered" in err, err
     # --resume finishes exactly the rest
     r = subprocess.run(_cmd(out, prompts, pp, resume=True), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert sorted(x["index"] for x in _records(out)) == list(range(N))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_resumed_answers_equal_an_uninterrupted_run(tmp_path, prompts):

@@ -21,6 +21,7 @@ import time
 
 import pytest
 from conftest import hf_greedy, save_random_qwen2
+from procs import alive, stage_pids_of
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.core.batch import StepInput
@@ -46,31 +47,6 @@ def make_llm(path: str, **kw) -> LLM:
 
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def stage_pids_of(parent: int) -> list[int]:
-    """Live stage worker processes that `parent` spawned (found through /proc)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"tdpipe.worker.stage" in cmd and b"--parent" in cmd:
-            if cmd[cmd.index(b"--parent") + 1] == str(parent).encode() and alive(int(d)):
-                found.append(int(d))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 def wait_gone(pids, within: float) -> list[int]:

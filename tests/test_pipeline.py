@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from conftest import hf_greedy, save_random_qwen2
+from procs import alive, stage_pids_of
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.executor.pipeline import PipelineError
@@ -347,32 +348,15 @@ def test_stage_that_raises_at_startup_fails_cleanly(qwen2_folder, tmp_path):
     for k in dropped:
         del index["weight_map"][k]
     index_path.write_text(json.dumps(index))
-    before = set(_stage_pids_of(os.getpid()))  # stages of other engines this test process holds
+    before = set(stage_pids_of(os.getpid()))  # stages of other engines this test process holds
     t0 = time.time()
     with pytest.raises(PipelineError, match=r"stage 1 failed to start.*missing tensors"):
         LLM(model=str(broken), dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=2,
             layer_partition=[2, 1])
     assert time.time() - t0 < 60
     time.sleep(0.5)
-    left = [pid for pid in set(_stage_pids_of(os.getpid())) - before if _alive(pid)]
+    left = [pid for pid in set(stage_pids_of(os.getpid())) - before if alive(pid)]
     assert not left, f"stage processes left behind: {left}"
-
-
-def _stage_pids_of(parent: int) -> list[int]:
-    """Stage worker processes started by `parent` (found through /proc, no pgrep needed)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"tdpipe.worker.stage" in cmd and b"--parent" in cmd:
-            if cmd[cmd.index(b"--parent") + 1] == str(parent).encode():
-                found.append(int(d))
-    return found
 
 
 ENGINE_SCRIPT = """
@@ -396,22 +380,14 @@ def test_killed_engine_takes_its_stages_along(qwen2_folder, tmp_path):
         eng.kill()
         eng.wait(timeout=10)
         deadline = time.time() + 10
-        alive = pids
-        while alive and time.time() < deadline:
-            alive = [p for p in pids if _alive(p)]
+        left = pids
+        while left and time.time() < deadline:
+            left = [p for p in pids if alive(p)]
             time.sleep(0.1)
-        assert not alive, f"stages {alive} outlived the engine"
+        assert not left, f"stages {left} outlived the engine"
     finally:
         if eng.poll() is None:
             eng.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 # --------------------------------------------------------------------------------------------- torchrun

@@ -13,8 +13,8 @@ from typing import Any
 from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tdpipe.core.engine import LLMEngine
 from tdpipe.entrypoints.conversation import check_conversation
-from tdpipe.entrypoints.interrupt import deferred_sigint
 from tdpipe.executor.pipeline import PipelineError
+from tdpipe.interrupt import deferred_sigint
 from tdpipe.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence

@@ -23,15 +23,12 @@ import atexit
 import os
 import queue
 import select
-import signal
 import subprocess
 import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -41,6 +38,7 @@ from tdpipe.core.batch import StepInput
 from tdpipe.core.block_sync import BlockTableSender
 from tdpipe.executor import messages as m
 from tdpipe.executor.base import Executor, StepResult
+from tdpipe.interrupt import deferred_sigint
 from tdpipe.executor.transport import (Rendezvous, Transport, failure_reason, serve_rendezvous, tensor_tag,
                                        torchrun_env, torchrun_rendezvous)
 
@@ -120,34 +118,6 @@ class _InFlight:
     buf: torch.Tensor
     greedy: bool
     submitted: float
-
-
-@contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold a Ctrl-C that lands in the body until its end, where the previous handler gets it (a second
-    one raises at once). For sections that leave the stages and the engine disagreeing if cut midway.
-    A no-op off the main thread or when SIGINT is not handled in Python."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.getsignal(signal.SIGINT)
-    if not callable(old):
-        yield
-        return
-    hits: list[int] = []
-
-    def note(signum: int, frame: object) -> None:
-        hits.append(signum)
-        if len(hits) > 1:
-            raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, note)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-    if hits:
-        old(signal.SIGINT, None)
 
 
 class PipelineExecutor(Executor):
@@ -375,7 +345,7 @@ class PipelineExecutor(Executor):
         buf = torch.empty(n, dtype=torch.int64) if greedy else torch.empty(n, self.vocab, dtype=self.dtype)
         # from the deltas on, all or nothing: the sender's record of what the stages hold, the posted
         # receive and the messages must agree
-        with _sigint_deferred():
+        with deferred_sigint():
             try:
                 deltas = self.sender.deltas(step.seq_ids, step.kv_epochs, step.block_tables)
                 msg = m.StepMessage(step.batch_id, step.token_ids, step.query_lens, step.seq_lens,
@@ -444,7 +414,7 @@ class PipelineExecutor(Executor):
         if self._dead:
             return [[] for _ in self.stages]
         out = []
-        with _sigint_deferred():  # a reply left half-received would answer the next call
+        with deferred_sigint():  # a reply left half-received would answer the next call
             try:
                 self._send_all(list(range(self.num_stages)), m.TRACE, None)
                 for k in range(self.num_stages):

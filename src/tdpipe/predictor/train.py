@@ -147,8 +147,9 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, errs in result["accumulated_error"].items():
-        xs = sorted(int(k) for k in errs)
-        ax.plot(xs, [100 * errs[k] for k in xs], marker="o", label=name)
+        by_size = {int(k): v for k, v in errs.items()}  # keys are strings once read back from JSON
+        xs = sorted(by_size)
+        ax.plot(xs, [100 * by_size[k] for k in xs], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("requests per group")

@@ -125,3 +125,21 @@ def test_resumed_answers_equal_an_uninterrupted_run(tmp_path, prompts):
     assert r.returncode == 0, r.stderr
     assert "unfinished last line" in r.stderr
     assert {x["index"]: x["text"] for x in _records(cut)} == ref
+
+
+def test_sigint_to_a_stage_alone_is_ignored(tmp_path, prompts):
+    """Stages leave SIGINT to the engine (a terminal's Ctrl-C reaches the engine's process group, which the
+    stages are not in): a SIGINT sent to one stage alone changes nothing, and the run completes."""
+    out = tmp_path / "out.jsonl"
+    p = subprocess.Popen(_cmd(out, prompts, 2), start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: len(_records(out)) >= 1 or p.poll() is not None, 240)
+        for s in stage_pids_of(p.pid):
+            os.kill(s, signal.SIGINT)
+        err = p.communicate(timeout=300)[1]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert sorted(r["index"] for r in _records(out)) == list(range(N))

@@ -25,6 +25,16 @@ def greedy(n: int = 12) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def ctrl_c_during_generate(llm, n: int, max_tokens: int, after: float) -> None:
+    """A SIGINT (what Ctrl-C and Jupyter's interrupt send) `after` seconds into a long generate() call,
+    which must end in KeyboardInterrupt."""
+    timer = threading.Timer(after, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Tell me a story"] * n, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    timer.join()
+
+
 def lines(path) -> list[dict]:
     return [json.loads(x) for x in open(path).read().splitlines()]
 
@@ -146,11 +156,7 @@ def test_keyboard_interrupt_in_generate_then_next_call_works(llm_fp32):
     """Ctrl-C (SIGINT, as Jupyter's interrupt sends) lands at a step boundary; the call's requests are
     aborted, every block comes back, and the next call gives the same tokens as before."""
     ref = llm_fp32.generate(PROMPTS, greedy(), use_tqdm=False)
-    timer = threading.Timer(0.5, _thread.interrupt_main)
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        llm_fp32.generate(["Tell me a story"] * 48, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
-    timer.join()
+    ctrl_c_during_generate(llm_fp32, 48, 400, after=0.5)
     eng = llm_fp32.engine
     assert not eng.has_unfinished() and not eng.requests
     eng.block_manager.check_no_leaks()
@@ -249,11 +255,7 @@ def test_interrupt_recovers_under_every_policy(bundled_path, policy):
     with LLM(dtype="float32", kv_cache_memory=64 << 20, max_model_len=512, scheduler=policy,
              predictor="constant:40") as llm:
         ref = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        timer = threading.Timer(0.5, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(["Tell me a story"] * 48, SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
-        timer.join()
+        ctrl_c_during_generate(llm, 48, 400, after=0.5)
         llm.engine.block_manager.check_no_leaks()
         if policy == "td-pipe":
             assert not any(llm.engine.scheduler.kv_usage)  # no predicted KV of aborted requests left
@@ -270,11 +272,7 @@ def test_keyboard_interrupt_at_pp2_then_next_call_works(bundled_path, monkeypatc
     with LLM(dtype="float32", pipeline_parallel_size=2, layer_partition=[15, 15], kv_cache_memory=64 << 20,
              max_model_len=512) as llm:
         ref = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        timer = threading.Timer(1.0, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate(["Tell me a story"] * 32, SamplingParams(max_tokens=300, ignore_eos=True), use_tqdm=False)
-        timer.join()
+        ctrl_c_during_generate(llm, 32, 300, after=1.0)
         llm.engine.block_manager.check_no_leaks()
         again = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]

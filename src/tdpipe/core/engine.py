@@ -26,7 +26,7 @@ from tdpipe.executor.base import Executor, StepResult
 from tdpipe.malloc import pin_mmap_threshold
 from tdpipe.model.weights import check_model_folder, load_hf_config
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sampling.sampler import Sampler
+from tdpipe.sampling.sampler import Sampler, draw_keys
 from tdpipe.sequence import Sequence, SequenceStatus
 from tdpipe.tokenizer import Detokenizer, load_tokenizer
 
@@ -339,7 +339,7 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Keep the pipeline full (up to pp micro-batches in flight), then complete the oldest one.
-        Returns the sequences that finished in it (aborted ones included, once their batch is back)."""
+        Returns the sequences that finished in it (not those aborted meanwhile: abort_request returned them)."""
         self._check_open()
         if self._unpredicted and not self._inflight:
             self._predict_pending()
@@ -419,8 +419,6 @@ class LLMEngine:
         """A seeded row's randomness is keyed by (seed, index of the token being sampled), not kept in a
         per-request generator: a request recomputed after preemption samples position i with the same
         draw as without preemption, whatever was sampled or dropped meanwhile."""
-        from tdpipe.sampling.sampler import draw_keys
-
         params = [s.sampling_params for s in seqs]
         eos = sorted(self.eos_token_ids)
         banned: list[list[int]] = []

@@ -84,7 +84,6 @@ def _check_generate_paths(a: argparse.Namespace) -> None:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from tdpipe import LLM, SamplingParams
-    from tdpipe.executor.pipeline import PipelineError
 
     _check_generate_paths(a)
     recs = _read_prompts(a)
@@ -117,7 +116,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             if not sink.write_failed:
                 raise
             return sink.stopped(len(recs), f"writing {a.output} failed ({e.strerror or e})", 1)
-        except (PipelineError, RuntimeError) as e:
+        except RuntimeError as e:  # PipelineError (a stage died) among them
             return sink.stopped(len(recs), f"the run failed: {e}", 1)
         finally:
             if llm is not None:

@@ -98,9 +98,10 @@ class LLM:
         complete. Outputs come back in the order of `prompts`. A KeyboardInterrupt aborts this call's
         requests and frees their KV blocks: the next call works.
         """
-        outputs: list[RequestOutput | None] = []
+        items = self._as_list(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(items)
         try:
-            for i, out in self.generate_unordered(prompts, sampling_params, use_tqdm, _outputs=outputs):
+            for i, out in self._generate(items, sampling_params, use_tqdm):
                 outputs[i] = out
         except PipelineError as e:
             left = sum(1 for o in outputs if o is None)
@@ -109,13 +110,15 @@ class LLM:
 
     def generate_unordered(self, prompts: PromptType | Seq[PromptType],
                            sampling_params: SamplingParams | dict | Seq[SamplingParams | dict] | None = None,
-                           use_tqdm: bool = True, *, _outputs: list | None = None
-                           ) -> Iterator[tuple[int, RequestOutput]]:
+                           use_tqdm: bool = True) -> Iterator[tuple[int, RequestOutput]]:
         """Like generate(), but yields (index in `prompts`, output) as each request finishes, so a caller
         can save finished work at once (`tdpipe generate -o` writes each line as it comes). Rejected requests
         come first. Leaving the loop early, or an exception in it, aborts the requests still running."""
+        return self._generate(self._as_list(prompts), sampling_params, use_tqdm)
+
+    def _generate(self, items: list[PromptType], sampling_params: Any,
+                  use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         self._check_open()
-        items = self._as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (SamplingParams, dict)):
@@ -124,8 +127,6 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
-        if _outputs is not None:
-            _outputs.extend([None] * len(items))
         live: dict[int, int] = {}  # seq_id -> position in prompts
         rejected: list[tuple[int, RequestOutput]] = []
         for i, (prompt, sp) in enumerate(zip(items, params_list)):

@@ -143,14 +143,14 @@ def _reqs(n: int, vocab: int = 32000):
 @pytest.mark.parametrize("policy,parallel", [("separate", "tp"), ("hybrid", "pp"), ("throttle", "pp"),
                                              ("td-pipe", "pp")])
 def test_simulated_engine_finishes_every_request(policy, parallel):
-    from tdpipe.core.scheduler import POLICIES
+    from tdpipe.core.scheduler import get_policy
     from tdpipe.sim.runner import build_engine
     from tdpipe.viz.timeline import validate_trace
 
     reqs = _reqs(120)
     cfg = SimConfig(TABLE["l20"], 2, parallel, "13b", num_kv_blocks=600, engine={"scheduler": policy})
     engine = build_engine(cfg)
-    assert type(engine.scheduler) is POLICIES[policy]  # the engine's own scheduler, not a copy
+    assert type(engine.scheduler) is get_policy(policy).cls  # the engine's own scheduler, not a copy
     assert engine.tokenizer is None
     res = simulate(cfg, reqs)
     assert res["finished"] == 120

@@ -129,9 +129,9 @@ class CacheConfig:
 class SchedulerConfig:
     """Batching limits shared by every policy."""
 
-    policy: str = "separate"
+    policy: str = "separate"  # a registered policy (core/scheduler/registry.py)
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: the policy's default (DEFAULT_TOKEN_BUDGET)
+    max_num_batched_tokens: int | None = None  # None: the policy's default (its PolicySpec.default_token_budget)
     max_model_len: int = 0  # 0: the model's max_position_embeddings (set by EngineConfig)
     pipeline_depth: int = 1  # micro-batches the engine keeps in flight (= pipeline_parallel_size)
     # gLLM Token Throttling (gLLM §3.1-3.2, Eq. 3): #T, #MaxP, #MinP, KVthresh
@@ -150,20 +150,14 @@ class SchedulerConfig:
     predictor: str = "auto"  # output lengths for Algorithm 1: auto | oracle | constant[:N] (core/predictor.py)
     profile_cache: bool = True  # td-pipe: reuse the start-up step-cost profile (core/step_profile.py)
 
-    POLICIES = ("separate", "hybrid", "throttle", "td-pipe")
-    # separate: the most prompt tokens in one prefill batch (vLLM's default);
-    # hybrid: Sarathi-Serve's fixed per-batch token budget (decodes + prefill chunks);
-    # throttle: a ceiling only (#MaxP prefill tokens + a full decode batch); Eq. 3 sizes each batch;
-    # td-pipe: prompt tokens per prefill batch. Small enough that the first batch of a prefill phase, which
-    # the later stages wait for, is short: 2048 measured 8% faster than 8192 (README, TD-Pipe ablations).
-    # separate and td-pipe never chunk: a longer prompt runs alone.
-    DEFAULT_TOKEN_BUDGET = {"separate": 8192, "hybrid": 512, "throttle": 2048 + 256, "td-pipe": 2048}
-
     def __post_init__(self) -> None:
-        _check(self.policy in self.POLICIES, f"scheduler must be one of {self.POLICIES}, got {self.policy!r}")
+        # imported here: the policies import this module (pure Python both ways, no torch)
+        from tdpipe.core.scheduler.registry import get_policy
+
+        spec = get_policy(self.policy)  # raises ValueError naming 'scheduler' and the registered names
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = self.DEFAULT_TOKEN_BUDGET[self.policy]
+            self.max_num_batched_tokens = spec.default_token_budget
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.pipeline_depth >= 1, f"pipeline_depth must be >= 1, got {self.pipeline_depth}")

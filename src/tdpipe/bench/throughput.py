@@ -33,6 +33,7 @@ import torch
 from tdpipe.bench import workload as wl
 from tdpipe.bench.peak import measure_matmul_peak
 from tdpipe.config import ModelConfig, cpu_name
+from tdpipe.core.scheduler.registry import get_policy
 from tdpipe.entrypoints.args import add_engine_args, engine_kwargs
 
 log = logging.getLogger("tdpipe")
@@ -235,11 +236,10 @@ def run(a: argparse.Namespace) -> int:
         "num_requests": len(reqs),
         "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
-        "preemptions": s["preemptions"],
+        **{name: s[name] for name in get_policy(engine.scheduler.config.policy).stat_names},  # preemptions, ...
         "prefill_steps": s["prefill_steps"],
         "decode_steps": s["decode_steps"],
         "mixed_steps": s["mixed_steps"],
-        "phase_switches": s["phase_switches"],  # td-pipe: PREFILL <-> DECODE switches
         "predictor": _predictor_cost(engine, s, elapsed, len(reqs)),
         "kv_blocks": engine.block_manager.num_blocks,
         "kv_capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
@@ -289,9 +289,9 @@ def run(a: argparse.Namespace) -> int:
 
 
 def _predictor_cost(engine: Any, s: dict[str, Any], elapsed: float, n: int) -> dict[str, Any] | None:
-    """td-pipe: which predictor ran and what batched length prediction cost, per request and against the
-    engine's wall time per request (the issue's bar: under 5%)."""
-    if engine.scheduler.config.policy != "td-pipe":
+    """Policies that predict output lengths (td-pipe): which predictor ran and what batched length prediction
+    cost, per request and against the engine's wall time per request (the issue's bar: under 5%)."""
+    if not get_policy(engine.scheduler.config.policy).needs_predictor:
         return None
     p = engine.predictor
     name = getattr(p, "name", type(p).__name__)
@@ -314,10 +314,12 @@ def _learned(engine: Any) -> Any:
 
 
 def _step_costs(engine: Any) -> dict[str, Any] | None:
-    """td-pipe: the step-cost lines behind Eq. 1-2 and where they came from (profile, cache, default)."""
-    c = getattr(engine.scheduler, "costs", None)
-    if c is None:
+    """Policies that use step costs (td-pipe's Eq. 1-2): the fitted lines and where they came from (profile,
+    cache, default)."""
+    sched = engine.scheduler
+    if not get_policy(sched.config.policy).wants_step_costs(sched.config):
         return None
+    c = sched.costs
     return {"d0": c.d0, "d1": c.d1, "p0": c.p0, "p1": c.p1, "peak_batch": c.peak_batch, "source": c.source}
 
 
@@ -332,20 +334,20 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
     st = engine.stats
     sched = engine.scheduler
     model = _learned(engine)  # every prediction the model made, batched or one by one
-    before = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
-              getattr(sched, "num_switches", 0), model.seconds if model else 0.0, model.count if model else 0,
-              st.predicted)
+    spec = get_policy(sched.config.policy)
+    before = (spec.read_stats(sched), st.prefill_steps, st.decode_steps, st.mixed_steps,
+              model.seconds if model else 0.0, model.count if model else 0, st.predicted)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    after = (sched.num_preemptions, st.prefill_steps, st.decode_steps, st.mixed_steps,
-             getattr(sched, "num_switches", 0), model.seconds if model else 0.0, model.count if model else 0,
-             st.predicted)
-    keys = ("preemptions", "prefill_steps", "decode_steps", "mixed_steps", "phase_switches", "predict_seconds",
-            "predicted", "predicted_in_batches")
+    after = (spec.read_stats(sched), st.prefill_steps, st.decode_steps, st.mixed_steps,
+             model.seconds if model else 0.0, model.count if model else 0, st.predicted)
+    keys = ("prefill_steps", "decode_steps", "mixed_steps", "predict_seconds", "predicted", "predicted_in_batches")
+    stats = {k: v - before[0][k] for k, v in after[0].items()}  # the policy's counters (preemptions, ...)
+    stats |= {k: b - a for k, a, b in zip(keys, before[1:], after[1:])}
     return {"elapsed": elapsed, "outs": outs, "summary": summarize(llm.trace()), "engine_cpu_s": cpu,
-            "stats": {k: b - a for k, a, b in zip(keys, before, after)}}
+            "stats": stats}
 
 
 # -- transformers baseline -----------------------------------------------------------------------------
@@ -423,8 +425,7 @@ def format_table(r: dict[str, Any]) -> str:
         ("pipeline", f"pp {r['pp']}, layers {r['layer_partition']}, threads per stage {r['stage_threads']}, "
                      f"policy {r['policy']}"),
         ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
-                  f"{r['preemptions']} preemptions" + (f"; {r['phase_switches']} phase switches"
-                                                       if r["policy"] == "td-pipe" else "")),
+                  + get_policy(r["policy"]).stats_text(r)),
         ("KV cache", f"{r['kv_blocks']} blocks, {r['kv_capacity_tokens']} tokens"),
         ("engine CPU", f"{r['engine_cpu_s']:.1f} s = {100 * r['engine_cpu_s'] / r['elapsed_s']:.1f} % of elapsed"
                        + (" (control plane only: the stages are other processes)" if r["pp"] > 1

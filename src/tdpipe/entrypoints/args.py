@@ -1,8 +1,65 @@
-"""Command-line flags shared by every subcommand that builds an engine, and their mapping to LLM(...)."""
+"""Command-line flags shared by every subcommand that builds an engine, and their mapping to LLM(...).
+
+Every default is read from the config dataclasses (declared once there); the policies, their help and their
+token budgets from the policy registry, so a new policy needs no change here."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
+
+from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tdpipe.core.scheduler.registry import policies, policy_names
+
+# argparse dest -> (config dataclass, field) whose default the flag takes. Flags that invert a bool
+# (--no-work-stealing) or pack two fields (--future-points) are derived below from the same fields.
+FLAG_FIELDS: dict[str, tuple[type, str]] = {
+    "model": (EngineConfig, "model"), "dtype": (EngineConfig, "dtype"), "seed": (EngineConfig, "seed"),
+    "threads": (EngineConfig, "num_threads"), "trace": (EngineConfig, "trace"),
+    "record_history": (EngineConfig, "record_history"),
+    "block_size": (CacheConfig, "block_size"), "kv_cache_memory": (CacheConfig, "kv_cache_memory"),
+    "num_kv_blocks": (CacheConfig, "num_blocks"),
+    "pp": (ParallelConfig, "pipeline_parallel_size"), "layer_partition": (ParallelConfig, "layer_partition"),
+    "threads_per_stage": (ParallelConfig, "threads_per_stage"),
+    "scheduler": (SchedulerConfig, "policy"), "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
+    "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens"),
+    "max_model_len": (SchedulerConfig, "max_model_len"),
+    "throttle_T": (SchedulerConfig, "throttle_T"), "max_prefill_tokens": (SchedulerConfig, "max_prefill_tokens"),
+    "min_prefill_tokens": (SchedulerConfig, "min_prefill_tokens"), "kv_thresh": (SchedulerConfig, "kv_thresh"),
+    "switch_to_decode": (SchedulerConfig, "switch_to_decode"),
+    "switch_to_prefill": (SchedulerConfig, "switch_to_prefill"), "predictor": (SchedulerConfig, "predictor"),
+}
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default a config dataclass declares for `name` (its factory's value for a mutable one)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise ValueError(f"{cls.__name__} has no field {name!r}")
+
+
+def _d(dest: str) -> Any:
+    return field_default(*FLAG_FIELDS[dest])
+
+
+def future_points_default() -> str:
+    return f"{field_default(SchedulerConfig, 'future_point_step')},{field_default(SchedulerConfig, 'future_point_max')}"
+
+
+def _policy_help() -> str:
+    helps = "; ".join(f"{s.name} = {s.help}" for s in policies()).replace("%", "%%")  # argparse formats help
+    return "batching policy (default: %(default)s): " + helps
+
+
+def _budget_help() -> str:
+    per = "; ".join(f"{s.default_token_budget} for {s.name}" + (f" = {s.budget_help}" if s.budget_help else "")
+                    for s in policies())
+    return f"token budget of one micro-batch (default: the policy's: {per})".replace("%", "%%")
 
 
 def _memory(v: str) -> int | float:
@@ -38,48 +95,43 @@ def _future_points(v: str) -> tuple[int, int]:
 
 def add_scheduler_args(g: argparse._ActionsContainer) -> None:
     """The batching policy and its knobs: shared by the real engine and `tdpipe simulate`."""
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one micro-batch (default: 8192 for separate and 2048 for td-pipe = most "
-                        "prompt tokens in a prefill batch, a longer prompt runs alone; 512 for hybrid = Sarathi-Serve's fixed budget for decodes + "
-                        "prefill chunks; 2304 for throttle = a ceiling of #MaxP + 256 decodes, Eq. 3 sizes each "
-                        "batch)")
-    g.add_argument("--scheduler", default="separate", choices=["separate", "hybrid", "throttle", "td-pipe"],
-                   help="batching policy. TD-Pipe §4 baselines: separate = PP+SB, prefill and decode batches "
-                        "never mixed, prefill first (vLLM); hybrid = PP+HB, Sarathi-Serve: a fixed token budget "
-                        "per micro-batch, decodes first, then chunked prefill. throttle = gLLM Token Throttling "
-                        "(gLLM §3.1-3.2): prefill tokens per batch from Eq. 3, decodes #RD/pp (Eq. 4). "
-                        "td-pipe = TD-Pipe (§3.3-3.5): long prefill and decode phases, greedy prefill by "
-                        "predicted KV, inter-batch work stealing, spatial-temporal intensity switch")
-    g.add_argument("--future-points", default="32,1024", metavar="STEP,MAX",
+    g.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"), help=_budget_help())
+    g.add_argument("--scheduler", default=_d("scheduler"), choices=policy_names(), help=_policy_help())
+    g.add_argument("--future-points", default=future_points_default(), metavar="STEP,MAX",
                    help="td-pipe: futurePoints, the decode steps where predicted KV usage is checked: every "
-                        "STEP steps up to MAX (TD-Pipe §3.3, Algorithm 1)")
-    g.add_argument("--switch-to-decode", default="predict",
+                        "STEP steps up to MAX (TD-Pipe §3.3, Algorithm 1; default: %(default)s)")
+    g.add_argument("--switch-to-decode", default=_d("switch_to_decode"),
                    help="td-pipe: 'predict' (Approach 1, Algorithm 1) or 'kv-ratio:R', switch once KV usage "
-                        "reaches R (the §4.4.1 ablation)")
-    g.add_argument("--switch-to-prefill", default="intensity",
+                        "reaches R (the §4.4.1 ablation; default: %(default)s)")
+    g.add_argument("--switch-to-prefill", default=_d("switch_to_prefill"),
                    help="td-pipe: 'intensity' (Approach 3, spatial < temporal intensity, Eq. 1-2), "
                         "'reachable-intensity' (Eq. 1's Peak taken at the decode batch a switch would reach, "
                         "running + admissible requests / pp, not at the profile's largest batch), or "
-                        "'finish-ratio:R', switch once R of the phase's requests finished (§4.4.3 ablation)")
+                        "'finish-ratio:R', switch once R of the phase's requests finished (§4.4.3 ablation; default: "
+                        "%(default)s)")
     g.add_argument("--no-work-stealing", action="store_true",
                    help="td-pipe: turn off Approach 2, inter-batch work stealing (§3.4; §4.4.2 ablation)")
-    g.add_argument("--predictor", default="auto",
+    g.add_argument("--predictor", default=_d("predictor"),
                    help="td-pipe: output-length predictor for Algorithm 1 (§3.3): 'oracle' = max_tokens (the true "
                         "length under ignore_eos), 'constant' = mean of the outputs recorded so far, "
                         "'constant:N', a FILE from `tdpipe predictor train` (BERT bucket classifier, §4.4.1), or "
                         "'auto' = oracle for ignore_eos requests, else the learned predictor shipped for the "
-                        "model if there is one, else constant")
+                        "model if there is one, else constant (default: %(default)s)")
     g.add_argument("--no-profile-cache", action="store_true",
                    help="td-pipe: measure the step costs for the intensity switch (Eq. 1-2) at start-up even if "
                         "a cached profile exists (cached in $TDPIPE_CACHE/profiles, default ~/.cache/tdpipe/profiles)")
-    g.add_argument("--throttle-T", type=float, default=8.0,
-                   help="throttle: #T, spread the waiting prefill tokens #WP over this many batches (Eq. 3)")
-    g.add_argument("--max-prefill-tokens", type=int, default=2048,
-                   help="throttle: #MaxP, most prefill tokens in a batch when the KV cache is empty (Eq. 3)")
-    g.add_argument("--min-prefill-tokens", type=int, default=32,
-                   help="throttle: #MinP, fewest prefill tokens in a batch while prompts wait (Eq. 3)")
-    g.add_argument("--kv-thresh", type=float, default=0.05,
-                   help="throttle: KVthresh, no prefill while the free KV fraction is below it (Eq. 3)")
+    g.add_argument("--throttle-T", type=float, default=_d("throttle_T"),
+                   help="throttle: #T, spread the waiting prefill tokens #WP over this many batches (Eq. 3; "
+                        "default: %(default)s)")
+    g.add_argument("--max-prefill-tokens", type=int, default=_d("max_prefill_tokens"),
+                   help="throttle: #MaxP, most prefill tokens in a batch when the KV cache is empty (Eq. 3; "
+                        "default: %(default)s)")
+    g.add_argument("--min-prefill-tokens", type=int, default=_d("min_prefill_tokens"),
+                   help="throttle: #MinP, fewest prefill tokens in a batch while prompts wait (Eq. 3; "
+                        "default: %(default)s)")
+    g.add_argument("--kv-thresh", type=float, default=_d("kv_thresh"),
+                   help="throttle: KVthresh, no prefill while the free KV fraction is below it (Eq. 3; "
+                        "default: %(default)s)")
 
 
 def scheduler_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -92,34 +144,39 @@ def scheduler_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", default=_d("model"),
                    help="HF folder (config.json + safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto = bfloat16 where the CPU has bf16 instructions, else float32")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded random sampling")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (PagedAttention)")
-    g.add_argument("--kv-cache-memory", type=_memory, default=None,
+    g.add_argument("--dtype", default=_d("dtype"), choices=["auto", "bfloat16", "float32"],
+                   help="auto = bfloat16 where the CPU has bf16 instructions, else float32 (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=_d("seed"),
+                   help="engine seed for unseeded random sampling (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"),
+                   help="most sequences in one batch (default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=_d("max_model_len"),
+                   help="prompt + output limit (default: 0 = the model's)")
+    g.add_argument("--block-size", type=int, default=_d("block_size"),
+                   help="tokens per KV block (PagedAttention; default: %(default)s)")
+    g.add_argument("--kv-cache-memory", type=_memory, default=_d("kv_cache_memory"),
                    help="KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. 0.3); "
                         "default min(4 GiB, 40%%)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks (overrides the budget)")
+    g.add_argument("--num-kv-blocks", type=int, default=_d("num_kv_blocks"),
+                   help="exact number of KV blocks (overrides the budget)")
     add_scheduler_args(g)
-    g.add_argument("--threads", type=int, default=None,
+    g.add_argument("--threads", type=int, default=_d("threads"),
                    help="torch threads of the engine process (default: all cores with --pp 1, else 1)")
     g = p.add_argument_group("pipeline parallelism (TD-Pipe §3.2)")
-    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+    g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=_d("pp"),
                    help="stage worker processes, each holding a contiguous slice of layers and their KV cache; "
-                        "the engine keeps up to this many micro-batches in flight")
-    g.add_argument("--layer-partition", type=_partition, default=None,
+                        "the engine keeps up to this many micro-batches in flight (default: %(default)s)")
+    g.add_argument("--layer-partition", type=_partition, default=_d("layer_partition"),
                    help="layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, counting "
                         "the embedding on the first stage and norm + lm_head on the last")
-    g.add_argument("--threads-per-stage", type=int, default=None,
+    g.add_argument("--threads-per-stage", type=int, default=_d("threads_per_stage"),
                    help="torch threads in each stage worker (default: the cores split evenly between stages)")
-    g.add_argument("--trace", default=None, metavar="FILE",
+    g.add_argument("--trace", default=_d("trace"), metavar="FILE",
                    help="write the run's timeline (per stage and micro-batch: compute, input wait, send, shape; "
                         "KV usage) as JSON; draw it with `tdpipe plot timeline FILE`")
-    p.add_argument("--record-history", default=None, metavar="FILE",
+    p.add_argument("--record-history", default=_d("record_history"), metavar="FILE",
                    help="append every finished request (prompt text, prompt and output token counts, finish "
                         "reason, sampling params, model) to this JSONL file: the history `tdpipe predictor "
                         "train` learns output lengths from")
@@ -135,16 +192,24 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most output tokens per request")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1, help="-1 disables")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    from tdpipe.sampling.params import SamplingParams
+
+    def d(name: str) -> Any:
+        return field_default(SamplingParams, name)
+
+    # max_tokens and temperature are the command line's own: answers longer than the API's 16 tokens, and
+    # greedy unless asked (SamplingParams keeps OpenAI's defaults for the library and the server)
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most output tokens per request (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=d("top_p"), help="(default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=d("top_k"), help="-1 disables (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=d("min_p"), help="(default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=d("repetition_penalty"), help="(default: %(default)s)")
+    g.add_argument("--presence-penalty", type=float, default=d("presence_penalty"), help="(default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=d("frequency_penalty"), help="(default: %(default)s)")
+    g.add_argument("--sampling-seed", type=int, default=d("seed"), help="per-request seed (reproducible sampling)")
+    g.add_argument("--stop", action="append", default=d("stop"), help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS up to --max-tokens")
 
 

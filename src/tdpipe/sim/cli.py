@@ -5,7 +5,8 @@ import argparse
 import json
 from typing import Any
 
-from tdpipe.entrypoints.args import _memory, _partition, add_scheduler_args, scheduler_kwargs
+from tdpipe.config import CacheConfig
+from tdpipe.entrypoints.args import _memory, _partition, add_scheduler_args, field_default, scheduler_kwargs
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -42,7 +43,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="most sequences running (default 256 per pipeline stage: each of vLLM's virtual engines "
                         "had its own 256)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=field_default(CacheConfig, "block_size"),
+                   help="tokens per KV block (default: %(default)s)")
     g.add_argument("--kv-cache-memory", type=_memory, default=None,
                    help="KV cache bytes in all (e.g. 2GiB); default: device memory x mem_util minus weights and "
                         "reserve (GPUs); the real engine's default budget (cpu)")
@@ -134,6 +136,8 @@ class _NoTokenizer:
 
 
 def format_table(r: dict[str, Any], stages: int) -> str:
+    from tdpipe.core.scheduler.registry import get_policy
+
     hw = r["hardware"]
     rows = [
         ("deployment", f"{r['num_devices']}x {hw['name']} ({r['parallel']}: {stages} stage(s), tp {r['tp']}), "
@@ -149,7 +153,7 @@ def format_table(r: dict[str, Any], stages: int) -> str:
         ("KV cache", f"{r['kv_blocks']} blocks = {r['kv_capacity_tokens']} tokens, time-mean usage "
                      f"{100 * r['kv_usage_mean']:.1f}%"),
         ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
-                  f"{r['preemptions']} preemptions; {r['phase_switches']} phase switches"),
+                  + get_policy(r["policy"]).stats_text(r)),
         ("simulator", f"{r['sim_wall_s']:.1f} s wall on this machine"),
     ]
     w = max(len(k) for k, _ in rows)

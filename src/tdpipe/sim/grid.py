@@ -47,6 +47,7 @@ def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str
     from tdpipe.sim.runner import DoesNotFit, SimConfig, simulate
 
     from tdpipe.config import ModelConfig
+    from tdpipe.core.scheduler.registry import get_policy
     from tdpipe.sim.cost import check_tensor_parallel
     from tdpipe.sim.runner import sim_model_config
 
@@ -64,7 +65,8 @@ def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str
     except DoesNotFit as e:
         return out | {"oom": str(e)}
     keep = ("output_tokens_per_s", "total_tokens_per_s", "elapsed_s", "bubble_ratio", "decode_bubble_ratio",
-            "preemptions", "phase_switches", "kv_capacity_tokens", "kv_usage_mean", "sim_wall_s")
+            *get_policy(res["policy"]).stat_names,  # preemptions, and the policy's own (td-pipe: phase_switches)
+            "kv_capacity_tokens", "kv_usage_mean", "sim_wall_s")
     return out | {k: res[k] for k in keep}
 
 

@@ -154,6 +154,7 @@ def build_engine(cfg: SimConfig):
 def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_points: int = 400) -> dict[str, Any]:
     """Run the requests (bench.workload.BenchRequest: token ids + forced output length) to completion;
     returns throughput, bubble ratios, KV usage over time and the engine's counters."""
+    from tdpipe.core.scheduler.registry import get_policy
     from tdpipe.sampling.params import SamplingParams
     from tdpipe.viz.timeline import summarize
 
@@ -165,7 +166,8 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
     for k, r in enumerate(reqs):
         if r.input_len + r.output_len > max_len:
             raise ValueError(f"request {k}: {r.input_len} + {r.output_len} tokens exceed max_model_len {max_len}")
-    before = (sched.num_preemptions, getattr(sched, "num_switches", 0))
+    spec = get_policy(sched.config.policy)
+    before = spec.read_stats(sched)
     engine.reset_trace()
     t0 = engine.clock()
     for k, r in enumerate(reqs):
@@ -199,8 +201,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
         "bubble_ratio": summary["bubble_ratio"],
         "bubble_ratio_per_stage": summary["bubble_ratio_per_stage"],
         "decode_bubble_ratio": summary["decode_bubble_ratio"],
-        "preemptions": sched.num_preemptions - before[0],
-        "phase_switches": getattr(sched, "num_switches", 0) - before[1],
+        **{k: v - before[k] for k, v in spec.read_stats(sched).items()},  # the policy's counters (registry.py)
         "prefill_steps": st.prefill_steps, "decode_steps": st.decode_steps, "mixed_steps": st.mixed_steps,
         "kv_blocks": engine.block_manager.num_blocks,
         "kv_capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
@@ -209,7 +210,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
         "layer_partition": [b - a for a, b in engine.partition],
         "max_num_seqs": sched.config.max_num_seqs,
         "max_num_batched_tokens": sched.config.max_num_batched_tokens,
-        "step_costs": (asdict(sched.costs) | {"points": None}) if getattr(sched, "costs", None) else None,
+        "step_costs": (asdict(sched.costs) | {"points": None}) if spec.wants_step_costs(sched.config) else None,
         "sim_wall_s": time.perf_counter() - wall0, "sim_setup_s": setup,
     }
     if trace_path:

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 from tdpipe.core.batch import Batch
 from tdpipe.core.scheduler.base import Scheduler
+from tdpipe.core.scheduler.registry import register_policy
 from tdpipe.sequence import Sequence, SequenceStatus
 
 
+@register_policy(
+    "hybrid", default_token_budget=512,
+    help="PP+HB, a TD-Pipe §4 baseline (Sarathi-Serve): a fixed token budget per micro-batch, decodes first, "
+         "then chunked prefill",
+    budget_help="Sarathi-Serve's fixed budget for decodes + prefill chunks")
 class HybridScheduler(Scheduler):
     # -- budget hooks (the throttle policy overrides these) ---------------------------------------------
     def decode_limit(self) -> int:

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from tdpipe.core.batch import Batch
 from tdpipe.core.scheduler.base import Scheduler
+from tdpipe.core.scheduler.registry import register_policy
 
 
+@register_policy(
+    "separate", default_token_budget=8192,  # vLLM's default budget
+    help="PP+SB, a TD-Pipe §4 baseline (vLLM v0): prefill and decode batches never mixed, prefill first",
+    budget_help="most prompt tokens in a prefill batch, a longer prompt runs alone")
 class SeparateScheduler(Scheduler):
     def schedule(self) -> Batch | None:
         prefill = self._schedule_prefill()

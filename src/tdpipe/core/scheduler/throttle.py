@@ -10,9 +10,16 @@ fraction of KV blocks. Defaults #T=8, #MaxP=2048, #MinP=32, KVthresh=0.05 (Sched
 """
 from __future__ import annotations
 
+from tdpipe.config import SchedulerConfig
 from tdpipe.core.scheduler.hybrid import HybridScheduler
+from tdpipe.core.scheduler.registry import register_policy
 
 
+@register_policy(
+    "throttle", default_token_budget=SchedulerConfig.max_prefill_tokens + 256,  # a ceiling only: Eq. 3 sizes
+    help="gLLM's Token Throttling (gLLM §3.1-3.2): prefill tokens per batch from Eq. 3 (--throttle-T, "
+         "--max-prefill-tokens, --min-prefill-tokens, --kv-thresh), decodes #RD/pp (Eq. 4)",
+    budget_help="a ceiling of #MaxP + 256 decodes, Eq. 3 sizes each batch")
 class ThrottleScheduler(HybridScheduler):
     def decode_limit(self) -> int:
         """#D = #RD / pp (Eq. 4), rounded up so no decode is left behind."""

@@ -260,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tdpipe.bench import throughput
 
     throughput.add_parser(bsub)
+    __import__("tdpipe.bench.serve", fromlist=["add_parser"]).add_parser(bsub)
 
     pl = sub.add_parser("plot", help="pictures of pipeline traces",
                         description="Pictures of pipeline-parallel traces: 'timeline' draws the per-stage "
@@ -279,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", "-o", default="timeline.png", help="PNG to write (default timeline.png)")
     t.add_argument("--title", default=None, help="title of the picture")
     t.set_defaults(fn=cmd_plot_timeline)
+    __import__("tdpipe.viz.latency", fromlist=["add_parser"]).add_parser(plsub)
 
     from tdpipe.predictor import cli as predictor_cli
 

@@ -1,0 +1,311 @@
+"""`tdpipe serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn, as vLLM).
+
+`build_app(engine, config)` builds the app around an AsyncLLM-like engine and starts nothing, so other code
+(`tdpipe run-batch`, the tests) can drive it in-process through httpx.ASGITransport. `serve` binds the port,
+answers /health with 503 while AsyncLLM starts, serves, and on SIGTERM or Ctrl-C stops accepting, lets the
+requests in flight finish for up to --shutdown-grace seconds, aborts the rest, stops the engine, exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, error_body,
+                                              from_validation_error)
+from tdpipe.entrypoints.openai.metrics import ServerMetrics
+from tdpipe.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                                TokenizeResponse)
+from tdpipe.entrypoints.openai.serving import OpenAIServing
+from tdpipe.entrypoints.openai.serving_chat import ChatServing, apply_template
+from tdpipe.entrypoints.openai.serving_completion import CompletionServing
+from tdpipe.entrypoints.openai.serve_args import ServerConfig
+
+__all__ = ["ServerConfig", "build_app", "set_engine", "run_server", "serve"]
+
+log = logging.getLogger("tdpipe.serve")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# -- the app ---------------------------------------------------------------------------------------------
+def build_app(engine: Any | None, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app around `engine` (AsyncLLM or anything with its methods). It starts nothing: no
+    uvicorn, no engine. `engine=None` means "starting": /health and the /v1 routes answer 503 until
+    set_engine(app, engine)."""
+    config = config or ServerConfig()
+    app = FastAPI(title="tdpipe", summary="OpenAI-compatible server", openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    app.state.engine = engine
+    app.state.config = config
+    metrics = ServerMetrics(lambda: app.state.engine)
+    app.state.metrics = metrics
+    serving = OpenAIServing(lambda: app.state.engine, config, metrics)
+    app.state.serving = serving
+    completion, chat = CompletionServing(serving), ChatServing(serving)
+    limit = config.max_request_body_bytes
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest, limit)
+        return await completion.handle(req, request) or Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest, limit)
+        return await chat.handle(req, request) or Response(status_code=499)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(ModelList(data=[_model_card(serving)]).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        eng = serving.engine()
+        serving.check_model(model, eng)
+        return JSONResponse(_model_card(serving).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        eng = app.state.engine
+        if eng is None or not getattr(eng, "ready", True):
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
+        reason = getattr(eng, "dead_reason", None)
+        if reason is None:
+            try:
+                eng.check_health()
+            except EngineDeadError as e:
+                reason = str(e) or "the engine core died"
+        if reason is not None:
+            return JSONResponse({"status": "dead", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await parse_body(request, TokenizeRequest, limit)
+        eng = serving.engine()
+        serving.check_model(req.model, eng)
+        serving.warn_ignored(req.unknown_fields())
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' (text) and 'messages' (a chat)", "prompt")
+        tok = eng.tokenizer
+        if req.prompt is not None:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tok.encode(req.prompt, add_special_tokens=add)
+        else:
+            conv = ChatCompletionRequest(messages=req.messages).conversation()
+            ids = apply_template(tok, conv, req.add_generation_prompt, bool(req.add_special_tokens))
+        return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),
+                                             max_model_len=int(eng.max_model_len)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await parse_body(request, DetokenizeRequest, limit)
+        eng = serving.engine()
+        serving.check_model(req.model, eng)
+        serving.warn_ignored(req.unknown_fields())
+        size = len(eng.tokenizer)
+        bad = next((t for t in req.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise bad_request(f"'tokens' has {bad}, outside the vocabulary (ids are in [0, {size}))", "tokens",
+                              "invalid_value")
+        return JSONResponse(DetokenizeResponse(prompt=eng.tokenizer.decode(req.tokens)).model_dump())
+
+    return app
+
+
+def set_engine(app: FastAPI, engine: Any) -> None:
+    """Attach the engine once it has started (serve builds the app first, so /health answers 503 meanwhile)."""
+    app.state.engine = engine
+
+
+def _model_card(serving: OpenAIServing) -> ModelCard:
+    eng = serving.engine()
+    return ModelCard(id=serving.served_name(eng), created=int(time.time()),
+                     root=getattr(eng, "model_name", None) or serving.served_name(eng),
+                     max_model_len=int(eng.max_model_len))
+
+
+async def parse_body(request: Request, model: type[M], limit: int) -> M:
+    """The body as `model`: 415 for a content type other than JSON (none at all is taken as JSON), 413 over
+    `limit` bytes (declared or read), 400 for invalid UTF-8, malformed JSON or an invalid field."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        mtype, _, rest = ctype.partition(";")
+        mtype = mtype.strip().lower()
+        charset = next((p.split("=", 1)[1].strip().strip('"').lower() for p in rest.split(";")
+                        if p.strip().lower().startswith("charset=")), "utf-8")
+        if not (mtype == "application/json" or mtype.endswith("+json")) or charset not in ("utf-8", "utf8"):
+            raise OpenAIError(415, f"Content-Type must be application/json (UTF-8), got {ctype!r}",
+                              code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request(f"Content-Length {declared!r} is not a number", code="invalid_request")
+        if int(declared) > limit:
+            raise OpenAIError(413, f"the request body has {declared} bytes; the limit is {limit} "
+                              "(--max-request-body-bytes)", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise OpenAIError(413, f"the request body is over the limit of {limit} bytes "
+                              "(--max-request-body-bytes)", code="request_too_large")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    if not text.strip():
+        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs "Authorization: Bearer <key>" (401 otherwise). Compared in constant time; the
+    key is never logged. /health, /metrics, /tokenize and /detokenize stay open, as in vLLM."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        msg = "missing API key: send 'Authorization: Bearer <key>'" if not given else "incorrect API key"
+        resp = JSONResponse(error_body(401, msg, None, "invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> Response:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return JSONResponse(error_body(e.status_code, msg), status_code=e.status_code, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
+        first = (e.errors() or [{}])[0]
+        param = ".".join(str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")) or None
+        return JSONResponse(error_body(400, f"Invalid value for '{param}': {first.get('msg')}", param),
+                            status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
+        return JSONResponse(error_body(500, f"internal server error: {type(e).__name__}"), status_code=500)
+
+
+# -- tdpipe serve ----------------------------------------------------------------------------------------
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: a port in use fails in a second, not after."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(config: ServerConfig, engine_config: Any) -> int:
+    """`tdpipe serve`: bind, start the engine, serve until SIGTERM/Ctrl-C, exit 0."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    sock = bind(config.host, config.port)
+    # uvicorn catches SIGINT/SIGTERM while it serves and raises them again once it has shut down; these
+    # handlers take that second delivery, so a clean shutdown exits 0 instead of dying by the signal
+    previous = {s: signal.signal(s, _after_shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return asyncio.run(serve(engine_config, config, sock))
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _after_shutdown(signum: int, frame: object) -> None:
+    log.info("signal %d: already shutting down", signum)
+
+
+async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -> int:
+    """Serve until SIGTERM/Ctrl-C. The port answers at once (/health: 503 while the engine starts)."""
+    import uvicorn
+
+    from tdpipe.core.async_llm import AsyncLLM
+
+    app = build_app(None, config)
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=config.access_log,
+                                           timeout_graceful_shutdown=config.shutdown_grace_s,
+                                           log_level="info"))
+    server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    start_task = asyncio.ensure_future(AsyncLLM.start(engine_config))
+    await asyncio.wait({server_task, start_task}, return_when=asyncio.FIRST_COMPLETED)
+    if not start_task.done():  # stopped (a signal) or failed before the engine was up
+        start_task.cancel()
+        await asyncio.gather(start_task, return_exceptions=True)
+        await server_task
+        return 0
+    if start_task.exception() is not None:
+        server.should_exit = True
+        await asyncio.gather(server_task, return_exceptions=True)
+        raise start_task.exception()  # type: ignore[misc]
+    engine = start_task.result()
+    set_engine(app, engine)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.serving.served_name(engine), host, port,
+             engine.max_model_len)
+    print(f"tdpipe: serving on http://{host}:{port}", file=sys.stderr, flush=True)
+    t0 = None
+    try:
+        await server_task
+        t0 = time.monotonic()
+    finally:
+        # uvicorn has waited up to the grace period and cancelled what was left (which aborted it)
+        await engine.shutdown(grace_s=1.0)
+    log.info("stopped%s", f" ({time.monotonic() - t0:.1f} s to stop the engine)" if t0 else "")
+    return 0

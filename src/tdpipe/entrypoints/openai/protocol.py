@@ -1,0 +1,325 @@
+"""The OpenAI API's request and response bodies, with OpenAI's field names (and vLLM's extra sampling fields).
+
+Requests are validated strictly: "max_tokens": "10" or "stream": 1 is a 400 naming the field, never a silent
+coercion. Unknown top-level fields are ignored with a warning (vLLM's behaviour: clients send newer fields),
+except the ones in UNSUPPORTED, which would change the result if ignored (logit_bias, tools, response_format,
+logprobs...): those are a 400 unless they hold their neutral value.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, model_serializer
+
+from tdpipe.entrypoints.conversation import ROLES
+from tdpipe.entrypoints.openai.errors import bad_request
+
+
+class _Request(BaseModel):
+    """Strict types (JSON true is a bool, 1 is not); unknown fields kept in model_extra for the checks below."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        """Unknown fields that are safe to ignore (the caller logs them); raises for those that are not."""
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            neutral = UNSUPPORTED.get(name)
+            if neutral is not None and not neutral(value):
+                raise bad_request(f"'{name}' is not supported by this server{_NEXT.get(name, '')}; "
+                                  "remove it or send its default", name, "unsupported_parameter")
+        return sorted(k for k in extra if k not in UNSUPPORTED)
+
+
+def _none_or_empty(v: Any) -> bool:
+    return v is None or v in ({}, [], "")
+
+
+def _is(*ok: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v is o or (type(v) is type(o) and v == o) for o in ok)
+
+
+# field -> "this value changes nothing": any other value is a 400 (it would silently change results)
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _is(None, False),
+    "top_logprobs": _is(None, 0),
+    "prompt_logprobs": _is(None),
+    "logit_bias": _none_or_empty,
+    "suffix": _none_or_empty,
+    "best_of": _is(None, 1),
+    "use_beam_search": _is(None, False),
+    "length_penalty": _is(None, 1, 1.0),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "structured_outputs": _is(None),
+    "guided_json": _is(None),
+    "guided_regex": _is(None),
+    "guided_choice": _is(None),
+    "guided_grammar": _is(None),
+    "allowed_token_ids": _is(None),
+    "bad_words": _none_or_empty,
+    "truncate_prompt_tokens": _is(None),
+    "logits_processors": _none_or_empty,
+    "tools": _none_or_empty,
+    "functions": _none_or_empty,
+    "tool_choice": _is(None, "none", "auto"),
+    "function_call": _is(None, "none", "auto"),
+    "chat_template": _is(None),
+    "chat_template_kwargs": _none_or_empty,
+    "continue_final_message": _is(None, False),
+    "documents": _none_or_empty,
+    "audio": _is(None),
+    "prediction": _is(None),
+    "modalities": lambda v: v is None or v == ["text"],
+}
+_NEXT = {"logprobs": " yet (planned next)", "top_logprobs": " yet (planned next)",
+         "prompt_logprobs": " yet (planned next)"}
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class _GenerationRequest(_Request):
+    """What completions and chat share: the sampling fields. None means the default (OpenAI sends null)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted, ignored (OpenAI uses it for abuse monitoring)
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The fields SamplingParams takes, None dropped (its defaults apply: declared once, there)."""
+        names = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
+                 "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                 "skip_special_tokens", "include_stop_str_in_output")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by prompts() for a clear message
+    max_tokens: int | None = 16  # OpenAI's default for completions; null = up to max_model_len
+    echo: bool = False
+    add_special_tokens: bool = True  # vLLM: BOS etc. when tokenising a text prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a batch: one entry per choice (OpenAI: a list of prompts is a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(_is_token(x) for x in p):
+                return [list(p)]
+            if all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in p):
+                return [list(x) for x in p]
+        if isinstance(p, list) and not p:
+            raise bad_request("'prompt' must not be empty", "prompt", "invalid_value")
+        raise bad_request("'prompt' must be a string, a list of strings, a list of token ids (integers >= 0) "
+                          "or a list of such lists", "prompt", "invalid_type")
+
+
+def _is_token(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, where: str) -> str:
+        """The content as one string: a list of {"type": "text", "text": ...} parts is joined (images and
+        audio are not supported)."""
+        c = self.content
+        if isinstance(c, str):
+            return c
+        if c is None:
+            raise bad_request(f"'{where}.content' is required (tool calls are not supported)",
+                              f"{where}.content", "invalid_value")
+        parts = []
+        for j, part in enumerate(c):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}.content[{j}]': only text parts ({{\"type\": \"text\", \"text\": "
+                                  f"...}}) are supported, got type {part.get('type')!r}",
+                                  f"{where}.content[{j}]", "invalid_value")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True  # vLLM: end the template with the assistant's turn header
+    add_special_tokens: bool = False  # vLLM: the template already has them
+
+    def conversation(self) -> list[dict[str, str]]:
+        """[{"role", "content"}] for the chat template; roles and contents checked, naming the message."""
+        if not self.messages:
+            raise bad_request("'messages' must contain at least one message", "messages", "invalid_value")
+        conv = []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if m.role not in ROLES:
+                raise bad_request(f"'{where}.role': unknown role {m.role!r} (expected one of {', '.join(ROLES)})",
+                                  f"{where}.role", "invalid_value")
+            if (m.model_extra or {}).get("tool_calls"):
+                raise bad_request(f"'{where}.tool_calls': tool calls are not supported", f"{where}.tool_calls",
+                                  "unsupported_parameter")
+            msg = {"role": m.role, "content": m.text(where)}
+            if m.name is not None:
+                msg["name"] = m.name
+            conv.append(msg)
+        return conv
+
+    def output_limit(self) -> tuple[int | None, str]:
+        """max_completion_tokens, else max_tokens, and the field it came from (for error messages)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class TokenizeRequest(_Request):
+    """{"prompt": text} or {"messages": [...]} (chat template applied)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses -------------------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it (None for EOS)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """Only what changed: {"role": "assistant", "content": ""} first, then {"content": ...}, {} at the end."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _changed_only(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tdpipe"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

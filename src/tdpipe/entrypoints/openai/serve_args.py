@@ -1,0 +1,106 @@
+"""The `tdpipe serve` command line: ServerConfig and the flags that fill it. Light on purpose (no FastAPI,
+no torch): every `tdpipe` command builds this parser; the server itself is imported only to serve."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tdpipe.entrypoints.args import add_engine_args
+
+
+@dataclass
+class ServerConfig:
+    """What the HTTP layer needs; build_app reads the first four, `serve` the rest."""
+
+    served_model_name: str | None = None  # None: the engine's model_name (the model folder's name)
+    api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <api_key>"
+    max_waiting_requests: int = 1024  # a request that would queue beyond this gets 503 + Retry-After
+    max_request_body_bytes: int = 8 << 20  # larger bodies get 413 (Content-Length and the bytes read)
+    host: str = "127.0.0.1"  # loopback only unless asked
+    port: int = 8000
+    shutdown_grace_s: float = 30.0  # on SIGTERM/Ctrl-C: how long requests in flight may take to finish
+    access_log: bool = True  # uvicorn's one line per request
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (omit it to serve without a key)")
+        for name in ("max_waiting_requests", "max_request_body_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    d = ServerConfig()
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+        description="Serve the model over HTTP with OpenAI's API: POST /v1/completions, /v1/chat/completions "
+                    "(streaming with stream=true), GET /v1/models, /health, /metrics (Prometheus), POST "
+                    "/tokenize, /detokenize. Listens on 127.0.0.1 unless --host says otherwise. SIGTERM or "
+                    "Ctrl-C stops accepting, lets requests in flight finish for up to --shutdown-grace "
+                    "seconds, aborts the rest and exits 0. See docs/serving.md.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}: this machine only; "
+                                                  "0.0.0.0 exposes the server to the network)")
+    g.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port}; 0 picks a free one)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TDPIPE_API_KEY if "
+                        "set, else no key; the variable keeps the key out of `ps`)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and /v1/models lists (default: the model folder's name)")
+    g.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
+                   help="requests allowed to wait for a batch slot; beyond it new requests get 503 with "
+                        f"Retry-After (default {d.max_waiting_requests})")
+    g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help=f"larger request bodies get 413 (default {d.max_request_body_bytes})")
+    g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long requests in flight may take to finish before they are "
+                        f"aborted (default {d.shutdown_grace_s:g})")
+    g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_serve)
+
+
+def server_config(a: argparse.Namespace) -> ServerConfig:
+    key = a.api_key if a.api_key is not None else os.environ.get("TDPIPE_API_KEY") or None
+    return ServerConfig(served_model_name=a.served_model_name, api_key=key,
+                        max_waiting_requests=a.max_waiting_requests,
+                        max_request_body_bytes=a.max_request_body_bytes, host=a.host, port=a.port,
+                        shutdown_grace_s=a.shutdown_grace, access_log=not a.no_access_log)
+
+
+def engine_config(a: argparse.Namespace) -> Any:
+    """The EngineConfig the engine flags describe (the same mapping `LLM(...)` applies to them)."""
+    from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from tdpipe.entrypoints.args import engine_kwargs
+
+    k = engine_kwargs(a)
+    return EngineConfig(
+        model=k["model"], dtype=k["dtype"], seed=k["seed"], num_threads=k["num_threads"], trace=k["trace"],
+        record_history=k["record_history"],
+        cache=CacheConfig(block_size=k["block_size"], kv_cache_memory=k["kv_cache_memory"],
+                          num_blocks=k["num_kv_blocks"]),
+        scheduler=SchedulerConfig(policy=k["scheduler"], max_num_seqs=k["max_num_seqs"],
+                                  max_num_batched_tokens=k["max_num_batched_tokens"],
+                                  max_model_len=k["max_model_len"] or 0, throttle_T=k["throttle_T"],
+                                  max_prefill_tokens=k["max_prefill_tokens"],
+                                  min_prefill_tokens=k["min_prefill_tokens"], kv_thresh=k["kv_thresh"],
+                                  future_point_step=k["future_points"][0], future_point_max=k["future_points"][1],
+                                  switch_to_decode=k["switch_to_decode"], switch_to_prefill=k["switch_to_prefill"],
+                                  work_stealing=k["work_stealing"], predictor=k["predictor"],
+                                  profile_cache=k["profile_cache"]),
+        parallel=ParallelConfig(pipeline_parallel_size=k["pipeline_parallel_size"],
+                                layer_partition=k["layer_partition"], threads_per_stage=k["threads_per_stage"]),
+    )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tdpipe.entrypoints.openai.api_server import run_server
+
+    return run_server(server_config(a), engine_config(a))  # both checked before the port is taken

@@ -1,0 +1,371 @@
+"""What completions and chat share: a validated request becomes SamplingParams and prompt token ids, passes
+admission control, and drives `AsyncLLM.generate`; the outputs come back as one response or an SSE stream.
+
+Every path that stops early (a client that hangs up, an error in one prompt of a batch, a server shutting
+down) closes the engine's generators, which aborts the requests in the core and frees their KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tdpipe.entrypoints.openai.errors import EngineDeadError, OpenAIError, bad_request, engine_dead, error_json
+from tdpipe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest
+from tdpipe.outputs import RequestOutput
+from tdpipe.sampling.params import SamplingParams
+
+log = logging.getLogger("tdpipe.serve")
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Item:
+    """One prompt of a request: one choice of the response and one request in the engine."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None  # for echo; decoded from the ids when the prompt came as ids
+
+
+@dataclass
+class Prepared:
+    """A request that passed validation, ready to run."""
+
+    request_id: str
+    model: str
+    items: list[Item]
+    stream: bool
+    include_usage: bool = False
+    continuous_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Admission:
+    """Bounds the requests queued in this server (--max-waiting-requests): a request that would make the
+    queue longer gets 503 + Retry-After instead of waiting in memory.
+
+    Waiting = the larger of the engine's waiting queue (its last snapshot, one step old) and what this server
+    knows without delay: its requests that have no output token yet, and its open requests beyond the most
+    the engine can run at once (max_num_seqs)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.unstarted = 0  # accepted, no output token yet
+        self.open = 0  # accepted, not finished
+
+    def waiting(self, engine: Any) -> int:
+        try:
+            engine_waiting = int(engine.stats().get("num_waiting", 0))
+        except Exception:  # noqa: BLE001 - a dying engine: the local counts still hold
+            engine_waiting = 0
+        return max(engine_waiting, self.unstarted, self.open - int(getattr(engine, "max_num_seqs", 0) or 0))
+
+    def admit(self, engine: Any, n: int) -> list["Ticket"]:
+        waiting = self.waiting(engine)
+        if waiting + n > self.limit:
+            raise OpenAIError(503, f"the server is busy: {waiting} requests are waiting (at most {self.limit}, "
+                              "--max-waiting-requests); retry later", code="server_busy",
+                              headers={"Retry-After": "1"})
+        return [Ticket(self) for _ in range(n)]
+
+
+class Ticket:
+    """One admitted prompt's place in the counts; `release` is idempotent and also runs when the ticket is
+    garbage-collected, so no path (a cancelled task, a response never sent) leaves a count behind."""
+
+    __slots__ = ("adm", "unstarted", "open")
+
+    def __init__(self, adm: Admission) -> None:
+        self.adm = adm
+        self.unstarted = self.open = True
+        adm.unstarted += 1
+        adm.open += 1
+
+    def started(self) -> None:
+        if self.unstarted:
+            self.unstarted = False
+            self.adm.unstarted -= 1
+
+    def release(self) -> None:
+        self.started()
+        if self.open:
+            self.open = False
+            self.adm.open -= 1
+
+    __del__ = release
+
+
+class OpenAIServing:
+    """Shared by the completions and chat handlers: engine access, parameter building, running, streaming."""
+
+    def __init__(self, get_engine: Callable[[], Any], config: Any, metrics: ServerMetrics) -> None:
+        self.get_engine = get_engine
+        self.config = config
+        self.metrics = metrics
+        self.admission = Admission(config.max_waiting_requests)
+        self._warned: set[str] = set()
+
+    # -- engine and model ------------------------------------------------------------------------------
+    def engine(self) -> Any:
+        """The engine, or 503 while it starts or after its core died."""
+        eng = self.get_engine()
+        if eng is None or not getattr(eng, "ready", True):
+            raise OpenAIError(503, "the engine is starting; retry shortly", code="engine_starting",
+                              headers={"Retry-After": "5"})
+        if getattr(eng, "dead_reason", None):
+            raise engine_dead(eng.dead_reason)
+        return eng
+
+    def served_name(self, eng: Any | None = None) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        eng = eng if eng is not None else self.get_engine()
+        return getattr(eng, "model_name", None) or "tdpipe"
+
+    def check_model(self, model: str | None, eng: Any) -> str:
+        """404 unless `model` is omitted or the served name."""
+        name = self.served_name(eng)
+        if model is not None and model != name:
+            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{name}'", "model",
+                              "model_not_found")
+        return name
+
+    def warn_ignored(self, fields: list[str]) -> None:
+        new = [f for f in fields if f not in self._warned]
+        if new:
+            self._warned.update(new)
+            log.warning("ignoring unknown request fields (logged once per name): %s", ", ".join(new))
+
+    # -- parameters ------------------------------------------------------------------------------------
+    def common_checks(self, req: _GenerationRequest, eng: Any) -> str:
+        name = self.check_model(req.model, eng)
+        self.warn_ignored(req.unknown_fields())
+        req.check_stream_options()
+        if req.n is not None and req.n != 1:
+            if req.n > 1:
+                raise bad_request("n > 1 is not supported yet", "n", "unsupported_parameter")
+            raise bad_request(f"n must be >= 1, got {req.n}", "n", "invalid_value")
+        return name
+
+    @staticmethod
+    def sampling_params(req: _GenerationRequest, max_tokens: int | None, max_field: str) -> SamplingParams:
+        """SamplingParams from the request's fields (its ValueError, naming the field, becomes a 400)."""
+        kw = req.sampling_kwargs()
+        kw.pop("n", None)
+        try:
+            return SamplingParams(**kw, max_tokens=max_tokens)
+        except ValueError as e:
+            raise _sampling_error(e, max_field) from None
+
+    @staticmethod
+    def fit(eng: Any, ids: list[int], sp: SamplingParams, max_field: str, prompt_field: str) -> SamplingParams:
+        """The params with max_tokens set: what fits after the prompt when the request left it null; a 400
+        when the prompt, or the prompt plus max_tokens, exceeds max_model_len."""
+        n, limit = len(ids), int(eng.max_model_len)
+        if n == 0:
+            raise bad_request(f"'{prompt_field}' is empty: at least one token is needed", prompt_field,
+                              "invalid_value")
+        if n >= limit:
+            raise bad_request(f"'{prompt_field}' has {n} tokens, but this model's maximum context length is "
+                              f"{limit} tokens (max_model_len) and the prompt must leave room for at least one "
+                              "output token", prompt_field, "context_length_exceeded")
+        if sp.max_tokens is None:
+            try:
+                return dataclasses.replace(sp, max_tokens=limit - n)
+            except ValueError as e:  # min_tokens above what fits
+                raise _sampling_error(e, max_field) from None
+        if n + sp.max_tokens > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but {n + sp.max_tokens} "
+                              f"were requested ({n} in the {prompt_field}, {sp.max_tokens} in the completion); "
+                              f"reduce the {prompt_field} or '{max_field}'", max_field, "context_length_exceeded")
+        return sp
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    # -- running ---------------------------------------------------------------------------------------
+    def start(self, eng: Any, prep: Prepared, prompt_field: str) -> "Run":
+        """Admit the request (503 when the queue is full) and return its run; the caller must close it."""
+        tickets = self.admission.admit(eng, len(prep.items))
+        return Run(self, eng, prep, tickets, prompt_field)
+
+    async def until_disconnect(self, receive: Receive, work: Any) -> Any:
+        """Await `work` (a coroutine), but cancel it if the client hangs up first (its generators close, which
+        aborts its requests). Returns None then: nobody is left to answer."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (watch, task):
+                t.cancel()
+            await asyncio.gather(watch, task, return_exceptions=True)
+        if task.cancelled():
+            log.info("client disconnected: request aborted")
+            return None
+        return task.result()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+
+class Run:
+    """The engine requests of one HTTP request: iterate `outputs()` for (choice index, RequestOutput) as they
+    advance, from all prompts at once; `close()` aborts whatever has not finished and releases admission."""
+
+    def __init__(self, serving: OpenAIServing, eng: Any, prep: Prepared, tickets: list[Ticket],
+                 prompt_field: str) -> None:
+        self.serving = serving
+        self.eng = eng
+        self.prep = prep
+        self.tickets = tickets
+        self.prompt_field = prompt_field
+
+    def close(self) -> None:
+        for t in self.tickets:
+            t.release()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        gens = [self._one(it, self.tickets[k]) for k, it in enumerate(self.prep.items)]
+        try:
+            async with contextlib.aclosing(_merge(gens)) as merged:
+                async for x in merged:
+                    yield x
+        finally:
+            self.close()
+
+    async def _one(self, it: Item, ticket: Ticket) -> AsyncIterator[tuple[int, RequestOutput]]:
+        timer: RequestTimer = self.serving.metrics.timer()
+        try:
+            async with contextlib.aclosing(self.eng.generate(it.prompt_ids, it.params, it.request_id)) as gen:
+                async for out in gen:
+                    ticket.started()
+                    c = out.outputs[0]
+                    timer.tokens_seen(len(c.token_ids))
+                    if out.finished:
+                        if c.finish_reason not in ("stop", "length"):
+                            raise OpenAIError(503 if c.finish_reason == "abort" else 500,
+                                              f"the request ended without an answer (finish_reason "
+                                              f"{c.finish_reason!r}{': ' + out.error if out.error else ''})",
+                                              code="request_aborted")
+                        timer.finished(c.finish_reason)
+                    yield it.index, out
+        except EngineDeadError as e:
+            raise engine_dead(e) from None
+        except ValueError as e:  # the engine refused the request before its first output
+            raise bad_request(str(e), self.prompt_field, "invalid_value") from None
+        finally:
+            ticket.release()
+
+
+async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """Items of several async generators as they come; the first error ends all of them. One generator is
+    iterated directly (no task, no queue: the common case costs nothing extra)."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0]) as g:
+            async for x in g:
+                yield x
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(g: AsyncIterator[Any]) -> None:
+        try:
+            async with contextlib.aclosing(g):
+                async for x in g:
+                    q.put_nowait((x, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((None, e))
+            return
+        q.put_nowait((end, None))
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        left = len(tasks)
+        while left:
+            x, err = await q.get()
+            if err is not None:
+                raise err
+            if x is end:
+                left -= 1
+                continue
+            yield x
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def _sampling_error(e: ValueError, max_field: str) -> OpenAIError:
+    from tdpipe.entrypoints.openai.errors import from_sampling_error
+
+    return from_sampling_error(e, {"max_tokens": max_field})
+
+
+def sse(obj: BaseModel) -> bytes:
+    return b"data: " + obj.model_dump_json().encode() + b"\n\n"
+
+
+def sse_error(e: BaseException) -> bytes:
+    """An error as an SSE event: the `openai` client raises an APIError with its message."""
+    if isinstance(e, OpenAIError):
+        body = error_json(e.status, e.message, e.param, e.code)
+    else:
+        log.exception("error while streaming", exc_info=e)
+        body = error_json(500, f"internal error while streaming: {type(e).__name__}: {e}")
+    return b"data: " + body.encode() + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream that notices a client hanging up even while no token is due (the request is still
+    queued): a watcher on `receive` cancels the stream, whose generators close and abort their requests.
+    `on_close` runs in every case, even if the stream never started."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self._send_all(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (watch, stream):
+                t.cancel()
+            await asyncio.gather(watch, stream, return_exceptions=True)
+            self.on_close()
+        if stream.cancelled():
+            log.info("client disconnected mid-stream: request aborted")
+
+    async def _send_all(self, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,102 @@
+"""POST /v1/chat/completions: messages through the model's chat template (add_generation_prompt=True) ->
+a chat.completion object or its SSE stream of chat.completion.chunk deltas."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
+from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                                ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
+                                                DeltaMessage)
+from tdpipe.entrypoints.openai.serving import DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse, sse_error
+from tdpipe.tokenizer import chat_prompt
+
+
+def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: bool,
+                   add_special_tokens: bool) -> list[int]:
+    """The conversation's prompt token ids; a template that rejects it (roles out of order...) is a 400."""
+    try:
+        text, ids = chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception
+        raise bad_request(f"the model's chat template rejected 'messages': {' '.join(str(e).split())}",
+                          "messages", "invalid_value") from None
+    return tok.encode(text, add_special_tokens=True) if add_special_tokens else ids
+
+
+class ChatServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.s = serving
+
+    def prepare(self, req: ChatCompletionRequest, eng: Any) -> Prepared:
+        name = self.s.common_checks(req, eng)
+        max_tokens, max_field = req.output_limit()
+        sp = self.s.sampling_params(req, max_tokens, max_field)
+        conv = req.conversation()
+        ids = apply_template(eng.tokenizer, conv, req.add_generation_prompt, req.add_special_tokens)
+        params = self.s.fit(eng, ids, sp, max_field, "messages")
+        rid = self.s.new_id("chatcmpl")
+        so = req.stream_options
+        return Prepared(rid, name, [Item(0, rid, ids, params)], req.stream,
+                        include_usage=bool(so and so.include_usage),
+                        continuous_usage=bool(so and so.continuous_usage_stats))
+
+    async def handle(self, req: ChatCompletionRequest, raw: Request) -> Response | None:
+        eng = self.s.engine()
+        prep = self.prepare(req, eng)
+        run = self.s.start(eng, prep, "messages")
+        if prep.stream:
+            return SSEResponse(self._stream(prep, run), on_close=run.close)
+        try:
+            body = await self.s.until_disconnect(raw.receive, self._full(prep, run))
+        finally:
+            run.close()
+        return None if body is None else JSONResponse(body)
+
+    async def _full(self, prep: Prepared, run: Run) -> dict:
+        last = None
+        async for _, out in run.outputs():
+            last = out
+        c = last.outputs[0]
+        choice = ChatChoice(index=0, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason)
+        usage = self.s.usage(len(prep.items[0].prompt_ids), len(c.token_ids))
+        return ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
+                                      choices=[choice], usage=usage).model_dump()
+
+    async def _stream(self, prep: Prepared, run: Run) -> AsyncIterator[bytes]:
+        sent = 0
+        tokens = 0
+        prompt_tokens = len(prep.items[0].prompt_ids)
+
+        def chunk(choices: list[ChatStreamChoice], usage: bool) -> ChatCompletionChunk:
+            c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model, choices=choices)
+            if usage:
+                c.usage = self.s.usage(prompt_tokens, tokens)
+            return c
+
+        try:
+            # the role first, as OpenAI does: a client sees the answer begin before the first token
+            yield sse(chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""),
+                                              logprobs=None, finish_reason=None)], prep.continuous_usage))
+            async for _, out in run.outputs():
+                c = out.outputs[0]
+                tokens = len(c.token_ids)
+                delta = c.text[sent:]
+                if not delta and not out.finished:
+                    continue  # held back: a possible stop string or a split character
+                sent = len(c.text)
+                choice = ChatStreamChoice(index=0, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                                          logprobs=None, finish_reason=c.finish_reason if out.finished else None)
+                if out.finished:
+                    choice.stop_reason = c.stop_reason
+                yield sse(chunk([choice], prep.continuous_usage))
+            if prep.include_usage:
+                yield sse(chunk([], True))
+        except OpenAIError as e:
+            yield sse_error(e)
+        except Exception as e:  # noqa: BLE001 - a bug must end the stream visibly, not hang the client
+            yield sse_error(e)
+        yield DONE

@@ -1,0 +1,124 @@
+"""POST /v1/completions: a prompt (text or token ids; a list of them is a batch, one choice each, as in
+OpenAI and vLLM) -> a text_completion object or its SSE stream."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
+from tdpipe.entrypoints.openai.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
+from tdpipe.entrypoints.openai.serving import DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse, sse_error
+
+
+class CompletionServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.s = serving
+
+    def prepare(self, req: CompletionRequest, eng: Any) -> Prepared:
+        name = self.s.common_checks(req, eng)
+        prompts = req.prompts()
+        sp = self.s.sampling_params(req, req.max_tokens, "max_tokens")
+        rid = self.s.new_id("cmpl")
+        tok = eng.tokenizer
+        items = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("'prompt' must not be an empty string", "prompt", "invalid_value")
+                ids, text = tok.encode(p, add_special_tokens=req.add_special_tokens), p
+            else:
+                _check_vocab(tok, p)
+                ids, text = p, None
+            params = self.s.fit(eng, ids, sp, "max_tokens", "prompt")
+            items.append(Item(i, rid if len(prompts) == 1 else f"{rid}-{i}", ids, params, text))
+        if req.echo:
+            for it in items:
+                if it.prompt_text is None:
+                    it.prompt_text = _decode(tok, it.prompt_ids)
+        so = req.stream_options
+        return Prepared(rid, name, items, req.stream, include_usage=bool(so and so.include_usage),
+                        continuous_usage=bool(so and so.continuous_usage_stats))
+
+    async def handle(self, req: CompletionRequest, raw: Request) -> Response | None:
+        eng = self.s.engine()
+        prep = self.prepare(req, eng)
+        echo = req.echo
+        run = self.s.start(eng, prep, "prompt")
+        if prep.stream:
+            return SSEResponse(self._stream(prep, run, echo), on_close=run.close)
+        try:
+            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo))
+        finally:
+            run.close()
+        return None if body is None else JSONResponse(body)
+
+    async def _full(self, prep: Prepared, run: Run, echo: bool) -> dict:
+        last: dict[int, Any] = {}
+        async for i, out in run.outputs():
+            last[i] = out
+        choices = []
+        completion_tokens = 0
+        for it in prep.items:
+            c = last[it.index].outputs[0]
+            completion_tokens += len(c.token_ids)
+            text = (it.prompt_text or "") + c.text if echo else c.text
+            choices.append(CompletionChoice(index=it.index, text=text, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
+        usage = self.s.usage(sum(len(it.prompt_ids) for it in prep.items), completion_tokens)
+        return CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model, choices=choices,
+                                  usage=usage).model_dump()
+
+    async def _stream(self, prep: Prepared, run: Run, echo: bool) -> AsyncIterator[bytes]:
+        n = len(prep.items)
+        sent = [0] * n  # characters of each choice's text already sent
+        tokens = [0] * n
+        prompt_tokens = sum(len(it.prompt_ids) for it in prep.items)
+
+        def chunk(choices: list[CompletionChoice], usage: bool) -> CompletionChunk:
+            c = CompletionChunk(id=prep.request_id, created=prep.created, model=prep.model, choices=choices)
+            if usage:
+                c.usage = self.s.usage(prompt_tokens, sum(tokens))
+            return c
+
+        try:
+            if echo:
+                yield sse(chunk([CompletionChoice(index=it.index, text=it.prompt_text or "", logprobs=None,
+                                                  finish_reason=None) for it in prep.items], False))
+            async for i, out in run.outputs():
+                c = out.outputs[0]
+                tokens[i] = len(c.token_ids)
+                delta = c.text[sent[i]:]
+                if not delta and not out.finished:
+                    continue  # tokens whose text is held back (a possible stop string, a split character)
+                sent[i] = len(c.text)
+                choice = CompletionChoice(index=i, text=delta, logprobs=None,
+                                          finish_reason=c.finish_reason if out.finished else None)
+                if out.finished:
+                    choice.stop_reason = c.stop_reason
+                yield sse(chunk([choice], prep.continuous_usage))
+            if prep.include_usage:
+                yield sse(chunk([], True))
+        except OpenAIError as e:
+            yield sse_error(e)
+        except Exception as e:  # noqa: BLE001 - a bug must end the stream visibly, not hang the client
+            yield sse_error(e)
+        yield DONE
+
+
+def _check_vocab(tok: Any, ids: list[int]) -> None:
+    """Token ids the tokenizer does not know are a 400 here, before any stream starts."""
+    size = len(tok)
+    bad = next((t for t in ids if t >= size), None)
+    if bad is not None:
+        raise bad_request(f"'prompt' has token id {bad}, outside the vocabulary (ids are in [0, {size}))",
+                          "prompt", "invalid_value")
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    try:
+        return tok.decode(ids)
+    except Exception as e:  # noqa: BLE001 - ids outside the vocabulary
+        raise bad_request(f"'prompt' has token ids the tokenizer cannot decode: {e}", "prompt",
+                          "invalid_value") from None

@@ -289,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tdpipe.sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
+    __import__("tdpipe.entrypoints.openai.serve_args", fromlist=["add_parser"]).add_parser(sub)
     return p
 
 

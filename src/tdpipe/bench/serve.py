@@ -455,7 +455,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
                    help="replay a recorded history (--record-history) through the chat template")
     g.add_argument("--history-split", default="test", choices=["all", "train", "val", "test"],
                    help="which part of the predictor's 60/20/20 split --history replays (default test)")
-    g.add_argument("--seed", "--workload-seed", dest="workload_seed", type=int, default=0,
+    g.add_argument("--seed", "--workload-seed", dest="workload_seed", type=int, default=0, metavar="N",
                    help="seed of the synthetic workload and of the arrival times")
     g.add_argument("--model", default=None,
                    help="local model folder or .gguf whose vocabulary and tokenizer build the prompts (default: "

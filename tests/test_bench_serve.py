@@ -523,3 +523,21 @@ def test_launch_refuses_a_busy_port(tmp_path, model_dir, capsys):
         assert bench(["--launch", "--launch-command", "false", "--base-url", stub.url, "--model", model_dir,
                       "--input-len", "4", "--output-len", "2"]) == 2
     assert "already listens" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_launch_real_tdpipe_serve(tmp_path, capsys):
+    """The whole path with the real server: `tdpipe serve` started by --launch on the bundled model, greedy
+    ignore_eos requests whose usage counts are exactly the workload's, then a SIGTERM it must obey (exit 0,
+    no stage or engine process left)."""
+    out_json = tmp_path / "real.json"
+    rc = bench(["--launch", "--base-url", f"http://127.0.0.1:{_free_port()}/v1", "--input-len", "8",
+                "--output-len", "4", "--num-prompts", "3", "--request-rate", "inf", "--json", str(out_json),
+                "--server-log", str(tmp_path / "serve.log"), "--", "--kv-cache-memory", "64MiB"])
+    assert rc == 0, capsys.readouterr().err + (tmp_path / "serve.log").read_text()[-3000:]
+    run = json.loads(out_json.read_text())["runs"][0]
+    assert run["label"] == "separate pp=1"
+    assert run["server"]["launch"]["clean_exit"] and run["server"]["launch"]["exit_code"] == 0
+    m = run["results"][0]
+    assert (m["completed"], m["failed"], m["output_len_mismatch"]) == (3, 0, 0)
+    assert m["output_tokens"] == 12 and m["input_tokens"] == 24

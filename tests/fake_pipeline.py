@@ -2,8 +2,8 @@
 
 Time is simulated: a micro-batch holds each of the pp stages for `cost(batch)` seconds, in stage order; a
 stage starts it once the previous stage is done with it and it is free. The loop is the engine's: keep up
-to pp micro-batches in flight, complete the oldest (sample a token for every row whose prefill is done),
-hand it back to the scheduler. Invariants are checked on every batch.
+to pp micro-batches in flight, complete the oldest (a token for every row of batch.sampled_rows()) and hand
+it to the scheduler's update_from_output, as the engine does. Invariants are checked on every batch.
 """
 from __future__ import annotations
 
@@ -85,14 +85,7 @@ def run(sched, bm, seqs: list[Sequence], arrivals: list[float], pp: int, max_ste
             continue
         batch, done = in_flight.popleft()
         log.clock = max(log.clock, done)
-        for s, n in zip(batch.seqs, batch.num_new_tokens):
-            s.num_computed_tokens += n
-            if s.num_computed_tokens == s.num_tokens:  # prefill complete or decode: a token is sampled
-                s.output_token_ids.append(7)
-                if len(s.output_token_ids) >= s.max_tokens:
-                    s.status = SequenceStatus.FINISHED
-                    log.finished.append(s)
-        sched.on_result(batch)
+        log.finished += sched.update_from_output(batch, [7] * len(batch.sampled_rows()))
     return log
 
 

@@ -5,7 +5,7 @@ from tdpipe.config import SchedulerConfig
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler import make_scheduler
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sequence import Sequence, SequenceStatus
+from tdpipe.sequence import Sequence
 
 
 def run_fake(sched, bm, seqs, arrivals=None, max_steps=100_000):
@@ -32,13 +32,8 @@ def run_fake(sched, bm, seqs, arrivals=None, max_steps=100_000):
             assert batch.num_tokens <= sched.config.max_num_batched_tokens or len(batch.seqs) == 1
         for s, n in zip(batch.seqs, batch.num_new_tokens):
             assert len(s.block_table) * bm.block_size >= s.num_computed_tokens + n
-            s.num_computed_tokens += n
-            s.output_token_ids.append(7)
-            if len(s.output_token_ids) >= s.max_tokens:
-                s.status = SequenceStatus.FINISHED
-                finished.append(s)
         assert len(sched.running) <= sched.config.max_num_seqs
-        sched.on_result(batch)
+        finished += sched.update_from_output(batch, [7] * len(batch.sampled_rows()))
     return finished, kinds
 
 
@@ -79,10 +74,7 @@ def test_prompt_longer_than_the_budget_runs_alone():
     sizes = []
     while (b := sched.schedule()) is not None and b.is_prefill:
         sizes.append(b.num_new_tokens)
-        for s, n in zip(b.seqs, b.num_new_tokens):
-            s.num_computed_tokens += n
-            s.output_token_ids.append(7)
-        sched.on_result(b)
+        sched.update_from_output(b, [7] * len(b.sampled_rows()))
     assert sizes == [[20], [30], [5, 5]]
 
 

@@ -34,14 +34,7 @@ def _check_batch(sched, bm, batch, running_before, in_flight_ids):
 
 def _complete(sched, batch, log):
     """The engine's protocol: KV grows by the chunk; a token is sampled only when the prefill is done."""
-    for s, n in zip(batch.seqs, batch.num_new_tokens):
-        s.num_computed_tokens += n
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_token_ids.append(7)
-            if len(s.output_token_ids) >= s.max_tokens:
-                s.status = SequenceStatus.FINISHED
-                log.finished.append(s)
-    sched.on_result(batch)
+    log.finished += sched.update_from_output(batch, [7] * len(batch.sampled_rows()))
 
 
 def run_pipelined(sched, bm, seqs, depth=1, arrivals=None, max_steps=200_000):

@@ -211,6 +211,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trace: str | None = None  # --trace FILE: per-stage, per-micro-batch timeline (JSON)
     record_history: str | None = None  # --record-history FILE: append each finished request (JSONL)
+    # the timeline (KV usage, per micro-batch submit/result, per stage compute) is kept only when asked for
+    # (collect_trace, or a --trace FILE) and then only its last trace_max_events entries per list: a server
+    # runs for weeks
+    collect_trace: bool = False
+    trace_max_events: int = 1_000_000
 
     DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 
@@ -218,6 +223,9 @@ class EngineConfig:
         _check(self.dtype in self.DTYPES, f"dtype must be one of {self.DTYPES}, got {self.dtype!r}")
         if self.num_threads is not None:
             _check(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _check(self.trace_max_events >= 1, f"trace_max_events must be >= 1, got {self.trace_max_events}")
+        if self.trace:
+            self.collect_trace = True
 
 
 def available_memory() -> int:

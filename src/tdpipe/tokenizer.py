@@ -49,25 +49,43 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]],
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-class Detokenizer:
-    """Finds stop strings in the growing output text without re-decoding the whole output every step."""
+class IncrementalDetokenizer:
+    """The text of a growing output, decoding only a short window per new token (O(1) a step, where decoding
+    the whole output every step is O(n)): the text added is decode(window + new) minus decode(window).
 
-    def __init__(self, tokenizer: Any) -> None:
+    The window starts with the prompt's last tokens, so a tokenizer that drops a word's leading space at the
+    start of a decode (SentencePiece) still gets it. A token that ends inside a multi-byte character decodes
+    to U+FFFD; its text waits until the character is complete."""
+
+    CONTEXT = 5  # prompt tokens in the first window
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_token_ids[-self.CONTEXT:])
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # tokens before this are in `text`
+        self.text = ""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; returns the text they completed (may be empty)."""
+        self.ids.extend(new_ids)
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        delta = now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
 
-    def find_stop(self, ids: list[int], prev_text: str, stops: list[str],
-                  skip_special_tokens: bool) -> tuple[str, str, int] | None:
-        """Decode the output so far and look for a stop string that ends in text added since `prev_text`.
-        Returns (new text, stop, index of the stop) or None (then the caller keeps the new text)."""
-        text = self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-        best: tuple[int, str] | None = None
-        for s in stops:
-            i = text.find(s, max(0, len(prev_text) - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return text, "", -1
-        return text, best[1], best[0]
+
+def find_stop(text: str, old_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string that ends in text added after the first `old_len` characters:
+    (its index, the string), or None."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, old_len - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

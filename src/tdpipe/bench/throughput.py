@@ -194,7 +194,7 @@ def run(a: argparse.Namespace) -> int:
         raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
     if a.compare_pp1 and a.pp <= 1:
         raise ValueError("--compare-pp1 needs --pp > 1")
-    llm = LLM(**engine_kwargs(a))
+    llm = LLM(**engine_kwargs(a), collect_trace=True)  # the bubble ratios come from the trace
     engine = llm.engine
     mc = engine.model_config
     max_model_len = engine.scheduler.config.max_model_len
@@ -273,7 +273,7 @@ def run(a: argparse.Namespace) -> int:
     llm.shutdown()
     if a.compare_pp1:
         kw = engine_kwargs(a) | {"pipeline_parallel_size": 1, "layer_partition": None, "trace": None,
-                                 "num_threads": threads}
+                                 "num_threads": threads, "collect_trace": True}
         with LLM(**kw) as base:
             t1 = _timed_run(base, reqs)
         res["pp1_output_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in t1["outs"]) / t1["elapsed"]

@@ -22,6 +22,13 @@ class Batch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def sampled_rows(self) -> list[int]:
+        """Rows that get a token when this batch returns: their new tokens reach the last known token (a
+        decode, or the last chunk of a prefill). An earlier prefill chunk samples nothing, and neither does a
+        request aborted while the batch was in flight."""
+        return [i for i, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens))
+                if s.num_computed_tokens + n == s.num_tokens and not s.is_finished]
+
 
 @dataclass
 class StepInput:

@@ -1,7 +1,9 @@
-"""The control plane (TD-Pipe §3.2): schedule -> submit -> collect -> sample + update -> emit.
+"""The control plane (TD-Pipe §3.2): schedule -> submit -> collect -> sample -> scheduler.update_from_output.
 
 The engine owns the requests, the page table (BlockManager) and the sampler; an Executor owns the compute.
-It keeps up to `executor.num_stages` micro-batches in flight so a pipeline never waits on the engine.
+It keeps up to `executor.num_stages` micro-batches in flight so a pipeline never waits on the engine. It
+works in token ids: each step returns per-request deltas (core/delta.py); text and stop strings are the
+frontend's (core/output_processor.py).
 """
 from __future__ import annotations
 
@@ -19,16 +21,17 @@ import torch
 
 from tdpipe.config import EngineConfig, ModelConfig, cpu_supports_bf16, default_threads
 from tdpipe.core.batch import Batch, StepInput
+from tdpipe.core.delta import RequestDelta
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.predictor import Predictor, make_predictor
-from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
+from tdpipe.core.scheduler import get_policy, make_scheduler
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.malloc import pin_mmap_threshold
 from tdpipe.model.weights import check_model_folder, load_hf_config
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.sampler import Sampler, draw_keys
 from tdpipe.sequence import Sequence, SequenceStatus
-from tdpipe.tokenizer import Detokenizer, load_tokenizer
+from tdpipe.tokenizer import load_tokenizer
 
 log = logging.getLogger("tdpipe")
 
@@ -48,7 +51,7 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     mixed_steps: int = 0  # hybrid: decodes and prefill chunks in one micro-batch
-    predict_seconds: float = 0.0  # td-pipe: time spent predicting output lengths (batched, as requests arrive)
+    predict_seconds: float = 0.0  # time spent predicting output lengths (batched, as requests arrive)
     predicted: int = 0
     started: float = field(default_factory=time.time)
 
@@ -95,7 +98,6 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(hf)
         self.clock: Callable[[], float] = time.time  # the executor's clock once it exists
         self.tokenizer = load_tokenizer(self.model_path) if executor_factory is None else None
-        self.detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = self._eos_ids(hf)
         self.dtype = resolve_dtype(config.dtype)
         self.pp = config.parallel.pipeline_parallel_size
@@ -126,9 +128,10 @@ class LLMEngine:
             sched.max_model_len = capacity
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, cache.block_size)
+        policy = get_policy(sched.policy)  # what the policy needs: a length predictor, measured step costs
         self.predictor = make_predictor(sched.predictor, self.model_path)
-        # a learned predictor encodes prompts in batches as they arrive (td-pipe is the only policy that asks)
-        self._batched = sched.policy == "td-pipe" and self.predictor.batched
+        # a learned predictor encodes prompts in batches as they arrive, for the policies that ask for lengths
+        self._batched = policy.needs_predictor and self.predictor.batched
         self._unpredicted: deque[Sequence] = deque()
         for p in (self.predictor, getattr(self.predictor, "fallback", None)):
             if hasattr(p, "text_of"):
@@ -140,6 +143,7 @@ class LLMEngine:
                 os.path.normpath(self.model_path)))
         self.scheduler = make_scheduler(sched, self.block_manager,
                                         predictor=_BatchOnMiss(self) if self._batched else self.predictor)
+        self.scheduler.eos_token_ids = frozenset(self.eos_token_ids)
         if executor_factory is None:
             self.executor = self._make_executor(num_blocks)
         else:
@@ -155,12 +159,13 @@ class LLMEngine:
         self._inflight: deque[Batch] = deque()
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id (abort_request looks them up)
         self._closed = False
+        self.tracing = config.collect_trace
         self.trace_start = self.clock()
-        self.kv_trace: list[tuple[float, float]] = []  # (time, KV usage) for plots (TD-Pipe Fig. 12)
-        self.engine_trace: list[dict] = []  # per micro-batch: submit and result times
-        self._stage_events: list[list[dict]] = [[] for _ in range(self.pp)]
+        self.kv_trace: deque[tuple[float, float]] = self._bounded()  # (time, KV usage): TD-Pipe Fig. 12
+        self.engine_trace: deque[dict] = self._bounded()  # per micro-batch: submit and result times
+        self._stage_events: list[deque[dict]] = [self._bounded() for _ in range(self.pp)]
         torch.manual_seed(config.seed)
-        if isinstance(self.scheduler, TDPipeScheduler) and self.scheduler.to_prefill[0].endswith("intensity"):
+        if policy.wants_step_costs(sched):
             from tdpipe.core.step_profile import load_or_measure, measure
 
             # Eq. 1-2 on measured costs (a simulated executor is profiled afresh: its clock is the cost model)
@@ -243,7 +248,7 @@ class LLMEngine:
                              "(the prompt must leave room for at least one output token)")
         room = max_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        if self.detok is None and params.stop:
+        if self.tokenizer is None and params.stop:  # they would never match: no output processor can decode
             raise ValueError("stop strings need a tokenizer; this engine has none (simulated)")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, prompt=text,
                        max_tokens=max_tokens, arrival_time=self.clock())
@@ -287,8 +292,10 @@ class LLMEngine:
             raise RuntimeError("this engine was shut down; create a new LLM")
 
     # -- abort ---------------------------------------------------------------------------------------
-    def abort_request(self, request_ids: str | list[str]) -> list[Sequence]:
+    def abort_request(self, request_ids: str | list[str], reason: str = "abort") -> list[Sequence]:
         """Finish these requests now with finish_reason "abort" (unknown or finished ids are ignored).
+        reason="stop": the frontend found a stop string; the request counts as finished normally (the
+        predictor learns its length, --record-history records it).
 
         A waiting or idle running request leaves its queue and frees its KV blocks at once. One inside a
         micro-batch still in flight keeps its blocks until that batch returns (the stages may still write
@@ -302,7 +309,9 @@ class LLMEngine:
             if seq is None or seq.is_finished:
                 continue
             seq.status = SequenceStatus.FINISHED
-            seq.finish_reason, seq.finish_time = "abort", now
+            seq.finish_reason, seq.finish_time = reason, now
+            if reason != "abort":
+                self._observe(seq)
             if not seq.in_flight:
                 self.scheduler.abort(seq)
                 self.executor.release([seq.seq_id])
@@ -337,9 +346,10 @@ class LLMEngine:
         return seqs
 
     # -- the loop ------------------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
+    def step(self) -> list[RequestDelta]:
         """Keep the pipeline full (up to pp micro-batches in flight), then complete the oldest one.
-        Returns the sequences that finished in it (not those aborted meanwhile: abort_request returned them)."""
+        Returns a delta for every request that got a token in it (aborted requests get none: abort_request
+        returned them)."""
         self._check_open()
         if self._unpredicted and not self._inflight:
             self._predict_pending()
@@ -347,9 +357,10 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            now = self.clock()
-            self.engine_trace.append({"batch_id": batch.batch_id, "submit": now})
-            self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
+            if self.tracing:
+                now = self.clock()
+                self.engine_trace.append({"batch_id": batch.batch_id, "submit": now})
+                self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
             self.executor.submit(self._to_step(batch))
             self._inflight.append(batch)
         if self._unpredicted and self._inflight:
@@ -361,11 +372,12 @@ class LLMEngine:
         result = self.executor.collect()
         batch = self._inflight.popleft()  # after collect: an interrupted wait leaves the batch in flight
         aborted = [s.seq_id for s in batch.seqs if s.is_finished]  # while in flight: result dropped
-        finished = self._finish(batch, result)
-        self.engine_trace[-len(self._inflight) - 1]["done"] = self.clock()
+        deltas, finished = self._finish(batch, result)
+        if self.tracing:
+            self.engine_trace[-len(self._inflight) - 1]["done"] = self.clock()
         if finished or aborted:
             self.executor.release([s.seq_id for s in finished] + aborted)
-        return finished
+        return deltas
 
     def _to_step(self, batch: Batch) -> StepInput:
         step = StepInput.from_batch(batch)
@@ -373,36 +385,26 @@ class LLMEngine:
                             and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in batch.seqs]
         return step
 
-    def _finish(self, batch: Batch, result: StepResult) -> list[Sequence]:
-        seqs = batch.seqs
+    def _finish(self, batch: Batch, result: StepResult) -> tuple[list[RequestDelta], list[Sequence]]:
         # decode rows: one new token over a cached prefix (the rest is prompt being prefilled)
-        n_decode = sum(1 for s, n in zip(seqs, batch.num_new_tokens) if n == 1 and s.num_computed_tokens > 0)
-        for seq, n in zip(seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        # a prefill chunk that does not reach the end of the prompt samples nothing (chunked policies)
-        rows = [i for i, s in enumerate(seqs) if s.num_computed_tokens == s.num_tokens and not s.is_finished]
-        every = len(rows) == len(seqs)
-        seqs = [seqs[i] for i in rows]
+        n_decode = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens)
+                       if n == 1 and s.num_computed_tokens > 0)
+        rows = batch.sampled_rows()  # a prefill chunk short of the prompt's end samples nothing
+        seqs = [batch.seqs[i] for i in rows]
         if result.token_ids is not None:
             tokens = [result.token_ids[i] for i in rows]
         elif rows:  # no copy of the logits unless some rows are dropped
-            tokens = self._sample(seqs, result.logits if every else result.logits[rows])
+            tokens = self._sample(seqs, result.logits if len(rows) == len(batch.seqs) else result.logits[rows])
         else:
             tokens = []
+        finished = self.scheduler.update_from_output(batch, tokens)
         now = self.clock()
-        finished = []
-        for seq, tok in zip(seqs, tokens):
+        for seq in seqs:
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            seq.output_token_ids.append(tok)
-            if self._check_stop(seq, tok):
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_time = now
-                self.requests.pop(seq.request_id, None)
-                self.predictor.observe(seq)
-                if self.history is not None:
-                    self._record(seq)
-                finished.append(seq)
+        for seq in finished:
+            seq.finish_time = now
+            self._observe(seq)
         if n_decode == len(batch.seqs):
             self.stats.decode_steps += 1
         elif n_decode:
@@ -411,9 +413,19 @@ class LLMEngine:
             self.stats.prefill_steps += 1
         self.stats.prompt_tokens += batch.num_tokens - n_decode
         self.stats.output_tokens += len(seqs)
-        self.scheduler.on_result(batch)
-        self.kv_trace.append((now, self.block_manager.usage()))
-        return finished
+        if self.tracing:
+            self.kv_trace.append((now, self.block_manager.usage()))
+        deltas = [RequestDelta(s.request_id, [t], s.is_finished, s.finish_reason,
+                               s.stop_reason if s.is_finished else None, s.num_preemptions)
+                  for s, t in zip(seqs, tokens)]
+        return deltas, finished
+
+    def _observe(self, seq: Sequence) -> None:
+        """A request finished (not aborted): forget it, let the predictor learn its length, record it."""
+        self.requests.pop(seq.request_id, None)
+        self.predictor.observe(seq)
+        if self.history is not None:
+            self._record(seq)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """A seeded row's randomness is keyed by (seed, index of the token being sampled), not kept in a
@@ -436,51 +448,35 @@ class LLMEngine:
                 keys[i] = k
         return self.sampler(logits, params, prompts, outs, keys, banned if any(banned) else None)
 
-    def _check_stop(self, seq: Sequence, tok: int) -> bool:
-        p = seq.sampling_params
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in self.eos_token_ids:
-                seq.finish_reason = "stop"
-                return True
-            if p.stop_token_ids and tok in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", tok
-                return True
-            if p.stop:
-                text, stop, idx = self.detok.find_stop(seq.output_token_ids, seq.output_text, p.stop,
-                                                       p.skip_special_tokens)
-                seq.output_text = text
-                if idx >= 0:
-                    end = idx + len(stop) if p.include_stop_str_in_output else idx
-                    seq.output_text = text[:end]
-                    seq.finish_reason, seq.stop_reason = "stop", stop
-                    return True
-        if n_out >= seq.max_tokens or seq.num_tokens >= self.scheduler.config.max_model_len:
-            seq.finish_reason = "length"
-            return True
-        return False
-
-    def final_text(self, seq: Sequence) -> str:
-        if isinstance(seq.stop_reason, str):  # stop string: text already cut there
-            return seq.output_text
-        if self.detok is None:
-            return ""
-        ids = seq.output_token_ids
-        return self.detok.decode(ids, seq.sampling_params.skip_special_tokens)
-
     # -- trace ---------------------------------------------------------------------------------------------
+    def _bounded(self) -> deque:
+        return deque(maxlen=self.config.trace_max_events)
+
     def reset_trace(self) -> None:
         self.trace_start = self.clock()
-        self.kv_trace = [(self.trace_start, self.block_manager.usage())]
-        self.engine_trace = []
+        self.kv_trace = self._bounded()
+        self.kv_trace.append((self.trace_start, self.block_manager.usage()))
+        self.engine_trace = self._bounded()
         self.executor.trace_events()  # drop what the stages recorded before
-        self._stage_events = [[] for _ in range(self.pp)]
+        self._stage_events = [self._bounded() for _ in range(self.pp)]
+
+    def collect_stage_events(self) -> list[list[dict]]:
+        """The stages' trace events since the last call (kept for trace() when tracing): what a live busy
+        ratio is computed from. At pp > 1 this is a round trip that waits for the micro-batches in flight."""
+        events = self.executor.trace_events()
+        if self.tracing:
+            for k, ev in enumerate(events):
+                self._stage_events[k].extend(ev)
+        return events
 
     def trace(self) -> dict[str, Any]:
         """The run's timeline (format tdpipe-trace/1, read by tdpipe.viz.timeline): per stage and micro-batch
-        compute start/end, input wait, send time and shape; per micro-batch submit/result; KV usage."""
-        for k, ev in enumerate(self.executor.trace_events()):
-            self._stage_events[k].extend(ev)
+        compute start/end, input wait, send time and shape; per micro-batch submit/result; KV usage.
+        Only an engine built with collect_trace (or trace=FILE) keeps one."""
+        if not self.tracing:
+            raise RuntimeError("no trace was collected: create the engine with collect_trace=True "
+                               "(or trace=FILE; --trace FILE on the command line)")
+        self.collect_stage_events()
         t0 = self.trace_start
 
         def rel(e: dict, keys: tuple[str, ...]) -> dict:
@@ -495,7 +491,7 @@ class LLMEngine:
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
             "model": self.model_path,
             "stages": stages,
-            "engine": [rel(e, ("submit", "done")) for e in self.engine_trace],
+            "engine": [rel(e, ("submit", "done")) for e in self.engine_trace if "done" in e],
             "kv": [[round(t - t0, 6), round(u, 5)] for t, u in self.kv_trace],
             "preemptions": self.scheduler.num_preemptions,
         }

@@ -15,9 +15,9 @@ from tdpipe.core.engine import LLMEngine
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.executor.pipeline import PipelineError
 from tdpipe.interrupt import deferred_sigint
-from tdpipe.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tdpipe.core.output_processor import OutputProcessor
+from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sequence import Sequence
 from tdpipe.tokenizer import chat_prompt
 
 log = logging.getLogger("tdpipe")
@@ -31,7 +31,8 @@ class LLM:
     kv_cache_memory: bytes (int) or a fraction of available memory (float); default min(4 GiB, 40%).
     pipeline_parallel_size: stage worker processes, each with a contiguous slice of layers and their KV
     (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
-    trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`).
+    trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`);
+    collect_trace: keep the timeline for `trace()` without writing it (off by default: it costs memory).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
     (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
     work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]' | a file from `tdpipe predictor train`),
@@ -50,10 +51,11 @@ class LLM:
                  max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05,
                  future_points: tuple[int, int] = (32, 1024), switch_to_decode: str = "predict",
                  switch_to_prefill: str = "intensity", work_stealing: bool = True, predictor: str = "auto",
-                 profile_cache: bool = True, record_history: str | None = None) -> None:
+                 profile_cache: bool = True, record_history: str | None = None,
+                 collect_trace: bool = False) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
-            record_history=record_history,
+            record_history=record_history, collect_trace=collect_trace,
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
             scheduler=SchedulerConfig(policy=scheduler, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
@@ -127,7 +129,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
-        live: dict[int, int] = {}  # seq_id -> position in prompts
+        live: dict[str, int] = {}  # request_id -> position in prompts
+        proc = OutputProcessor(self.engine.tokenizer, stream=False, clock=self.engine.clock)
         rejected: list[tuple[int, RequestOutput]] = []
         for i, (prompt, sp) in enumerate(zip(items, params_list)):
             rid = str(next(self._req_ids))
@@ -137,15 +140,17 @@ class LLM:
                 if isinstance(sp, dict):
                     sp = SamplingParams(**sp)
                 seq = self.engine.add_request(rid, text if text is not None else ids, sp, prompt_token_ids=ids)
-                live[seq.seq_id] = i
+                proc.add_request(rid, seq.prompt, seq.prompt_token_ids, sp, seq.arrival_time)
+                live[rid] = i
             except (ValueError, TypeError) as e:
                 log.warning("request %s rejected: %s", rid, e)
                 rejected.append((i, RequestOutput(rid, text, [t for t in ids or [] if isinstance(t, int)],
                                                   [CompletionOutput(0, "", [], "error")], error=str(e))))
         yield from rejected
-        yield from self._run(live, use_tqdm)
+        yield from self._run(live, proc, use_tqdm)
 
-    def _run(self, live: dict[int, int], use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+    def _run(self, live: dict[str, int], proc: OutputProcessor,
+             use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         bar = None
         if use_tqdm and live:
             from tqdm.auto import tqdm
@@ -159,12 +164,14 @@ class LLM:
         try:
             while left:
                 with deferred_sigint():  # Ctrl-C lands between steps, never inside the page table
-                    done = engine.step()
-                for seq in done:
+                    done, stopped = proc.process(engine.step())
+                    if stopped:  # a stop string, found by the output processor: the core drops them
+                        engine.abort_request(stopped, reason="stop")
+                for out in done:
                     left -= 1
                     if bar is not None:
                         bar.update(1)
-                    yield live[seq.seq_id], self._to_output(seq)
+                    yield live[out.request_id], out
                 if bar is not None and time.perf_counter() - last > 0.5:
                     last = time.perf_counter()
                     dt = last - t0
@@ -185,13 +192,6 @@ class LLM:
         """The last generate() call's timeline (tdpipe-trace/1): per stage, per micro-batch compute, waits,
         sends and shapes, plus KV usage; `tdpipe.viz.timeline.summarize` turns it into bubble ratios."""
         return self.engine.trace()
-
-    def _to_output(self, seq: Sequence) -> RequestOutput:
-        comp = CompletionOutput(0, self.engine.final_text(seq), list(seq.output_token_ids), seq.finish_reason,
-                                seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp],
-                             metrics=RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
-                                                    seq.num_preemptions))
 
     @staticmethod
     def _as_list(prompts: Any) -> list[PromptType]:

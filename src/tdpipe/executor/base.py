@@ -8,6 +8,10 @@ import torch
 
 from tdpipe.core.batch import StepInput
 
+# Trace events a stage keeps until the engine collects them: the last ones only, so a stage of an engine that
+# never asks (a server without --trace) does not grow. A busy-ratio sampler collects every second or so.
+MAX_STAGE_EVENTS = 100_000
+
 
 @dataclass
 class StepResult:

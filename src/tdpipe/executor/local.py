@@ -7,7 +7,7 @@ from collections import deque
 import torch
 
 from tdpipe.core.batch import StepInput
-from tdpipe.executor.base import Executor, StepResult
+from tdpipe.executor.base import MAX_STAGE_EVENTS, Executor, StepResult
 from tdpipe.model import cpu_ops as ops
 from tdpipe.worker.model_runner import ModelRunner
 
@@ -16,7 +16,7 @@ class LocalExecutor(Executor):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._done: deque[StepResult] = deque()
-        self._events: list[dict] = []
+        self._events: deque[dict] = deque(maxlen=MAX_STAGE_EVENTS)
 
     def submit(self, step: StepInput) -> None:
         t0 = time.time()
@@ -37,7 +37,7 @@ class LocalExecutor(Executor):
                                      timings={"prepare": t1 - t0, "compute": t2 - t1, "start": t0, "end": t2}))
 
     def trace_events(self) -> list[list[dict]]:
-        events, self._events = self._events, []
+        events, self._events = list(self._events), deque(maxlen=MAX_STAGE_EVENTS)
         return [events]
 
     def collect(self) -> StepResult:

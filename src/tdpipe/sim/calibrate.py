@@ -170,7 +170,8 @@ def pipeline_slowdown(threads: int, row: Hardware, model: str | None = None, req
     from tdpipe.config import default_threads
 
     pp = max(2, default_threads() // threads)
-    with LLM(model, pipeline_parallel_size=pp, threads_per_stage=threads, kv_cache_memory=256 << 20) as llm:
+    with LLM(model, pipeline_parallel_size=pp, threads_per_stage=threads, kv_cache_memory=256 << 20,
+             collect_trace=True) as llm:
         mc = llm.engine.model_config
         reqs = wl.sharegpt_like(requests, mc.vocab_size, 1, 2048)
         llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],

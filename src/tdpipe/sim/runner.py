@@ -142,7 +142,8 @@ def build_engine(cfg: SimConfig):
                               cache=CacheConfig(block_size=block_size, kv_cache_memory=cfg.kv_cache_memory,
                                                 num_blocks=blocks),
                               scheduler=sched,
-                              parallel=ParallelConfig(pipeline_parallel_size=cfg.pp, layer_partition=layer_partition))
+                              parallel=ParallelConfig(pipeline_parallel_size=cfg.pp, layer_partition=layer_partition),
+                              collect_trace=True)
 
     def factory(engine) -> SimExecutor:
         cost = CostModel(engine.model_config, cfg.hardware, engine.partition, cfg.tp, cfg.dtype_bytes)
@@ -175,7 +176,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
                            SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len))
     finished = 0
     while engine.has_unfinished():
-        finished += len(engine.step())
+        finished += sum(d.finished for d in engine.step())
     elapsed = engine.clock() - t0
     trace = engine.trace()
     hw = cfg.hardware

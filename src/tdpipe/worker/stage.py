@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from tdpipe.core.batch import StepInput
 from tdpipe.core.block_sync import BlockTableMirror
 from tdpipe.executor import messages as m
+from tdpipe.executor.base import MAX_STAGE_EVENTS
 from tdpipe.executor.transport import (PeerLost, Rendezvous, Transport, join_rendezvous, report_failure,
                                        tensor_tag)
 
@@ -65,7 +67,7 @@ class StageWorker:
         self.mirror = BlockTableMirror()
         self.ready: queue.Queue = queue.Queue(maxsize=2)
         self.outbox: queue.Queue = queue.Queue()
-        self.events: list[dict] = []
+        self.events: deque[dict] = deque(maxlen=MAX_STAGE_EVENTS)  # until the engine asks (bounded)
 
     # -- prep thread -------------------------------------------------------------------------------------
     def prep_loop(self) -> None:
@@ -128,7 +130,7 @@ class StageWorker:
                 return
             if kind == m.TRACE:
                 self.outbox.join()  # every earlier send finished, so every event has its send time
-                events, self.events = self.events, []
+                events, self.events = list(self.events), deque(maxlen=MAX_STAGE_EVENTS)
                 self.t.send_obj(self.t.reply, m.TRACE_DATA, events, ENGINE)
                 continue
             msg, inp, buf, work, t_meta, t_prepared = payload

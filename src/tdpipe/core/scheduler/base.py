@@ -14,9 +14,12 @@ class Scheduler:
     """Owns the waiting and running queues; subclasses decide which sequences form the next micro-batch.
 
     Protocol with the engine: `schedule()` returns a Batch (or None when nothing can run now); the engine
-    runs it, appends sampled tokens, marks finished sequences, then calls `on_result(batch)`.
+    runs it, samples a token for each of `batch.sampled_rows()`, and hands them to `update_from_output`,
+    which advances the sequences, finishes those that stop, frees their blocks and returns them.
     Sequences in a batch that has not returned are `in_flight` and are never scheduled twice.
     """
+
+    eos_token_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids (the engine sets them)
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -45,8 +48,43 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         raise NotImplementedError
 
+    def update_from_output(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
+        """`batch` ran and `token_ids[j]` was sampled for row `batch.sampled_rows()[j]`: the KV of every row
+        advances, each sampled row gets its token, a row that hits an end-of-sequence id, a stop token id,
+        max_tokens or max_model_len finishes (stop strings are the frontend's: it aborts such a request).
+        Returns the sequences finished now; their blocks are already free."""
+        rows = batch.sampled_rows()
+        if len(rows) != len(token_ids):
+            raise ValueError(f"batch {batch.batch_id}: {len(token_ids)} tokens for {len(rows)} sampled rows")
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        finished = []
+        for i, tok in zip(rows, token_ids):
+            seq = batch.seqs[i]
+            seq.output_token_ids.append(tok)
+            if self._stops(seq, tok):
+                seq.status = SequenceStatus.FINISHED
+                finished.append(seq)
+        self.on_result(batch)
+        return finished
+
+    def _stops(self, seq: Sequence, tok: int) -> bool:
+        """vLLM's order: no stop before min_tokens; eos (unless ignore_eos), then stop token ids, then length."""
+        p = seq.sampling_params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return True
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", tok
+                return True
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
     def on_result(self, batch: Batch) -> None:
-        """The batch returned and the engine updated its sequences: release finished ones."""
+        """Policy hook: the batch returned and its sequences are updated; release finished ones."""
         done = False
         for seq in batch.seqs:
             seq.in_flight = False

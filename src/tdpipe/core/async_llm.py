@@ -1,0 +1,282 @@
+"""AsyncLLM: the frontend's handle on an engine core running in its own process (gLLM §3.3).
+
+The frontend process tokenises, detokenises and applies stop strings (core/output_processor.py); the core
+process (core/engine_core.py) schedules and runs the model in token ids. They talk over ZeroMQ, so HTTP
+parsing, tokenising and streaming never take time from the loop that keeps the pipeline full.
+
+`generate()` is an async iterator per request; leaving it early (a client that hung up) aborts the request in
+the core, which frees its KV blocks at its next step. If the core process dies, every open request raises
+EngineDeadError and `dead_reason` says why.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tdpipe.config import EngineConfig
+from tdpipe.core import engine_core as core
+from tdpipe.core.output_processor import OutputProcessor
+from tdpipe.outputs import RequestOutput
+from tdpipe.sampling.params import SamplingParams
+
+log = logging.getLogger("tdpipe")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; the message says why."""
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer: Any = None
+        self.model_name = ""
+        self.max_model_len = 0
+        self.max_num_seqs = 0
+        self.vocab_size = 0
+        self.ready = False
+        self.dead_reason: str | None = None
+        self._stats: dict[str, Any] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._proc: subprocess.Popen | None = None
+        self._pidfd = -1
+        self._dir = ""
+        self._tasks: list[asyncio.Task] = []
+
+    # -- life cycle --------------------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, config: EngineConfig) -> "AsyncLLM":
+        """Start the core process and return once its model is loaded (raises EngineDeadError if it fails)."""
+        self = cls(config)
+        await self._start()
+        return self
+
+    async def _start(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._dir = tempfile.mkdtemp(prefix="tdpipe-ipc-")  # 0700: only this user reaches the sockets
+        in_addr, out_addr = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(out_addr)
+        with open(f"{self._dir}/config.pkl", "wb") as f:
+            pickle.dump(self.config, f)
+        # a fresh interpreter (`python -m`), not multiprocessing's spawn: that re-imports the caller's
+        # __main__, which runs a script without an `if __name__ == "__main__"` guard a second time
+        self._proc = subprocess.Popen([sys.executable, "-m", "tdpipe.core.engine_core", f"{self._dir}/config.pkl",
+                                       in_addr, out_addr, str(os.getpid())])
+        self._pidfd = os.pidfd_open(self._proc.pid)  # readable once the process exits
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        loop.add_reader(self._pidfd, self._on_exit)
+        recv = asyncio.ensure_future(self._pull.recv())
+        done, _ = await asyncio.wait([recv, self._exited], return_when=asyncio.FIRST_COMPLETED)
+        if recv not in done:
+            recv.cancel()
+            self._proc = None
+            self._close_pidfd()
+            await self._close_sockets()
+            raise EngineDeadError(self.dead_reason or "the engine core exited during start-up")
+        msg = pickle.loads(recv.result())
+        if msg[0] != core.READY:
+            await self._stop_process()
+            raise EngineDeadError(msg[1] if msg[0] == core.DEAD else f"unexpected message {msg[0]!r} at start-up")
+        info: core.CoreInfo = msg[1]
+        from tdpipe.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(info.model_path)
+        self.model_name = os.path.basename(os.path.normpath(info.model_path))
+        self.max_model_len, self.max_num_seqs, self.vocab_size = info.max_model_len, info.max_num_seqs, info.vocab_size
+        self._stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_blocks": info.num_blocks,
+                       "num_free_blocks": info.num_blocks, "num_preemptions": 0, "prompt_tokens": 0,
+                       "generation_tokens": 0, "stage_busy": [0.0] * info.pp}
+        self.processor = OutputProcessor(self.tokenizer, stream=True)
+        self._tasks.append(asyncio.create_task(self._read_outputs()))
+        self.ready = True
+
+    def _on_exit(self) -> None:
+        """The core process ended (the sentinel fd became readable)."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._close_pidfd()
+        if not self._exited.done():
+            self._exited.set_result(None)
+        if self.dead_reason is None:
+            code = proc.wait()
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            self._die(f"the engine core process {how}")
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        self.ready = False
+        log.error("%s", reason)
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(reason))
+
+    def check_health(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if not self.ready:
+            raise EngineDeadError("the engine is not running")
+
+    def stats(self) -> dict[str, Any]:
+        """The core's latest snapshot (refreshed every step, once a second when idle), no round trip."""
+        return self._stats | {"num_requests": len(self._queues)}
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def _send(self, *msg: Any) -> None:
+        self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        want = len(ids) + (params.max_tokens or 1)
+        if len(ids) >= self.max_model_len or want > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                             f"needs {want} ({len(ids)} in the prompt, {params.max_tokens or 1} to generate)")
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields the request's RequestOutput (cumulative text and token ids) each time it advances; the last
+        one has finished=True. Raises ValueError before the first output for a request the engine refuses."""
+        self.check_health()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, list(prompt)
+        self._validate(ids, params)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = q
+        self.processor.add_request(request_id, text, ids, params)
+        finished = False
+        try:
+            self._send(core.ADD, request_id, ids, params, text)
+            while True:
+                item = await q.get()
+                while not q.empty():  # outputs are cumulative: a slow reader skips to the newest one
+                    if isinstance(item, BaseException):
+                        break
+                    item = q.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True  # the core already dropped it (rejected) or is gone
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the caller left early (disconnect, cancel): the core frees its blocks
+                self.processor.abort(request_id)
+                if self.dead_reason is None:
+                    self._send(core.ABORT, [request_id], "abort")
+
+    async def abort(self, request_id: str) -> None:
+        """Finish a request with finish_reason "abort"; its iterator yields that output and ends."""
+        out = self.processor.abort(request_id)
+        if out is None:
+            return
+        if self.dead_reason is None:
+            self._send(core.ABORT, [request_id], "abort")
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(out)
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                msg = pickle.loads(await self._pull.recv())
+                if msg[0] == core.OUT:
+                    _, deltas, stats = msg
+                    self._stats = stats
+                    outs, stopped = self.processor.process(deltas)
+                    if stopped:
+                        self._send(core.ABORT, stopped, "stop")
+                    for o in outs:
+                        q = self._queues.get(o.request_id)
+                        if q is not None:
+                            q.put_nowait(o)
+                elif msg[0] == core.REJECTED:
+                    _, rid, err = msg
+                    self.processor.abort(rid)
+                    if (q := self._queues.get(rid)) is not None:
+                        q.put_nowait(ValueError(err))
+                elif msg[0] == core.DEAD:
+                    self._die(msg[1])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken socket is a dead engine for every request
+            self._die(f"lost the engine core: {e}")
+
+    # -- shutdown ----------------------------------------------------------------------------------------
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Let open requests finish for up to grace_s seconds, abort the rest, stop the core process and its
+        stages (killed if they do not stop in time). Idempotent."""
+        if self._proc is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._queues and self.dead_reason is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._queues):
+            await self.abort(rid)
+        await asyncio.sleep(0)  # let the iterators see their final output
+        await self._stop_process()
+
+    async def _stop_process(self) -> None:
+        proc, self._proc = self._proc, None
+        self._close_pidfd()
+        self.ready = False
+        if self.dead_reason is None:
+            self.dead_reason = "the engine was shut down"
+        if proc is not None and proc.poll() is None:
+            try:
+                self._send(core.SHUTDOWN)
+            except Exception:  # noqa: BLE001
+                pass
+            for _ in range(150):  # the stages get a few seconds to stop (executor/pipeline.py)
+                if proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            if proc.poll() is None:
+                proc.terminate()
+                await asyncio.sleep(2)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+        for t in self._tasks:
+            t.cancel()
+        await self._close_sockets()
+
+    async def _close_sockets(self) -> None:
+        for s in (getattr(self, "_push", None), getattr(self, "_pull", None)):
+            if s is not None:
+                s.close(linger=0)
+        if getattr(self, "_ctx", None) is not None:
+            self._ctx.term()
+            self._ctx = None
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,160 @@
+"""The engine core in its own process (gLLM §3.3: the frontend is decoupled from the scheduler).
+
+It owns the LLMEngine (scheduler, page table, sampler, and the pipeline stages under its executor) and talks
+to the frontend (core/async_llm.py) over two ZeroMQ sockets: requests and aborts in, per-step deltas (token
+ids only) and a stats snapshot out. Its loop: take every message waiting, run one engine step if anything is
+unfinished, send what the step produced. Idle, it blocks on the socket (no spinning) and sends stats once a
+second, so the frontend always knows the state without a round trip.
+
+Messages are pickled tuples over ipc:// sockets in a private (0700) directory: both ends are the same user's
+processes, started together.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("tdpipe")
+
+# frontend -> core
+ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+# core -> frontend
+READY, OUT, REJECTED, DEAD = "ready", "out", "rejected", "dead"
+
+IDLE_STATS_S = 1.0  # stats refresh while nothing runs
+BUSY_WINDOW_S = 5.0  # stage busy ratio: measured over this window (one stage round trip per window, pp > 1)
+
+
+@dataclass
+class CoreInfo:
+    """What the frontend needs to validate requests without asking the core."""
+
+    model_path: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    num_blocks: int
+    pp: int
+
+
+def engine_stats(engine: Any, busy: list[float]) -> dict[str, Any]:
+    sched, bm = engine.scheduler, engine.block_manager
+    return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_requests": len(engine.requests), "kv_usage": bm.usage(),
+            "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+            "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.stats.prompt_tokens,
+            "generation_tokens": engine.stats.output_tokens, "stage_busy": list(busy)}
+
+
+class BusyMeter:
+    """Per stage, the fraction of the last window it spent computing (1 - bubble ratio), from the stages'
+    trace events. Collecting them costs one round trip at pp > 1, so it happens once a window."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.busy = [0.0] * engine.pp
+        self.since = time.time()
+
+    def maybe_update(self, running: bool) -> None:
+        now = time.time()
+        if now - self.since < BUSY_WINDOW_S:
+            return
+        events = self.engine.collect_stage_events()
+        span = now - self.since
+        for k, ev in enumerate(events):
+            busy = sum(max(0.0, min(e["end"], now) - max(e["start"], self.since)) for e in ev)
+            self.busy[k] = min(1.0, busy / span) if running or busy else 0.0
+        self.since = now
+
+
+def run_engine_core(config: Any, in_addr: str, out_addr: str, parent_pid: int) -> None:
+    """Process entry point. Exits when told to, when the frontend process is gone, or on SIGTERM."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's: it drains, then stops us
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(out_addr)
+
+    def send(*msg: Any) -> None:
+        push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    engine = None
+    try:
+        from tdpipe.core.engine import LLMEngine
+
+        engine = LLMEngine(config)
+        sched = engine.scheduler.config
+        send(READY, CoreInfo(engine.model_path, sched.max_model_len, sched.max_num_seqs,
+                             engine.model_config.vocab_size, engine.block_manager.num_blocks, engine.pp))
+        _loop(engine, pull, send, parent_pid, stop)
+    except Exception as e:  # noqa: BLE001 - one line to the frontend; every open request gets it
+        reason = " ".join(str(e).split()) or type(e).__name__
+        if os.environ.get("TDPIPE_DEBUG"):
+            traceback.print_exc()
+        try:
+            send(DEAD, f"engine core failed: {reason}")
+        except Exception:  # noqa: BLE001
+            pass
+        raise SystemExit(1) from None
+    finally:
+        if engine is not None:
+            engine.shutdown()  # stops the pipeline stages
+        push.close()
+        pull.close(linger=0)
+        ctx.term()
+
+
+def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> None:
+    import zmq
+
+    meter = BusyMeter(engine)
+    last_stats = 0.0
+    while not stop["now"]:
+        if os.getppid() != parent_pid:
+            log.warning("engine core: the frontend process is gone; stopping")
+            return
+        busy = engine.has_unfinished()
+        timeout = 0 if busy else int(IDLE_STATS_S * 1000)
+        changed = False
+        while pull.poll(timeout, zmq.POLLIN):
+            changed = True
+            msg = pickle.loads(pull.recv())
+            if msg[0] == SHUTDOWN:
+                return
+            if msg[0] == ADD:
+                _, rid, ids, params, text = msg
+                try:
+                    engine.add_request(rid, text if text is not None else ids, params, prompt_token_ids=ids)
+                except ValueError as e:
+                    send(REJECTED, rid, str(e))
+            elif msg[0] == ABORT:
+                engine.abort_request(msg[1], reason=msg[2])
+            timeout = 0
+        deltas = engine.step() if engine.has_unfinished() else []
+        meter.maybe_update(bool(deltas))
+        now = time.time()
+        if deltas or changed or now - last_stats >= IDLE_STATS_S:
+            send(OUT, deltas, engine_stats(engine, meter.busy))
+            last_stats = now
+
+
+if __name__ == "__main__":  # started by AsyncLLM: python -m tdpipe.core.engine_core CONFIG IN OUT PARENT_PID
+    import sys
+
+    with open(sys.argv[1], "rb") as f:
+        cfg = pickle.load(f)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s tdpipe-core: %(message)s")
+    from tdpipe.core.engine_core import run_engine_core as run  # the module's classes, not __main__'s: they
+    run(cfg, sys.argv[2], sys.argv[3], int(sys.argv[4]))  # are unpickled by the frontend

@@ -42,29 +42,32 @@ def make_stub_app(state: dict):
     async def health():
         return {"status": "ok"}
 
+    def error(msg: str, status: int) -> JSONResponse:
+        return JSONResponse({"error": {"message": msg, "type": "x", "param": None, "code": None}}, status)
+
+    def bad_key(request: Request) -> bool:
+        return bool(state.get("key")) and request.headers.get("authorization") != f"Bearer {state['key']}"
+
     @app.get("/v1/models")
     async def models(request: Request):
-        if state.get("key") and request.headers.get("authorization") != f"Bearer {state['key']}":
-            return JSONResponse({"error": {"message": "bad key", "type": "auth", "param": None, "code": None}},
-                                status_code=401)
-        return {"object": "list", "data": [{"id": "stub-model", "object": "model", "created": 0, "owned_by": "t",
-                                            "max_model_len": 512}]}
+        if bad_key(request):
+            return error("bad key", 401)
+        card = {"id": "stub-model", "object": "model", "created": 0, "owned_by": "t", "max_model_len": 512}
+        return {"object": "list", "data": [card]}
 
     async def stream(request: Request, chat: bool):
         body = await request.json()
         state["bodies"].append(body)
         state["auth"].append(request.headers.get("authorization"))
-        if state.get("key") and request.headers.get("authorization") != f"Bearer {state['key']}":
-            return JSONResponse({"error": {"message": "bad key", "type": "auth", "param": None, "code": None}},
-                                status_code=401)
+        if bad_key(request):
+            return error("bad key", 401)
         n = body["max_tokens"]
         if n != bs.WARMUP_OUTPUT_TOKENS:
             with lock:
                 fail = state["fail"] > 0
                 state["fail"] -= fail
             if fail:
-                return JSONResponse({"error": {"message": "stub overloaded", "type": "server_error", "param": None,
-                                               "code": None}}, status_code=500)
+                return error("stub overloaded", 500)
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
 
@@ -127,7 +130,8 @@ class StubServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(make_stub_app(self.state), log_level="warning", lifespan="off"))
+        app = make_stub_app(self.state)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "StubServer":
@@ -355,7 +359,7 @@ def test_end_to_end_against_stub(tmp_path, model_dir, capsys):
         measured = [b for b in stub.state["bodies"] if b["max_tokens"] == 4]
         assert len(measured) == 12 and len(stub.state["bodies"]) == 13  # 2 rates x 6, and one warm-up
         for b in measured:
-            assert isinstance(b["prompt"], list) and len(b["prompt"]) == 8 and all(type(t) is int for t in b["prompt"])
+            assert len(b["prompt"]) == 8 and all(type(t) is int for t in b["prompt"])  # token ids
             assert b["temperature"] == 0 and b["ignore_eos"] is True and b["stream"] is True
             assert b["stream_options"] == {"include_usage": True} and b["model"] == "stub-model"
         assert set(stub.state["auth"]) == {f"Bearer {KEY}"}
@@ -416,7 +420,8 @@ def test_failed_requests_reported(tmp_path, model_dir, capsys):
 
 def test_stream_without_usage_is_a_failure(model_dir, capsys):
     with StubServer(usage=False) as stub:
-        assert bench(["--base-url", stub.url, "--model", model_dir, "--input-len", "4", "--output-len", "4"]) == 2
+        assert bench(["--base-url", stub.url, "--model", model_dir, "--input-len", "4",
+                      "--output-len", "4"]) == 2
     assert "warm-up request" in (e := capsys.readouterr().err) and "no usage" in e
 
 
@@ -470,8 +475,9 @@ def test_launch_runs_stops_and_checks_the_server(tmp_path, model_dir, capsys):
     cmd, record = _launch_stub(tmp_path)
     url = f"http://127.0.0.1:{_free_port()}/v1"
     out_json = tmp_path / "r.json"
-    rc = bench(["--launch", "--launch-command", cmd, "--base-url", url, "--api-key", KEY, "--model", model_dir,
-                "--input-len", "4", "--output-len", "2", "--num-prompts", "3", "--json", str(out_json),
+    rc = bench(["--launch", "--launch-command", cmd, "--base-url", url, "--api-key", KEY,
+                "--model", model_dir, "--input-len", "4", "--output-len", "2", "--num-prompts", "3",
+                "--json", str(out_json),
                 "--server-log", str(tmp_path / "server.log"), "--", "--scheduler", "td-pipe", "--pp", "2"])
     assert rc == 0, capsys.readouterr().err
     got = json.loads(open(record).read())

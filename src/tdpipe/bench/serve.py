@@ -15,8 +15,9 @@ free slot is not counted, as in vLLM):
     undefined for a one-token output;
   - ITL  = every gap between consecutive token chunks (a chunk that carries several tokens is one gap).
 Per rate: mean / p50 / p90 / p99 of each; request, output and total token throughput over the rate's wall
-time (first send to last completion); goodput = requests/s that met every SLO given (--slo-ttft, --slo-tpot in
-ms; a failed request meets none) and SLO attainment = the fraction of all requests that met them (gLLM Fig. 14).
+time (first send to last completion); goodput = requests/s that met every SLO given (--slo-ttft, --slo-tpot
+in ms; a failed request meets none) and SLO attainment = the fraction of all requests that met them (gLLM
+Fig. 14).
 
 `--launch` starts `tdpipe serve` itself (engine flags after `--`), waits for GET /health, runs the sweep, and
 stops it with SIGTERM, checking that it exited 0 and left no process of its group behind.
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -50,7 +52,7 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 PERCENTILES = (50, 90, 99)
 WARMUP_PROMPT_TOKENS = 16  # the warm-up request: a short cut of the first prompt, 2 output tokens
 WARMUP_OUTPUT_TOKENS = 2
-# the seed of the arrival process is the workload seed plus this, so arrivals and prompts are independent draws
+# the arrival process is seeded with the workload seed plus this: arrivals and prompts are independent draws
 ARRIVAL_SEED_OFFSET = 1
 
 
@@ -170,7 +172,8 @@ def parse_rates(text: str) -> list[float]:
         except ValueError:
             raise ValueError(f"--request-rate {text!r}: {part.strip()!r} is not a number or 'inf'") from None
         if not (r > 0) or math.isnan(r):
-            raise ValueError(f"--request-rate {text!r}: every rate must be > 0 (or 'inf'), got {part.strip()!r}")
+            raise ValueError(f"--request-rate {text!r}: every rate must be > 0 (or 'inf'), "
+                             f"got {part.strip()!r}")
         rates.append(r)
     return rates
 
@@ -241,8 +244,9 @@ async def send_request(client: Any, model: str, spec: RequestSpec, chat: bool) -
     return res
 
 
-async def run_rate(client: Any, model: str, specs: list[RequestSpec], rate: float, max_concurrency: int | None,
-                   seed: int, chat: bool, progress: bool) -> tuple[list[RequestResult], float]:
+async def run_rate(client: Any, model: str, specs: list[RequestSpec], rate: float,
+                   max_concurrency: int | None, seed: int, chat: bool,
+                   progress: bool) -> tuple[list[RequestResult], float]:
     """Send `specs` at their Poisson send times; returns the results in workload order and the wall time
     from the first send to the last completion."""
     from tqdm import tqdm
@@ -323,8 +327,8 @@ class LaunchedServer:
         host, port = host_port(base_url)
         self.argv = [*cfg.command, "--host", host, "--port", str(port), *cfg.serve_args]
         if _listening(host, port):
-            raise ValueError(f"--launch: something already listens on {host}:{port}; stop it or give another port "
-                             "in --base-url")
+            raise ValueError(f"--launch: something already listens on {host}:{port}; stop it or give another "
+                             "port in --base-url")
         if cfg.log_path:
             self.log_path = cfg.log_path
         else:
@@ -335,8 +339,8 @@ class LaunchedServer:
             env["TDPIPE_API_KEY"] = api_key
         self._log = open(self.log_path, "w")
         print(f"launching: {shlex.join(self.argv)} (log: {self.log_path})", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.exit_code: int | None = None
         self.stop_s: float | None = None
         self.problem: str | None = None
@@ -349,16 +353,16 @@ class LaunchedServer:
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
-                raise ValueError(f"--launch: the server exited with code {self.proc.returncode} before it was "
-                                 f"ready; last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
+                raise ValueError(f"--launch: the server exited with code {self.proc.returncode} before it "
+                                 f"was ready; last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
             try:
                 if httpx.get(url, timeout=2.0).status_code == 200:
                     return time.monotonic() - t0
             except httpx.HTTPError:
                 pass
             if time.monotonic() - t0 > self.cfg.startup_timeout_s:
-                raise ValueError(f"--launch: {url} not healthy after {self.cfg.startup_timeout_s:.0f} s; last lines "
-                                 f"of {self.log_path}:\n{_log_tail(self.log_path)}")
+                raise ValueError(f"--launch: {url} not healthy after {self.cfg.startup_timeout_s:.0f} "
+                                 f"s; last lines of {self.log_path}:\n{_log_tail(self.log_path)}")
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -372,7 +376,8 @@ class LaunchedServer:
                 try:
                     self.proc.wait(timeout=self.cfg.shutdown_timeout_s)
                 except subprocess.TimeoutExpired:
-                    self.problem = f"did not exit within {self.cfg.shutdown_timeout_s:.0f} s of SIGTERM (killed)"
+                    self.problem = (f"did not exit within {self.cfg.shutdown_timeout_s:.0f} s of SIGTERM "
+                                    "(killed)")
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, signal.SIGKILL)
                     self.proc.wait()
@@ -400,35 +405,42 @@ class LaunchedServer:
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p = bsub.add_parser(
         "serve", help="online serving: latency (TTFT, TPOT, ITL, E2E) and goodput against request rate",
-        description="Drive an OpenAI-compatible server with the openai async client (streaming completions or "
-                    "chat) under Poisson arrivals; report TTFT, TPOT, inter-token and end-to-end latency (mean, "
-                    "p50, p90, p99), request and token throughput and goodput per request rate. Same workloads "
-                    "as `tdpipe bench throughput` (greedy, ignore_eos, max_tokens = the workload's output "
-                    "length). With --launch it starts `tdpipe serve` itself with the engine flags given after "
-                    "--, e.g. `tdpipe bench serve --launch --request-rate 1,2,4 -- --scheduler td-pipe --pp 2`.")
+        description="Drive an OpenAI-compatible server with the openai async client (streaming completions "
+                    "or chat) under Poisson arrivals; report TTFT, TPOT, inter-token and end-to-end latency "
+                    "(mean, p50, p90, p99), request and token throughput and goodput per request rate. Same "
+                    "workloads as `tdpipe bench throughput` (greedy, ignore_eos, max_tokens = the workload's "
+                    "output length). With --launch it starts `tdpipe serve` itself with the engine flags "
+                    "given after --, e.g. `tdpipe bench serve --launch --request-rate 1,2,4 -- --scheduler "
+                    "td-pipe --pp 2`.")
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"the server's OpenAI base URL ({DEFAULT_BASE_URL})")
+    g.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                   help=f"the server's OpenAI base URL ({DEFAULT_BASE_URL})")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="completions: /v1/completions with the prompt token ids (the exact prompts of bench "
-                        "throughput); chat: /v1/chat/completions, the prompt as one user message (its text), so "
-                        "the chat template adds tokens")
+                        "throughput); chat: /v1/chat/completions, the prompt as one user message (its text), "
+                        "so the chat template adds tokens")
     g.add_argument("--api-key", default=None,
-                   help="bearer key for the server (default: $TDPIPE_API_KEY); with --launch the server gets it too")
-    g.add_argument("--served-model-name", default=None, help="model name to request (default: the first of /v1/models)")
+                   help="bearer key for the server (default: $TDPIPE_API_KEY); with --launch the server gets "
+                        "it too")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name to request (default: the first of /v1/models)")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
     g.add_argument("--launch", action="store_true",
-                   help="start `tdpipe serve` on --base-url's host and port with the engine flags after -- (or "
-                        "--serve-args), wait for /health, run, then stop it with SIGTERM and check it exited")
-    g.add_argument("--serve-args", default="", help="engine flags for --launch as one string (added before those after --)")
+                   help="start `tdpipe serve` on --base-url's host and port with the engine flags after -- "
+                        "(or --serve-args), wait for /health, run, then stop it with SIGTERM and check it "
+                        "exited")
+    g.add_argument("--serve-args", default="",
+                   help="engine flags for --launch as one string (added before those after --)")
     g.add_argument("--launch-command", default=None,
-                   help="program --launch runs instead of `python -m tdpipe.entrypoints.cli serve` (it gets --host, "
-                        "--port and the engine flags appended)")
+                   help="program --launch runs instead of `python -m tdpipe.entrypoints.cli serve` (it gets "
+                        "--host, --port and the engine flags appended)")
     g.add_argument("--startup-timeout", type=float, default=LaunchConfig.startup_timeout_s,
                    help="--launch: seconds to wait for /health")
     g.add_argument("--shutdown-timeout", type=float, default=LaunchConfig.shutdown_timeout_s,
                    help="--launch: seconds the server may take to exit after SIGTERM before it is killed")
     g.add_argument("--server-log", default=None, metavar="FILE",
-                   help="--launch: write the server's output here (default: a temporary file, named on stderr)")
+                   help="--launch: write the server's output here (default: a temporary file, named on "
+                        "stderr)")
     g.add_argument("serve_args_rest", nargs="*", metavar="-- ENGINE_FLAGS",
                    help="engine flags for the launched `tdpipe serve` (after --)")
 
@@ -437,20 +449,24 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
                    help="requests/s of the Poisson arrivals, or a comma-separated sweep run in turn, e.g. "
                         "0.5,1,2,inf (inf: all at once; default inf)")
     g.add_argument("--max-concurrency", type=int, default=None,
-                   help="most requests in flight (a request waits for a slot; the wait is not in its latency)")
-    g.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT objective for goodput, ms")
-    g.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT objective for goodput, ms")
+                   help="most requests in flight (a request waits for a slot; the wait is not in its "
+                        "latency)")
+    g.add_argument("--slo-ttft", type=float, default=None, metavar="MS",
+                   help="TTFT objective for goodput, ms")
+    g.add_argument("--slo-tpot", type=float, default=None, metavar="MS",
+                   help="TPOT objective for goodput, ms")
 
     # the workload flags of `tdpipe bench throughput` (build_workload reads them), same names and defaults
     g = p.add_argument_group("workload (as in `tdpipe bench throughput`)")
     g.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
-                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling (mean ~224 in / ~188 "
-                        "out); fixed: --input-len/--output-len for every request")
+                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling (mean ~224 in / "
+                        "~188 out); fixed: --input-len/--output-len for every request")
     g.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (implies fixed)")
     g.add_argument("--output-len", type=int, default=None, help="output tokens per request (implies fixed)")
     g.add_argument("--num-prompts", type=int, default=100, help="requests per rate (dataset: at most this)")
     g.add_argument("--dataset", default=None,
-                   help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per line")
+                   help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per "
+                        "line")
     g.add_argument("--history", default=None, metavar="FILE",
                    help="replay a recorded history (--record-history) through the chat template")
     g.add_argument("--history-split", default="test", choices=["all", "train", "val", "test"],
@@ -458,18 +474,21 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     g.add_argument("--seed", "--workload-seed", dest="workload_seed", type=int, default=0, metavar="N",
                    help="seed of the synthetic workload and of the arrival times")
     g.add_argument("--model", default=None,
-                   help="local model folder or .gguf whose vocabulary and tokenizer build the prompts (default: "
-                        "the --model in the engine flags, else the bundled model); nothing is loaded onto a device")
+                   help="local model folder or .gguf whose vocabulary and tokenizer build the prompts "
+                        "(default: the --model in the engine flags, else the bundled model); no weights are "
+                        "loaded")
 
     g = p.add_argument_group("output")
     g.add_argument("--label", default=None,
-                   help="name of this run, e.g. the policy (default with --launch: '<scheduler> pp=<N>' from the "
-                        "engine flags, else 'server'); one line per label in the plot")
-    g.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON (after every rate)")
+                   help="name of this run, e.g. the policy (default with --launch: '<scheduler> pp=<N>' from "
+                        "the engine flags, else 'server'); one line per label in the plot")
+    g.add_argument("--json", default=None, metavar="FILE",
+                   help="write the results as JSON (after every rate)")
     g.add_argument("--append", action="store_true",
                    help="add this run to the runs already in --json (a run with the same label is replaced)")
     g.add_argument("--plot", default=None, metavar="PNG",
-                   help="draw mean TTFT and TPOT against request rate, one line per label (every run in --json)")
+                   help="draw mean TTFT and TPOT against request rate, one line per label (every run in "
+                        "--json)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=run)
     return p
@@ -490,13 +509,15 @@ def preflight(a: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(f"--num-prompts must be >= 1, got {a.num_prompts}")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
-    for flag, v in (("--slo-ttft", a.slo_ttft), ("--slo-tpot", a.slo_tpot), ("--request-timeout", a.request_timeout),
-                    ("--startup-timeout", a.startup_timeout), ("--shutdown-timeout", a.shutdown_timeout)):
+    for flag, v in (("--slo-ttft", a.slo_ttft), ("--slo-tpot", a.slo_tpot),
+                    ("--request-timeout", a.request_timeout), ("--startup-timeout", a.startup_timeout),
+                    ("--shutdown-timeout", a.shutdown_timeout)):
         if v is not None and not (math.isfinite(v) and v > 0):
             raise ValueError(f"{flag} must be a positive number, got {v}")
     serve_args = _serve_args(a)
     if serve_args and not a.launch:
-        raise ValueError(f"engine flags ({shlex.join(serve_args)}) are only for --launch; a running server has its own")
+        raise ValueError(f"engine flags ({shlex.join(serve_args)}) are only for --launch; a running server "
+                         "has its own")
     if not a.launch and (a.launch_command or a.server_log):
         raise ValueError("--launch-command and --server-log need --launch")
     for flag in ("--host", "--port"):
@@ -614,10 +635,8 @@ def run(a: argparse.Namespace) -> int:
     label = default_label(a)
     if any(r.get("label") == label for r in previous):
         print(f"note: --json {a.json} has a run labelled {label!r}; this run replaces it", file=sys.stderr)
-    try:
-        import openai  # noqa: F401 - checked before a server is started
-    except ImportError:
-        raise ValueError("tdpipe bench serve needs the openai package: pip install openai") from None
+    if importlib.util.find_spec("openai") is None:  # found before a server starts, not after
+        raise ValueError("tdpipe bench serve needs the openai package: pip install openai")
     serve_args = _serve_args(a)
     model_path, vocab, max_pos = _model_info(a.model or _flag_value(serve_args, "--model"))
     tok = _LazyTokenizer(model_path)
@@ -647,7 +666,8 @@ def run(a: argparse.Namespace) -> int:
     if server is not None:
         run_rec["server"]["launch"] = server.record()
         if server.problem:
-            print(f"tdpipe: error: the launched server {server.problem}; its log: {server.log_path}", file=sys.stderr)
+            print(f"tdpipe: error: the launched server {server.problem}; its log: {server.log_path}",
+                  file=sys.stderr)
             status = 1
         if a.json:
             _write_json(a.json, _merge(previous, run_rec))
@@ -661,8 +681,8 @@ def _terminated(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM to the bench: unwind like Ctrl-C, so the launched server is stopped
 
 
-async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any]], vocab: int, guess_mml: int,
-                 model_path: str, tok: _LazyTokenizer, api_key: str | None) -> dict[str, Any]:
+async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any]], vocab: int,
+                 guess_mml: int, model_path: str, tok: _LazyTokenizer, api_key: str | None) -> dict[str, Any]:
     import openai
 
     from tdpipe.bench.throughput import machine_info
@@ -690,7 +710,8 @@ async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any
                        "num_prompts": len(reqs), "slo_ttft_ms": a.slo_ttft, "slo_tpot_ms": a.slo_tpot,
                        "request_timeout_s": a.request_timeout, "arrivals": "poisson",
                        "arrival_seed": a.workload_seed + ARRIVAL_SEED_OFFSET,
-                       "sampling": {"temperature": 0.0, "ignore_eos": True, "max_tokens": "workload output_len"}},
+                       "sampling": {"temperature": 0.0, "ignore_eos": True,
+                                    "max_tokens": "workload output_len"}},
             "machine": machine_info(),  # the client's; with --launch or a loopback URL, also the server's
             "model": model_path,
             "workload": {"name": name, "seed": a.workload_seed, **wl.summarize(reqs)},
@@ -703,11 +724,12 @@ async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any
             m = {"request_rate": rate_label(rate)} | rate_metrics(results, duration, slo)
             run_rec["results"].append(m)
             if m["failed"]:
-                print(f"rate {rate_label(rate)}: {m['failed']} of {m['num_requests']} requests failed; first: "
-                      f"{m['first_error']}", file=sys.stderr)
+                print(f"rate {rate_label(rate)}: {m['failed']} of {m['num_requests']} requests failed; "
+                      f"first: {m['first_error']}", file=sys.stderr)
             if m["output_len_mismatch"]:
-                print(f"rate {rate_label(rate)}: {m['output_len_mismatch']} requests returned a different number "
-                      "of tokens than max_tokens (does the server honour ignore_eos?)", file=sys.stderr)
+                print(f"rate {rate_label(rate)}: {m['output_len_mismatch']} requests returned a different "
+                      "number of tokens than max_tokens (does the server honour ignore_eos?)",
+                      file=sys.stderr)
             if a.json:  # after every rate: an interrupted sweep keeps the rates it finished
                 _write_json(a.json, _merge(previous, run_rec))
     print(format_table(run_rec))
@@ -728,7 +750,8 @@ def format_table(run_rec: dict[str, Any]) -> str:
             f"max concurrency {c['max_concurrency'] or 'unlimited'}",
             f"workload {w['name']} (seed {w['seed']}): {c['num_prompts']} requests per rate, input mean "
             f"{w['input_mean']:.1f}, output mean {w['output_mean']:.1f}; Poisson arrivals",
-            "latencies in ms (mean / p50 / p99); tok/s = output tokens/s" + (f"; goodput: {slo}" if slo else "")]
+            "latencies in ms (mean / p50 / p99); tok/s = output tokens/s"
+            + (f"; goodput: {slo}" if slo else "")]
     cols = ["rate", "ok/fail", "req/s", "tok/s", "total tok/s", "TTFT", "TPOT", "ITL", "E2E"]
     if slo:
         cols += ["goodput req/s", "SLO met"]
@@ -738,15 +761,16 @@ def format_table(run_rec: dict[str, Any]) -> str:
             x = m[k]
             return f"{_f(x['mean'])} / {_f(x['p50'])} / {_f(x['p99'])}"
         row = [m["request_rate"], f"{m['completed']}/{m['failed']}", f"{m['request_throughput']:.2f}",
-               f"{m['output_throughput']:.1f}", f"{m['total_token_throughput']:.1f}", d("ttft_ms"), d("tpot_ms"),
-               d("itl_ms"), d("e2e_ms")]
+               f"{m['output_throughput']:.1f}", f"{m['total_token_throughput']:.1f}", d("ttft_ms"),
+               d("tpot_ms"), d("itl_ms"), d("e2e_ms")]
         if slo:
             g = m["goodput"]
             row += [f"{g['requests_per_s']:.2f}", f"{100 * g['attainment']:.0f} %"]
         rows.append(row)
     widths = [max(len(r[k]) for r in rows) for k in range(len(cols))]
     lines = ["  ".join(x.rjust(wd) for x, wd in zip(r, widths)) for r in rows]
-    errs = [f"rate {m['request_rate']}: first error: {m['first_error']}" for m in run_rec["results"] if m["failed"]]
+    errs = [f"rate {m['request_rate']}: first error: {m['first_error']}" for m in run_rec["results"]
+            if m["failed"]]
     return "\n".join(head + lines + errs)
 
 

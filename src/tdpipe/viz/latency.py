@@ -38,8 +38,8 @@ def validate_runs(doc: Any) -> list[dict[str, Any]]:
     if not isinstance(doc, dict):
         raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
     if doc.get("format") != FORMAT:
-        raise ValueError(f"unsupported format {doc.get('format')!r} (expected {FORMAT!r}, what `tdpipe bench serve "
-                         "--json` writes)")
+        raise ValueError(f"unsupported format {doc.get('format')!r} (expected {FORMAT!r}, what `tdpipe bench "
+                         "serve --json` writes)")
     runs = doc.get("runs")
     if not isinstance(runs, list):
         raise ValueError("field 'runs' must be a list")
@@ -129,9 +129,10 @@ def cmd_plot_latency(a: argparse.Namespace) -> int:
 
 def add_parser(plsub: Any) -> argparse.ArgumentParser:
     p = plsub.add_parser(
-        "latency", help="mean TTFT and TPOT against request rate per policy (PNG) from `tdpipe bench serve --json`",
-        description="Draw gLLM Fig. 10's latency panels from a `tdpipe bench serve --json` file: mean TTFT and "
-                    "mean TPOT against request rate, one line per run label (e.g. per scheduling policy).")
+        "latency", help="mean TTFT and TPOT against request rate per policy (PNG), from bench serve --json",
+        description="Draw gLLM Fig. 10's latency panels from a `tdpipe bench serve --json` file: mean TTFT "
+                    "and mean TPOT against request rate, one line per run label (e.g. per scheduling "
+                    "policy).")
     p.add_argument("--json", required=True, metavar="FILE", help="results of `tdpipe bench serve --json`")
     p.add_argument("--output", "-o", default="latency.png", help="PNG to write (default latency.png)")
     p.add_argument("--title", default=None, help="title of the picture")

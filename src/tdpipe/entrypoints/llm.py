@@ -41,18 +41,30 @@ class LLM:
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto", *, seed: int = 0,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, block_size: int = 16,
-                 kv_cache_memory: int | float | None = None, num_kv_blocks: int | None = None,
-                 scheduler: str = "separate", num_threads: int | None = None, pipeline_parallel_size: int = 1,
-                 layer_partition: list[int] | None = None, threads_per_stage: int | None = None,
-                 device: str = "cpu", trace: str | None = None, throttle_T: float = 8.0,
-                 max_prefill_tokens: int = 2048, min_prefill_tokens: int = 32, kv_thresh: float = 0.05,
-                 future_points: tuple[int, int] = (32, 1024), switch_to_decode: str = "predict",
-                 switch_to_prefill: str = "intensity", work_stealing: bool = True, predictor: str = "auto",
-                 profile_cache: bool = True, record_history: str | None = None,
-                 collect_trace: bool = False) -> None:
+    # every default is the config dataclasses' own (declared once, in tdpipe/config.py)
+    def __init__(self, model: str | None = EngineConfig.model, dtype: str = EngineConfig.dtype, *,
+                 seed: int = EngineConfig.seed, max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
+                 max_model_len: int | None = None, block_size: int = CacheConfig.block_size,
+                 kv_cache_memory: int | float | None = CacheConfig.kv_cache_memory,
+                 num_kv_blocks: int | None = CacheConfig.num_blocks, scheduler: str = SchedulerConfig.policy,
+                 num_threads: int | None = EngineConfig.num_threads,
+                 pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
+                 layer_partition: list[int] | None = ParallelConfig.layer_partition,
+                 threads_per_stage: int | None = ParallelConfig.threads_per_stage,
+                 device: str = ParallelConfig.device, trace: str | None = EngineConfig.trace,
+                 throttle_T: float = SchedulerConfig.throttle_T,
+                 max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
+                 min_prefill_tokens: int = SchedulerConfig.min_prefill_tokens,
+                 kv_thresh: float = SchedulerConfig.kv_thresh,
+                 future_points: tuple[int, int] = (SchedulerConfig.future_point_step,
+                                                   SchedulerConfig.future_point_max),
+                 switch_to_decode: str = SchedulerConfig.switch_to_decode,
+                 switch_to_prefill: str = SchedulerConfig.switch_to_prefill,
+                 work_stealing: bool = SchedulerConfig.work_stealing, predictor: str = SchedulerConfig.predictor,
+                 profile_cache: bool = SchedulerConfig.profile_cache,
+                 record_history: str | None = EngineConfig.record_history,
+                 collect_trace: bool = EngineConfig.collect_trace) -> None:
         cfg = EngineConfig(
             model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
             record_history=record_history, collect_trace=collect_trace,

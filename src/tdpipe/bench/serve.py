@@ -458,21 +458,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
 
     # the workload flags of `tdpipe bench throughput` (build_workload reads them), same names and defaults
     g = p.add_argument_group("workload (as in `tdpipe bench throughput`)")
-    g.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
-                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling (mean ~224 in / "
-                        "~188 out); fixed: --input-len/--output-len for every request")
-    g.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (implies fixed)")
-    g.add_argument("--output-len", type=int, default=None, help="output tokens per request (implies fixed)")
-    g.add_argument("--num-prompts", type=int, default=100, help="requests per rate (dataset: at most this)")
-    g.add_argument("--dataset", default=None,
-                   help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per "
-                        "line")
-    g.add_argument("--history", default=None, metavar="FILE",
-                   help="replay a recorded history (--record-history) through the chat template")
-    g.add_argument("--history-split", default="test", choices=["all", "train", "val", "test"],
-                   help="which part of the predictor's 60/20/20 split --history replays (default test)")
-    g.add_argument("--seed", "--workload-seed", dest="workload_seed", type=int, default=0, metavar="N",
-                   help="seed of the synthetic workload and of the arrival times")
+    wl.add_workload_args(g, seed_help="seed of the synthetic workload and of the arrival times", short_seed=True)
     g.add_argument("--model", default=None,
                    help="local model folder or .gguf whose vocabulary and tokenizer build the prompts "
                         "(default: the --model in the engine flags, else the bundled model); no weights are "

@@ -99,21 +99,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         "throughput", help="offline throughput and MFU on a synthetic or JSONL workload",
         description="Submit a whole workload at once and report requests/s, tokens/s and MFU. Output "
                     "lengths are forced (greedy, ignore_eos). " + MFU_FORMULA + ".")
-    p.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
-                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling (mean ~224 in / "
-                        "~188 out); fixed: --input-len/--output-len for every request")
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (implies fixed)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (implies fixed)")
-    p.add_argument("--num-prompts", type=int, default=100, help="number of requests (dataset: at most this)")
-    p.add_argument("--dataset", default=None,
-                   help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per line")
-    p.add_argument("--history", default=None, metavar="FILE",
-                   help="replay a recorded history (--record-history): prompts through the chat template, "
-                        "the recorded output lengths forced; see --history-split")
-    p.add_argument("--history-split", default="test", choices=["all", "train", "val", "test"],
-                   help="which part of the predictor's 60/20/20 split (seed 0) --history replays (default "
-                        "test: prompts a learned predictor never trained on)")
-    p.add_argument("--workload-seed", type=int, default=0, help="seed of the synthetic workload")
+    wl.add_workload_args(p)
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run the requests through transformers generate (static batches) and report "

@@ -163,3 +163,24 @@ def summarize(reqs: list[BenchRequest]) -> dict[str, float]:
     return {"input_mean": float(ins.mean()), "input_median": float(np.median(ins)), "input_max": int(ins.max()),
             "output_mean": float(outs.mean()), "output_median": float(np.median(outs)),
             "output_max": int(outs.max())}
+
+
+def add_workload_args(g: Any, seed_help: str = "seed of the synthetic workload", short_seed: bool = False) -> None:
+    """The workload flags, shared by `bench throughput` and `bench serve` so both can run the same prompts
+    (`short_seed`: also --seed, where no engine flag takes it)."""
+    g.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
+                   help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling (mean ~224 in / "
+                        "~188 out); fixed: --input-len/--output-len for every request")
+    g.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (implies fixed)")
+    g.add_argument("--output-len", type=int, default=None, help="output tokens per request (implies fixed)")
+    g.add_argument("--num-prompts", type=int, default=100, help="number of requests (dataset: at most this)")
+    g.add_argument("--dataset", default=None,
+                   help="JSONL workload: {'prompt' or 'prompt_token_ids', 'output_len' or 'max_tokens'} per line")
+    g.add_argument("--history", default=None, metavar="FILE",
+                   help="replay a recorded history (--record-history): prompts through the chat template, "
+                        "the recorded output lengths forced; see --history-split")
+    g.add_argument("--history-split", default="test", choices=["all", "train", "val", "test"],
+                   help="which part of the predictor's 60/20/20 split (seed 0) --history replays (default "
+                        "test: prompts a learned predictor never trained on)")
+    g.add_argument("--workload-seed", *(["--seed"] if short_seed else []), dest="workload_seed", type=int,
+                   default=0, metavar="N", help=seed_help)

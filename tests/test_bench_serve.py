@@ -70,6 +70,14 @@ def make_stub_app(state: dict):
                 return error("stub overloaded", 500)
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        if not body.get("stream"):  # --no-stream: the whole answer, after the first delay
+            await asyncio.sleep(state["first_delay"])
+            text = " t" * n
+            choice0 = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                       if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+            return {"id": "x", "object": "chat.completion" if chat else "text_completion", "created": 0,
+                    "model": "stub-model", "choices": [choice0],
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n, "total_tokens": n_prompt + n}}
 
         def chunk(choices, usage=None):
             obj = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
@@ -547,3 +555,19 @@ def test_launch_real_tdpipe_serve(tmp_path, capsys):
     m = run["results"][0]
     assert (m["completed"], m["failed"], m["output_len_mismatch"]) == (3, 0, 0)
     assert m["output_tokens"] == 12 and m["input_tokens"] == 24
+
+
+def test_no_stream_asks_for_whole_answers(tmp_path, model_dir, capsys):
+    with StubServer() as stub:
+        for endpoint in ("completions", "chat"):
+            rc = bench(["--base-url", stub.url, "--model", model_dir, "--input-len", "4", "--output-len", "6",
+                        "--num-prompts", "3", "--no-stream", "--endpoint", endpoint,
+                        "--json", str(tmp_path / f"{endpoint}.json")])
+            assert rc == 0, capsys.readouterr().err
+    measured = [b for b in stub.state["bodies"] if b["max_tokens"] == 6]
+    assert len(measured) == 6 and not any(b["stream"] for b in measured)
+    for endpoint in ("completions", "chat"):
+        run = json.loads((tmp_path / f"{endpoint}.json").read_text())["runs"][0]
+        m = run["results"][0]
+        assert run["config"]["stream"] is False and (m["completed"], m["output_tokens"]) == (3, 18)
+        assert m["ttft_ms"]["mean"] == pytest.approx(m["e2e_ms"]["mean"]) and m["ttft_ms"]["p50"] >= 20

@@ -206,14 +206,32 @@ def _is_token_chunk(choice: Any, chat: bool) -> bool:
     return bool(choice.text) or choice.finish_reason is None
 
 
-async def send_request(client: Any, model: str, spec: RequestSpec, chat: bool) -> RequestResult:
-    """Stream one request and time it; every failure becomes a failed result with its message."""
+async def send_request(client: Any, model: str, spec: RequestSpec, chat: bool,
+                       stream: bool = True) -> RequestResult:
+    """Stream one request and time it; every failure becomes a failed result with its message.
+    stream=False (--no-stream) asks for the whole answer at once: TTFT is then the E2E latency."""
     res = RequestResult(ok=False, output_len=spec.output_len)
     common = dict(model=model, max_tokens=spec.output_len, temperature=0.0, stream=True,
                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     usage = None
     start = time.perf_counter()
     last = start
+    if not stream:
+        del common["stream_options"]
+        common["stream"] = False
+        try:
+            if chat:
+                r = await client.chat.completions.create(messages=[{"role": "user", "content": spec.prompt}],
+                                                         **common)
+            else:
+                r = await client.completions.create(prompt=spec.prompt, **common)
+        except Exception as e:  # noqa: BLE001 - any client/server failure is this request's result
+            res.error = (f"{type(e).__name__}: " + " ".join(str(e).split()))[:500]
+            return res
+        res.e2e = res.ttft = time.perf_counter() - start
+        res.prompt_tokens, res.output_tokens = int(r.usage.prompt_tokens), int(r.usage.completion_tokens)
+        res.ok = True
+        return res
     try:
         if chat:
             stream = await client.chat.completions.create(
@@ -246,7 +264,7 @@ async def send_request(client: Any, model: str, spec: RequestSpec, chat: bool) -
 
 async def run_rate(client: Any, model: str, specs: list[RequestSpec], rate: float,
                    max_concurrency: int | None, seed: int, chat: bool,
-                   progress: bool) -> tuple[list[RequestResult], float]:
+                   progress: bool, stream: bool = True) -> tuple[list[RequestResult], float]:
     """Send `specs` at their Poisson send times; returns the results in workload order and the wall time
     from the first send to the last completion."""
     from tqdm import tqdm
@@ -258,7 +276,7 @@ async def run_rate(client: Any, model: str, specs: list[RequestSpec], rate: floa
 
     async def one(spec: RequestSpec) -> RequestResult:
         async with sem if sem is not None else contextlib.nullcontext():
-            r = await send_request(client, model, spec, chat)
+            r = await send_request(client, model, spec, chat, stream)
         bar.update(1)
         return r
 
@@ -448,6 +466,9 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     g.add_argument("--request-rate", default="inf",
                    help="requests/s of the Poisson arrivals, or a comma-separated sweep run in turn, e.g. "
                         "0.5,1,2,inf (inf: all at once; default inf)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="ask for whole answers (stream=false): measures what streaming costs the server; TTFT "
+                        "then equals E2E")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight (a request waits for a slot; the wait is not in its "
                         "latency)")
@@ -694,7 +715,7 @@ async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any
                        "max_model_len": server_mml, "serve_args": _serve_args(a) if a.launch else None},
             "config": {"request_rates": [rate_label(r) for r in rates], "max_concurrency": a.max_concurrency,
                        "num_prompts": len(reqs), "slo_ttft_ms": a.slo_ttft, "slo_tpot_ms": a.slo_tpot,
-                       "request_timeout_s": a.request_timeout, "arrivals": "poisson",
+                       "request_timeout_s": a.request_timeout, "arrivals": "poisson", "stream": not a.no_stream,
                        "arrival_seed": a.workload_seed + ARRIVAL_SEED_OFFSET,
                        "sampling": {"temperature": 0.0, "ignore_eos": True,
                                     "max_tokens": "workload output_len"}},
@@ -706,7 +727,8 @@ async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any
         for rate in rates:
             results, duration = await run_rate(client, served, specs, rate, a.max_concurrency,
                                                a.workload_seed + ARRIVAL_SEED_OFFSET, chat,
-                                               progress=not a.no_progress and sys.stderr.isatty())
+                                               progress=not a.no_progress and sys.stderr.isatty(),
+                                               stream=not a.no_stream)
             m = {"request_rate": rate_label(rate)} | rate_metrics(results, duration, slo)
             run_rec["results"].append(m)
             if m["failed"]:

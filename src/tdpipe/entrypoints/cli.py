@@ -290,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim_cli.add_parser(sub)
     __import__("tdpipe.entrypoints.openai.serve_args", fromlist=["add_parser"]).add_parser(sub)
+    __import__("tdpipe.entrypoints.run_batch", fromlist=["add_parser"]).add_parser(sub)
     return p
 
 

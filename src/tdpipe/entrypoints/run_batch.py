@@ -76,11 +76,7 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     with sink:
         bar = _progress(len(todo), a.no_progress)
         try:
-            for bl in todo:  # lines answered without the engine go first: a failed start costs none of them
-                if bl.error is not None or bl.refusal is not None:
-                    sink.write(error_record(bl))
-                    bar.update(1)
-            requests = [bl for bl in todo if bl.error is None and bl.refusal is None]
+            requests = write_unsendable(todo, sink, bar)
             outcome = Outcome()
             if requests:
                 outcome = asyncio.run(_run(ecfg, requests, sink, bar, a))
@@ -96,6 +92,16 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
         finally:
             bar.close()
     return _report(outcome, sink, total, a.output_file)
+
+
+def write_unsendable(todo: list[BatchLine], sink: BatchSink, bar: Any) -> list[BatchLine]:
+    """Answer the lines that need no engine (bad lines, refused bodies) first, so a failed start costs none of
+    them; returns the requests left to send."""
+    for bl in todo:
+        if bl.error is not None or bl.refusal is not None:
+            sink.write(error_record(bl))
+            bar.update(1)
+    return [bl for bl in todo if bl.error is None and bl.refusal is None]
 
 
 def _progress(total: int, disabled: bool) -> Any:
@@ -265,4 +271,4 @@ class BatchRunner:
             return None
 
 
-__all__ = ["add_parser", "cmd_run_batch"]
+__all__ = ["BatchRunner", "Outcome", "add_parser", "cmd_run_batch", "write_unsendable"]

@@ -34,7 +34,8 @@ def _req(cid: str, url: str, body, method: str = "POST") -> str:
 
 MIXED = [
     _req("c1", C, {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
-    _req("chat1", CHAT, {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "temperature": 0}),
+    _req("chat1", CHAT, {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3,
+                         "temperature": 0}),
     "not json",
     "",  # blank lines are skipped, not reported
     json.dumps({"method": "POST", "url": C, "body": {"prompt": "x"}}),
@@ -122,14 +123,15 @@ def _run_fake(eng: FakeAsyncLLM, lines: list[str], out: Path, concurrency: int =
     return outcome, sink, bar
 
 
-# -- fast: the format ------------------------------------------------------------------------------------------
+# -- fast: the format -------------------------------------------------------------------------------------
 def test_parse_batch_keys_and_errors():
     batch = parse_batch("\n".join(MIXED).encode())
     assert [bl.line for bl in batch] == [1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # line 4 is blank
     keys = [bl.key for bl in batch]
     assert set(keys) == set(MIXED_EXPECTED) and len(keys) == len(set(keys))
     by_key = {bl.key: bl for bl in batch}
-    assert by_key[("line", 9)].custom_id == "c1" and by_key[("line", 9)].error["code"] == "duplicate_custom_id"
+    dup = by_key[("line", 9)]
+    assert dup.custom_id == "c1" and dup.error["code"] == "duplicate_custom_id"
     assert by_key[("id", "strm")].refusal["error"]["param"] == "stream"
     assert by_key[("id", "nobody")].refusal["error"]["param"] == "body"
     assert by_key[("id", "c1")].body["prompt"] == "The capital of France is" and by_key[("id", "c1")].url == C
@@ -233,12 +235,13 @@ def test_mixed_batch_then_resume_after_a_cut_line(tmp_path, capsys):
     assert body["choices"][0]["finish_reason"] in ("stop", "length")
     assert by[("id", "chat1")]["response"]["body"]["choices"][0]["message"]["content"]
 
-    # resume: keep 4 whole lines and half of a fifth (a kill mid-write); the rerun answers the other 8, once each
+    # resume: keep 4 whole lines and half of a fifth (a kill mid-write); the rerun answers the other 8, once
     full = out.read_bytes().splitlines(keepends=True)
     out.write_bytes(b"".join(full[:4]) + full[4][: len(full[4]) // 2])
     assert main(["run-batch", "-i", str(inp), "-o", str(out), *ENGINE]) == 1
     err = capsys.readouterr().err
-    assert "resuming: 4 of 12" in err and "cut last line" in err and "/8 " in err  # the bar counts what is left
+    assert "resuming: 4 of 12" in err and "cut last line" in err
+    assert "/8 " in err  # the progress bar counts the lines left to do
     again = _read(out)
     assert len(again) == 12 and again[:4] == recs[:4]
     assert _summary(again) == MIXED_EXPECTED
@@ -266,7 +269,7 @@ def _big_batch(n: int, seed: int) -> tuple[list[str], set, set]:
 
 
 def _engine_core_of(pid: int, wait_s: float = 60.0) -> int:
-    """The `python -m tdpipe.core.engine_core` child of `pid` (found through /proc, as procs.stage_pids_of)."""
+    """The `python -m tdpipe.core.engine_core` child of `pid`, found through /proc as procs.stage_pids_of."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         for d in os.listdir("/proc"):
@@ -358,8 +361,8 @@ def test_ctrl_c_then_engine_core_killed_then_resumed(tmp_path):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err
     n = _lines_in(out)
-    assert err.strip().splitlines()[-1] == (f"tdpipe: interrupted: {n} of {len(ids)} done in {out}; run the same "
-                                            "command again to resume")
+    assert err.strip().splitlines()[-1] == (f"tdpipe: interrupted: {n} of {len(ids)} done in {out}; run the "
+                                            "same command again to resume")
     assert _gone(core, 10)
 
     p = _start(inp, out)

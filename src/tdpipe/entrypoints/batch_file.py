@@ -1,11 +1,11 @@
-"""The OpenAI Batch file format as `tdpipe run-batch` reads and writes it, and the output file that makes a run
-resumable.
+"""The OpenAI Batch file format as `tdpipe run-batch` reads and writes it, and the output file that makes a
+run resumable.
 
 In: one request per line, `{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions",
-"body"}`. Out: one line per input line, `{"id", "custom_id", "response": {"status_code", "request_id", "body"},
-"error"}`: a request the server answered (200 or 4xx: the body is its response or its OpenAI error object)
-has `response`; a line that cannot be sent at all (not JSON, no custom_id, a duplicate custom_id, a bad
-method or url) has `response: null` and `error: {"code", "message", "line"}`.
+"body"}`. Out: one line per input line, `{"id", "custom_id", "response": {"status_code", "request_id",
+"body"}, "error"}`: a request the server answered (200 or 4xx: the body is its response or its OpenAI error
+object) has `response`; a line that cannot be sent at all (not JSON, no custom_id, a duplicate custom_id, a
+bad method or url) has `response: null` and `error: {"code", "message", "line"}`.
 
 Every input line has a key that its output line carries back, so a second run knows what the first finished:
 the custom_id, or the line number for a line without a usable one (not JSON, no custom_id, a later duplicate).
@@ -50,7 +50,8 @@ def parse_batch(data: bytes) -> list[BatchLine]:
     return out
 
 
-def _line_error(n: int, code: str, message: str, custom_id: str | None = None, by_id: bool = False) -> BatchLine:
+def _line_error(n: int, code: str, message: str, custom_id: str | None = None,
+                by_id: bool = False) -> BatchLine:
     key: Key = ("id", custom_id) if by_id else ("line", n)
     return BatchLine(n, key, custom_id, error={"code": code, "message": f"line {n}: {message}", "line": n})
 
@@ -69,8 +70,8 @@ def _parse_line(raw: bytes, n: int, seen: set[str]) -> BatchLine:
         what = "has no 'custom_id'" if cid is None else f"'custom_id' must be a non-empty string, got {cid!r}"
         return _line_error(n, "invalid_custom_id", what)
     if cid in seen:
-        return _line_error(n, "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; custom_ids "
-                           "must be unique in a batch", cid)
+        return _line_error(n, "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; "
+                           "custom_ids must be unique in a batch", cid)
     seen.add(cid)
     method = rec.get("method", "POST")
     if method != "POST":
@@ -85,8 +86,8 @@ def _parse_line(raw: bytes, n: int, seen: set[str]) -> BatchLine:
         what = "is missing" if body is None else f"must be a JSON object, got {type(body).__name__}"
         bl.refusal = _error_body(f"line {n}: 'body' {what}", "body", "invalid_request")
     elif body.get("stream") not in (None, False):
-        bl.refusal = _error_body(f"line {n}: 'stream': a batch request is not streamed; remove 'stream' or set "
-                                 "it to false", "stream", "unsupported_parameter")
+        bl.refusal = _error_body(f"line {n}: 'stream': a batch request is not streamed; remove 'stream' or "
+                                 "set it to false", "stream", "unsupported_parameter")
     return bl
 
 
@@ -108,7 +109,8 @@ def error_record(bl: BatchLine) -> dict[str, Any]:
     """The output line of an input line that was not sent: its error, or its 400 refusal."""
     if bl.refusal is not None:
         return response_record(bl.custom_id or "", 400, bl.refusal)
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": bl.custom_id, "response": None, "error": bl.error}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": bl.custom_id, "response": None,
+            "error": bl.error}
 
 
 def record_key(rec: Any) -> Key:
@@ -165,8 +167,7 @@ class BatchSink:
                 key = record_key(rec)
             except ValueError:
                 raise PreflightError(f"--output-file {self.path}: line {n} is not a batch output line "
-                                     "({\"id\", \"custom_id\", \"response\", \"error\"}); not resuming into it") \
-                    from None
+                                     "(id, custom_id, response, error); not resuming into it") from None
             self.done.add(key)
             self.prev_failed += failed(rec)
 
@@ -175,14 +176,14 @@ class BatchSink:
         keys = {bl.key for bl in lines}
         stray = next((k for k in self.done if k not in keys), None)
         if stray is not None:
-            raise PreflightError(f"--output-file {self.path} has {describe(stray)}, which is not in {input_path}; "
-                                 "it was written for another batch (use a new output file)")
+            raise PreflightError(f"--output-file {self.path} has {describe(stray)}, which is not in "
+                                 f"{input_path}; it was written for another batch (use a new output file)")
 
     def __enter__(self) -> "BatchSink":
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if self.cut_at is not None:
-            print(f"tdpipe: {self.path}: dropping its cut last line (a write that was interrupted); that request "
-                  "runs again", file=sys.stderr)
+            print(f"tdpipe: {self.path}: dropping its cut last line (a write that was interrupted); that "
+                  "request runs again", file=sys.stderr)
             os.ftruncate(self.fd, self.cut_at)
             self.cut_at = None
         return self

@@ -29,25 +29,26 @@ BUSY_RETRY_S = 0.5  # a 503 "server busy" (admission) is retried after this long
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run-batch", help="run an OpenAI Batch file (JSONL) through the engine; resumable",
-        description="Run every request of an OpenAI Batch input file ({'custom_id', 'method': 'POST', 'url': "
-                    "'/v1/completions' or '/v1/chat/completions', 'body'} per line) and write one line per "
-                    "request ({'id', 'custom_id', 'response': {'status_code', 'request_id', 'body'}, 'error'}), "
-                    "as `vllm run-batch` does. Requests are answered exactly as `tdpipe serve` answers them. "
-                    "Each result is appended as it finishes; after a crash, kill -9 or Ctrl-C, run the same "
-                    "command again and it answers only the custom_ids not yet in the output. Exit code 0 when "
-                    "every request succeeded, 1 when any failed (its line has an error or a status other than "
-                    "200) or the engine died, 2 for a usage error, 130 when interrupted. See docs/run-batch.md.")
+        description="Run every request of an OpenAI Batch input file ({'custom_id', 'method': "
+                    "'POST', 'url': '/v1/completions' or '/v1/chat/completions', 'body'} per line) and write "
+                    "one line per request ({'id', 'custom_id', 'response': {'status_code', 'request_id', "
+                    "'body'}, 'error'}), as `vllm run-batch` does. Requests are answered exactly as `tdpipe "
+                    "serve` answers them. Each result is appended as it finishes; after a crash, kill -9 or "
+                    "Ctrl-C, run the same command again and it answers only the custom_ids not yet in the "
+                    "output. Exit code 0 when every request succeeded, 1 when any failed (its line has an "
+                    "error or a status other than 200) or the engine died, 2 for a usage error, 130 when "
+                    "interrupted. See docs/run-batch.md.")
     g = p.add_argument_group("batch")
     g.add_argument("-i", "--input-file", "--input", dest="input_file", required=True, metavar="FILE",
                    help="the batch input file (JSONL)")
     g.add_argument("-o", "--output-file", "--output", dest="output_file", required=True, metavar="FILE",
                    help="the results file (JSONL); appended to, so a second run resumes a first")
     g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
-                   help=f"requests in flight at once (default: {CONCURRENCY_PER_SEQ} x --max-num-seqs, so the "
-                        "engine always has a full batch and a queue behind it)")
+                   help=f"requests in flight at once (default: {CONCURRENCY_PER_SEQ} x --max-num-seqs, so "
+                        "the engine always has a full batch and a queue behind it)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name a body's 'model' must match (default: the model folder's name; a body "
-                        "without 'model' always matches)")
+                   help="the model name a body's 'model' must match (default: the model folder's name; a "
+                        "body without 'model' always matches)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
     p.set_defaults(fn=cmd_run_batch)
@@ -72,7 +73,8 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     total = len(lines)
     todo = [bl for bl in lines if bl.key not in sink.done]
     if sink.done:
-        print(f"tdpipe: resuming: {len(sink.done)} of {total} already done in {a.output_file}", file=sys.stderr)
+        print(f"tdpipe: resuming: {len(sink.done)} of {total} already done in {a.output_file}",
+              file=sys.stderr)
     with sink:
         bar = _progress(len(todo), a.no_progress)
         try:
@@ -107,7 +109,8 @@ def write_unsendable(todo: list[BatchLine], sink: BatchSink, bar: Any) -> list[B
 def _progress(total: int, disabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="req", desc="run-batch", disable=disabled or not total, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, unit="req", desc="run-batch", disable=disabled or not total, file=sys.stderr,
+                dynamic_ncols=True)
 
 
 @dataclass
@@ -142,7 +145,8 @@ def _report(o: Outcome, sink: BatchSink, total: int, path: str) -> int:
     return 1 if failed else 0
 
 
-async def _run(ecfg: Any, requests: list[BatchLine], sink: BatchSink, bar: Any, a: argparse.Namespace) -> Outcome:
+async def _run(ecfg: Any, requests: list[BatchLine], sink: BatchSink, bar: Any,
+               a: argparse.Namespace) -> Outcome:
     """Start the engine, answer `requests`, stop the engine. SIGINT/SIGTERM stop it early (a second one exits
     at once: every line written so far is whole, and the engine core exits when it sees this process gone)."""
     from tdpipe.core.async_llm import AsyncLLM
@@ -198,8 +202,8 @@ class _QuietDeath(logging.Filter):
 
 class BatchRunner:
     """Sends the requests through the server app, `concurrency` at a time, and writes each answer as it comes.
-    A 503 is never written: "engine dead" stops the run (a rerun sends those requests again), "busy" is retried,
-    an abort is left unanswered (and reported)."""
+    A 503 is never written: "engine dead" stops the run (a rerun sends those requests again), "busy" is
+    retried, an abort is left unanswered (and reported)."""
 
     def __init__(self, llm: Any, sink: BatchSink, bar: Any, stop: asyncio.Event, outcome: Outcome,
                  served_model_name: str | None, concurrency: int) -> None:
@@ -254,8 +258,8 @@ class BatchRunner:
             try:
                 body = r.json()
             except ValueError:
-                body = {"error": {"message": r.text or f"HTTP {r.status_code}", "type": "internal_server_error",
-                                  "param": None, "code": None}}
+                body = {"error": {"message": r.text or f"HTTP {r.status_code}",
+                                  "type": "internal_server_error", "param": None, "code": None}}
             if r.status_code != 503:
                 return response_record(bl.custom_id or "", r.status_code, body)
             if self.llm.dead_reason is not None:

@@ -63,6 +63,8 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     check_writable(a.record_history, "--record-history")
     if os.path.exists(a.output_file) and os.path.samefile(a.input_file, a.output_file):
         raise PreflightError("--output-file is the input file; give the results their own file")
+    if a.model is not None and not os.path.exists(os.path.expanduser(a.model)):  # before a line is written
+        raise PreflightError(f"--model {a.model}: no such file or folder (tdpipe never downloads from a hub)")
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise PreflightError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
     ecfg = engine_config(a)  # bad engine flags fail here, before anything is written or loaded

@@ -151,7 +151,7 @@ class BatchSink:
         self.fd = -1
         self.write_failed = False
         self.cut_at: int | None = None
-        if os.path.exists(path):
+        if os.path.isfile(path):  # not a device or a pipe (/dev/null): nothing to read back there
             self._read_existing()
 
     def _read_existing(self) -> None:

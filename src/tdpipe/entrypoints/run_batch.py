@@ -234,12 +234,13 @@ class BatchRunner:
             workers = [asyncio.ensure_future(self._worker(client, pending))
                        for _ in range(min(self.concurrency, len(requests)))]
             stopped = asyncio.ensure_future(self.stop.wait())
+            finished = asyncio.gather(*workers)  # ends when all are done, or at the first that raises
             try:
-                await asyncio.wait({stopped, asyncio.gather(*workers)}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({stopped, finished}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for t in (*workers, stopped):
                     t.cancel()  # a request cancelled mid-flight aborts in the engine and is not written
-                await asyncio.gather(*workers, stopped, return_exceptions=True)
+                await asyncio.gather(*workers, stopped, finished, return_exceptions=True)
         for t in workers:
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]

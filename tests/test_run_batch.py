@@ -221,7 +221,8 @@ def test_a_failed_write_is_reported_with_how_to_resume(tmp_path, capsys):
     inp.write_text("not json\n{}\n")  # only lines answered without the engine: no model loads
     assert main(["run-batch", "-i", str(inp), "-o", "/dev/full"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("tdpipe: error: writing /dev/full failed (No space left on device): 0 of 2 done")
+    assert err[-1].startswith("tdpipe: error: writing /dev/full failed (No space left on device): "
+                              "0 of 2 done")
 
 
 def test_help():

@@ -114,6 +114,10 @@ def run_engine_core(config: Any, in_addr: str, out_addr: str, parent_pid: int) -
         push.close()
         pull.close(linger=0)
         ctx.term()
+        if os.getppid() != parent_pid:  # the frontend was killed: nobody else removes the sockets' folder
+            import shutil
+
+            shutil.rmtree(os.path.dirname(in_addr.removeprefix("ipc://")), ignore_errors=True)
 
 
 def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> None:

@@ -241,8 +241,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads: a port in use fails in a second, not after."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, addr = infos[0]
+    # proto = IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only then; with 0, Nagle holds
+    # streamed chunks on a keep-alive connection back ~40 ms and they arrive together
+    sock = socket.socket(family, socket.SOCK_STREAM, proto or socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
@@ -269,7 +271,7 @@ def run_server(config: ServerConfig, engine_config: Any) -> int:
 
 
 def _after_shutdown(signum: int, frame: object) -> None:
-    log.info("signal %d: already shutting down", signum)
+    log.debug("signal %d after shutdown (uvicorn passes on the one it caught)", signum)
 
 
 async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -> int:
@@ -285,10 +287,12 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
     start_task = asyncio.ensure_future(AsyncLLM.start(engine_config))
     await asyncio.wait({server_task, start_task}, return_when=asyncio.FIRST_COMPLETED)
-    if not start_task.done():  # stopped (a signal) or failed before the engine was up
-        start_task.cancel()
-        await asyncio.gather(start_task, return_exceptions=True)
-        await server_task
+    if not start_task.done():  # a signal while the model loads: let it finish loading, then stop it
+        # (cancelling the start would leave the core process loading with nobody to stop it)
+        await asyncio.gather(server_task, return_exceptions=True)
+        done = (await asyncio.gather(start_task, return_exceptions=True))[0]
+        if not isinstance(done, BaseException):
+            await done.shutdown(grace_s=0)
         return 0
     if start_task.exception() is not None:
         server.should_exit = True
@@ -297,15 +301,17 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     engine = start_task.result()
     set_engine(app, engine)
     host, port = sock.getsockname()[:2]
-    log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.serving.served_name(engine), host, port,
-             engine.max_model_len)
-    print(f"tdpipe: serving on http://{host}:{port}", file=sys.stderr, flush=True)
-    t0 = None
+    print(f"tdpipe: serving {app.state.serving.served_name(engine)} on http://{host}:{port} (max_model_len "
+          f"{engine.max_model_len})", file=sys.stderr, flush=True)
     try:
         await server_task
-        t0 = time.monotonic()
+        # uvicorn waited up to the grace period, then cancelled what was left: let those end their
+        # responses (a final error event) and close their engine requests (which aborts them)
+        left = [t for t in server.server_state.tasks if not t.done()]
+        if left:
+            await asyncio.wait(left, timeout=5)
     finally:
-        # uvicorn has waited up to the grace period and cancelled what was left (which aborted it)
+        t0 = time.monotonic()
         await engine.shutdown(grace_s=1.0)
-    log.info("stopped%s", f" ({time.monotonic() - t0:.1f} s to stop the engine)" if t0 else "")
+        log.info("engine stopped in %.1f s", time.monotonic() - t0)
     return 0

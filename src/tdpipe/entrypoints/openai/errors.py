@@ -8,11 +8,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-try:
-    from tdpipe.core.async_llm import EngineDeadError
-except ImportError:  # pragma: no cover - only while core/async_llm.py has not landed yet
-    class EngineDeadError(RuntimeError):  # type: ignore[no-redef]
-        """The engine-core process died; str(e) says why."""
+from tdpipe.core.async_llm import EngineDeadError
+
+__all__ = ["EngineDeadError", "OpenAIError", "bad_request", "engine_dead", "error_body", "error_json",
+           "from_sampling_error", "from_validation_error"]
 
 # OpenAI's "type" for each status (what its own API returns)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",

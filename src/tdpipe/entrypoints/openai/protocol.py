@@ -90,7 +90,7 @@ class _GenerationRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Any = None  # str | list[str]; SamplingParams checks it (one clear message for both shapes)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # accepted, ignored (OpenAI uses it for abuse monitoring)

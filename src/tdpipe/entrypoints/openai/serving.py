@@ -209,12 +209,17 @@ class OpenAIServing:
         aborts its requests). Returns None then: nobody is left to answer."""
         task = asyncio.ensure_future(work)
         watch = asyncio.ensure_future(_wait_disconnect(receive))
+        stopping = False
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # uvicorn's grace period at shutdown is over
+            stopping = True
         finally:
             for t in (watch, task):
                 t.cancel()
             await asyncio.gather(watch, task, return_exceptions=True)
+        if stopping:
+            raise shutting_down()
         if task.cancelled():
             log.info("client disconnected: request aborted")
             return None
@@ -352,16 +357,33 @@ class SSEResponse(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stream = asyncio.ensure_future(self._send_all(send))
+        started = False
+
+        async def tracked(msg: Any) -> None:
+            nonlocal started
+            started = True
+            await send(msg)
+
+        stream = asyncio.ensure_future(self._send_all(tracked))
         watch = asyncio.ensure_future(_wait_disconnect(receive))
+        stopping = False
         try:
             await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # uvicorn's grace period at shutdown is over
+            stopping = True
         finally:
             for t in (watch, stream):
                 t.cancel()
             await asyncio.gather(watch, stream, return_exceptions=True)
             self.on_close()
-        if stream.cancelled():
+        if stopping and not (watch.done() and not watch.cancelled()):
+            # end the stream with an error event the client can read, not a cut connection
+            log.info("server stopping: a stream was aborted")
+            if not started:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": sse_error(shutting_down()) + DONE,
+                        "more_body": False})
+        elif stream.cancelled():
             log.info("client disconnected mid-stream: request aborted")
 
     async def _send_all(self, send: Send) -> None:
@@ -369,3 +391,8 @@ class SSEResponse(StreamingResponse):
             await self.stream_response(send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def shutting_down() -> OpenAIError:
+    return OpenAIError(503, "the server is shutting down: the request was aborted after the grace period",
+                       code="server_shutdown", headers={"Retry-After": "5"})

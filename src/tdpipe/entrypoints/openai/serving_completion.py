@@ -29,7 +29,7 @@ class CompletionServing:
                     raise bad_request("'prompt' must not be an empty string", "prompt", "invalid_value")
                 ids, text = tok.encode(p, add_special_tokens=req.add_special_tokens), p
             else:
-                _check_vocab(tok, p)
+                _check_vocab(eng, p)
                 ids, text = p, None
             params = self.s.fit(eng, ids, sp, "max_tokens", "prompt")
             items.append(Item(i, rid if len(prompts) == 1 else f"{rid}-{i}", ids, params, text))
@@ -107,9 +107,9 @@ class CompletionServing:
         yield DONE
 
 
-def _check_vocab(tok: Any, ids: list[int]) -> None:
-    """Token ids the tokenizer does not know are a 400 here, before any stream starts."""
-    size = len(tok)
+def _check_vocab(eng: Any, ids: list[int]) -> None:
+    """Token ids outside the model's vocabulary are a 400 here, before any stream starts."""
+    size = getattr(eng, "vocab_size", 0) or len(eng.tokenizer)
     bad = next((t for t in ids if t >= size), None)
     if bad is not None:
         raise bad_request(f"'prompt' has token id {bad}, outside the vocabulary (ids are in [0, {size}))",

@@ -370,3 +370,23 @@ async def test_bad_requests_do_not_disturb_one_in_flight():
         ev = _events(await good)
     assert ev[-2]["choices"][0]["finish_reason"] == "length"
     assert sum(len(x["choices"][0]["text"]) for x in ev[:-1]) == 40
+
+
+async def test_return_token_ids_only_when_asked():
+    eng = FakeAsyncLLM()
+    body = {"prompt": "hey", "max_tokens": 6, "temperature": 0}
+    async with _client(_app(eng)) as c:
+        plain = (await c.post(C, json=body)).json()["choices"][0]
+        full = (await c.post(C, json=body | {"return_token_ids": True})).json()["choices"][0]
+        ev = _events(await c.post(C, json=body | {"return_token_ids": True, "stream": True}))
+        chat = (await c.post(CHAT, json={"messages": U, "max_tokens": 3, "return_token_ids": True})).json()
+        cev = _events(await c.post(CHAT, json={"messages": U, "max_tokens": 3, "return_token_ids": True,
+                                                "stream": True}))
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    assert full["prompt_token_ids"] == eng.tokenizer.encode("hey") and len(full["token_ids"]) == 6
+    assert eng.tokenizer.decode(full["token_ids"]) == full["text"]
+    assert [t for x in ev[:-1] for t in x["choices"][0]["token_ids"]] == full["token_ids"]
+    assert ev[0]["choices"][0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert "prompt_token_ids" not in ev[1]["choices"][0]
+    assert len(chat["choices"][0]["token_ids"]) == 3 and chat["choices"][0]["prompt_token_ids"]
+    assert sum(len(x["choices"][0].get("token_ids", [])) for x in cev[:-1]) == 3

@@ -103,6 +103,7 @@ class _GenerationRequest(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in each choice
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields SamplingParams takes, None dropped (its defaults apply: declared once, there)."""
@@ -223,7 +224,22 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
+    """token_ids and prompt_token_ids appear only when the request asked for them (return_token_ids)."""
+
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _ids_if_asked(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        for k in ("prompt_token_ids", "token_ids"):
+            if d.get(k) is None:
+                d.pop(k, None)
+        return d
+
+
+class CompletionChoice(_Choice):
     index: int
     text: str
     logprobs: None = None
@@ -246,7 +262,7 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Choice):
     index: int
     message: ChatMessageOut
     logprobs: None = None
@@ -275,7 +291,7 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_Choice):
     index: int
     delta: DeltaMessage
     logprobs: None = None

@@ -51,6 +51,7 @@ class Prepared:
     stream: bool
     include_usage: bool = False
     continuous_usage: bool = False
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 

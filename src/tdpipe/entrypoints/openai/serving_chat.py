@@ -41,7 +41,8 @@ class ChatServing:
         so = req.stream_options
         return Prepared(rid, name, [Item(0, rid, ids, params)], req.stream,
                         include_usage=bool(so and so.include_usage),
-                        continuous_usage=bool(so and so.continuous_usage_stats))
+                        continuous_usage=bool(so and so.continuous_usage_stats),
+                        return_token_ids=req.return_token_ids)
 
     async def handle(self, req: ChatCompletionRequest, raw: Request) -> Response | None:
         eng = self.s.engine()
@@ -62,12 +63,14 @@ class ChatServing:
         c = last.outputs[0]
         choice = ChatChoice(index=0, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason)
+        if prep.return_token_ids:
+            choice.prompt_token_ids, choice.token_ids = prep.items[0].prompt_ids, list(c.token_ids)
         usage = self.s.usage(len(prep.items[0].prompt_ids), len(c.token_ids))
         return ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                       choices=[choice], usage=usage).model_dump()
 
     async def _stream(self, prep: Prepared, run: Run) -> AsyncIterator[bytes]:
-        sent = 0
+        sent = ids_sent = 0
         tokens = 0
         prompt_tokens = len(prep.items[0].prompt_ids)
 
@@ -92,6 +95,11 @@ class ChatServing:
                                           logprobs=None, finish_reason=c.finish_reason if out.finished else None)
                 if out.finished:
                     choice.stop_reason = c.stop_reason
+                if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first
+                    choice.token_ids = list(c.token_ids[ids_sent:])
+                    if ids_sent == 0:
+                        choice.prompt_token_ids = prep.items[0].prompt_ids
+                    ids_sent = len(c.token_ids)
                 yield sse(chunk([choice], prep.continuous_usage))
             if prep.include_usage:
                 yield sse(chunk([], True))

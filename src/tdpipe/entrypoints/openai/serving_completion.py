@@ -39,7 +39,8 @@ class CompletionServing:
                     it.prompt_text = _decode(tok, it.prompt_ids)
         so = req.stream_options
         return Prepared(rid, name, items, req.stream, include_usage=bool(so and so.include_usage),
-                        continuous_usage=bool(so and so.continuous_usage_stats))
+                        continuous_usage=bool(so and so.continuous_usage_stats),
+                        return_token_ids=req.return_token_ids)
 
     async def handle(self, req: CompletionRequest, raw: Request) -> Response | None:
         eng = self.s.engine()
@@ -64,8 +65,11 @@ class CompletionServing:
             c = last[it.index].outputs[0]
             completion_tokens += len(c.token_ids)
             text = (it.prompt_text or "") + c.text if echo else c.text
-            choices.append(CompletionChoice(index=it.index, text=text, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
+            choice = CompletionChoice(index=it.index, text=text, finish_reason=c.finish_reason,
+                                      stop_reason=c.stop_reason)
+            if prep.return_token_ids:
+                choice.prompt_token_ids, choice.token_ids = it.prompt_ids, list(c.token_ids)
+            choices.append(choice)
         usage = self.s.usage(sum(len(it.prompt_ids) for it in prep.items), completion_tokens)
         return CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model, choices=choices,
                                   usage=usage).model_dump()
@@ -73,6 +77,7 @@ class CompletionServing:
     async def _stream(self, prep: Prepared, run: Run, echo: bool) -> AsyncIterator[bytes]:
         n = len(prep.items)
         sent = [0] * n  # characters of each choice's text already sent
+        ids_sent = [0] * n  # and of its token ids (return_token_ids)
         tokens = [0] * n
         prompt_tokens = sum(len(it.prompt_ids) for it in prep.items)
 
@@ -97,6 +102,11 @@ class CompletionServing:
                                           finish_reason=c.finish_reason if out.finished else None)
                 if out.finished:
                     choice.stop_reason = c.stop_reason
+                if prep.return_token_ids:  # the ids since this choice's last chunk; the prompt's once
+                    choice.token_ids = list(c.token_ids[ids_sent[i]:])
+                    if ids_sent[i] == 0:
+                        choice.prompt_token_ids = prep.items[i].prompt_ids
+                    ids_sent[i] = len(c.token_ids)
                 yield sse(chunk([choice], prep.continuous_usage))
             if prep.include_usage:
                 yield sse(chunk([], True))

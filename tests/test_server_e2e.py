@@ -1,0 +1,315 @@
+"""The real server (`tdpipe serve`: uvicorn on 127.0.0.1, the real AsyncLLM and engine-core process, the
+bundled model in float32) driven by the real `openai` client: completions and chat, streaming and not, stop
+strings, seeds, usage, models, metrics, the API key, greedy output token-identical to LLM.generate at pp = 1
+and pp = 2, the bad-input matrix, 50 clients hanging up, SIGTERM under load. One server per module."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from procs import alive
+from test_server_errors import bad_inputs
+
+pytestmark = pytest.mark.slow
+
+KEY = "e2e-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def start_server(log_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`tdpipe serve` on a free port (--port 0); returns once it says where it listens."""
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tdpipe.entrypoints.cli", "serve", "--port", "0", "--dtype",
+                             "float32", "--kv-cache-memory", str(64 << 20), "--no-access-log", *flags],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    for _ in range(1500):  # model load and, at pp > 1, the stage processes
+        m = re.search(r"serving \S+ on (http://\S+)", open(log_path).read())
+        if m:
+            return proc, m.group(1)
+        assert proc.poll() is None, open(log_path).read()
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not start: " + open(log_path).read()[-2000:])
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM: exit 0 and no process left (the engine core and its stages)."""
+    pids = [proc.pid, *descendants(proc.pid)]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0
+    for _ in range(100):
+        if not any(alive(p) for p in pids):
+            break
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), [p for p in pids if alive(p)]
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+def wait_idle(url: str) -> dict[str, float]:
+    """The engine's snapshot once nothing runs or waits (it refreshes every step, each second when idle)."""
+    for _ in range(600):
+        m = metrics(url)
+        if m["tdpipe:num_requests_running"] == 0 and m["tdpipe:num_requests_waiting"] == 0 and \
+                m["tdpipe:kv_cache_usage_perc"] == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"the engine did not go idle: {m}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, url = start_server(tmp_path_factory.mktemp("serve") / "serve.log", "--max-num-seqs", "8",
+                             env={"TDPIPE_API_KEY": KEY})
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300) as c:
+        yield c
+
+
+def test_completions_and_chat_streaming_and_not(server, client):
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 6 and r.usage.total_tokens == len(ids) + 6
+    assert r.choices[0].finish_reason == "length" and r.id.startswith("cmpl-") and r.model == model
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage.completion_tokens <= 8
+    tok = httpx.post(server + "/tokenize", json={"messages": msgs}).json()
+    assert chat.usage.prompt_tokens == tok["count"]
+    parts = list(client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=8, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_stop_strings_max_tokens_and_seeds(client):
+    model = client.models.list().data[0].id
+    full = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    cut = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[:full.index(stop)]
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    for n in (1, 5):
+        r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=n, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
+    texts = [client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=s,
+                                       extra_body={"ignore_eos": True}).choices[0].text for s in (11, 11, 12)]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_models_metrics_and_api_key(server, client):
+    from openai import AuthenticationError, OpenAI
+
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].model_extra["max_model_len"] > 0
+    with OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0) as other:
+        with pytest.raises(AuthenticationError):
+            other.completions.create(model=models[0].id, prompt="hi", max_tokens=1)
+    assert httpx.get(server + "/v1/models").status_code == 401  # no key at all
+    assert httpx.get(server + "/health").json() == {"status": "ok"}  # open without the key
+    client.completions.create(model=models[0].id, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    text = httpx.get(server + "/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    for n in ("tdpipe:num_requests_running", "tdpipe:num_requests_waiting", "tdpipe:kv_cache_usage_perc",
+              "tdpipe:prompt_tokens", "tdpipe:generation_tokens", "tdpipe:num_preemptions",
+              "tdpipe:time_to_first_token_seconds", "tdpipe:time_per_output_token_seconds",
+              "tdpipe:e2e_request_latency_seconds", "tdpipe:stage_busy_ratio"):
+        assert n in names, n
+    m = metrics(server)
+    assert m["tdpipe:generation_tokens_total"] >= 3 and m["tdpipe:time_to_first_token_seconds_count"] >= 1
+    assert 'tdpipe:stage_busy_ratio{stage="0"}' in text
+
+
+def _greedy_ids_via_server(url: str, headers: dict) -> list[list[int]]:
+    out = []
+    for p in PROMPTS:
+        r = httpx.post(url + "/v1/completions", headers=headers, timeout=300,
+                       json={"prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["token_ids"])
+    return out
+
+
+def _greedy_ids_offline(llm) -> list[list[int]]:
+    from tdpipe import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_is_token_identical_to_llm_generate_pp1(server, llm_fp32):
+    assert _greedy_ids_via_server(server, AUTH) == _greedy_ids_offline(llm_fp32)
+
+
+def test_greedy_is_token_identical_to_llm_generate_pp2(tmp_path, llm_fp32):
+    proc, url = start_server(tmp_path / "serve_pp2.log", "--pp", "2")
+    try:
+        via_server = _greedy_ids_via_server(url, {})
+    finally:
+        stop_server(proc)
+    assert via_server == _greedy_ids_offline(llm_fp32)
+
+
+def test_bad_input_matrix_leaks_nothing(server):
+    max_len = httpx.get(server + "/v1/models", headers=AUTH).json()["data"][0]["max_model_len"]
+    cases = bad_inputs(max_len, fake_template=False)
+    assert len(cases) >= 25
+    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+        for route, body, status, param in cases:
+            r = c.post(route, json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and set(err) == {"message", "type", "param", "code"}, (body, err)
+        raw = [(b'{"prompt": "hi", ', "application/json", 400), (b'{"prompt": "\xff"}', "application/json", 400),
+               (b'{"prompt": "hi"}', "text/plain", 415), (b"[1, 2]", "application/json", 400),
+               (b'{"prompt": "' + b"x" * (9 << 20) + b'"}', "application/json", 413)]
+        for content, ctype, status in raw:
+            r = c.post("/v1/completions", content=content, headers={"content-type": ctype})
+            assert r.status_code == status and "error" in r.json(), r.text
+        r = c.post("/v1/completions", json={"prompt": "still there?", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    wait_idle(server)  # every KV block back in the free list
+
+
+def test_50_streaming_clients_hang_up_others_still_served(server):
+    before = wait_idle(server)["tdpipe:generation_tokens_total"]
+    max_tokens = 64
+    rng = random.Random(0)
+
+    async def hang_up(c: httpx.AsyncClient, i: int) -> int:
+        stop_after = rng.randrange(0, 8)  # 0: at once, maybe still queued behind --max-num-seqs 8
+        seen = 0
+        async with c.stream("POST", "/v1/completions", json={
+                "prompt": f"Client {i} tells a long story:", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if seen >= stop_after:
+                    break
+                if line.startswith("data: "):
+                    seen += 1
+        return seen  # leaving the block closes the connection mid-stream
+
+    async def served(c: httpx.AsyncClient, i: int) -> dict:
+        r = await c.post("/v1/completions", json={"prompt": f"Question {i}:", "max_tokens": 5, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def main():
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300, limits=limits) as c:
+            return await asyncio.gather(*[hang_up(c, i) for i in range(50)], *[served(c, i) for i in range(5)])
+
+    results = asyncio.run(main())
+    assert all(r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
+               for r in results[50:])
+    after = wait_idle(server)  # all their blocks freed
+    # aborted, not run to the end: far fewer tokens than 50 full answers
+    generated = after["tdpipe:generation_tokens_total"] - before
+    print(f"50 clients hung up after {sorted(results[:50])} events; {generated:.0f} tokens generated in all")
+    assert generated < 50 * max_tokens / 2
+    r = httpx.post(server + "/v1/completions", headers=AUTH, json={"prompt": "after", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_sigterm_under_load_exits_0_and_leaves_nothing(tmp_path):
+    proc, url = start_server(tmp_path / "serve_term.log", "--shutdown-grace", "3")
+    results: list = []
+
+    def stream(i: int) -> None:
+        events = []
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                    "prompt": f"Story {i}:", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+        except httpx.HTTPError as e:
+            events.append(f"transport error: {e}")
+        results.append(events)
+
+    def plain(i: int) -> None:
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"prompt": f"Essay {i}:", "max_tokens": 400, "ignore_eos": True})
+            results.append((r.status_code, r.json()))
+        except httpx.HTTPError as e:
+            results.append(("transport error", str(e)))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)] + \
+              [threading.Thread(target=plain, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for _ in range(600):
+        if metrics(url)["tdpipe:generation_tokens_total"] >= 8:
+            break
+        time.sleep(0.1)
+    stop_server(proc)  # exit 0, no process left
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6
+    for res in results:
+        if isinstance(res, tuple):  # whole answers: done in the grace period, or 503 after it
+            status, body = res
+            assert status == 200 or (status == 503 and body["error"]["code"] == "server_shutdown"), res
+        else:  # streams: finished, or an error event; either way [DONE] ends them, never a cut connection
+            assert res and res[-1] == "[DONE]", res[-3:]
+            last = json.loads(res[-2])
+            assert "error" in last and last["error"]["code"] == "server_shutdown" or \
+                last["choices"][0]["finish_reason"] == "length", last

@@ -158,6 +158,7 @@ class FakeAsyncLLM:
     def die(self, reason: str = "engine core process exited with signal 9") -> None:
         """Every open request raises EngineDeadError at its next step, as when the core process dies."""
         self.dead_reason = reason
+        self.ready = False  # as AsyncLLM: a dead engine is not ready
         self._dead.set()
 
     async def _tick(self) -> None:

@@ -313,3 +313,31 @@ def test_sigterm_under_load_exits_0_and_leaves_nothing(tmp_path):
             last = json.loads(res[-2])
             assert "error" in last and last["error"]["code"] == "server_shutdown" or \
                 last["choices"][0]["finish_reason"] == "length", last
+
+
+def test_engine_core_death_fails_requests_and_health_says_why(tmp_path):
+    proc, url = start_server(tmp_path / "serve_dead.log")
+    core = next(p for p in descendants(proc.pid)
+                if b"tdpipe.core.engine_core" in open(f"/proc/{p}/cmdline", "rb").read())
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+            events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for _ in range(600):
+        if len(events) >= 2 or not t.is_alive():
+            break
+        time.sleep(0.05)
+    os.kill(core, signal.SIGKILL)
+    t.join(120)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead", events[-3:]
+    h = httpx.get(url + "/health", timeout=10)
+    assert h.status_code == 503 and h.json()["status"] == "dead" and "signal 9" in h.json()["reason"]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert "tdpipe:engine_ready 0.0" in httpx.get(url + "/metrics", timeout=10).text
+    stop_server(proc)  # still exits 0, nothing left

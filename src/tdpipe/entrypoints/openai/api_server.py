@@ -87,16 +87,16 @@ def build_app(engine: Any | None, config: ServerConfig | None = None) -> FastAPI
     @app.get("/health")
     async def health() -> Response:
         eng = app.state.engine
-        if eng is None or not getattr(eng, "ready", True):
-            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
-        reason = getattr(eng, "dead_reason", None)
-        if reason is None:
+        reason = getattr(eng, "dead_reason", None)  # first: a dead engine is not ready either
+        if eng is not None and reason is None and getattr(eng, "ready", True):
             try:
                 eng.check_health()
             except EngineDeadError as e:
                 reason = str(e) or "the engine core died"
         if reason is not None:
             return JSONResponse({"status": "dead", "reason": reason}, status_code=503)
+        if eng is None or not getattr(eng, "ready", True):
+            return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -309,7 +309,10 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
         # responses (a final error event) and close their engine requests (which aborts them)
         left = [t for t in server.server_state.tasks if not t.done()]
         if left:
-            await asyncio.wait(left, timeout=5)
+            _, left = await asyncio.wait(left, timeout=5)
+        for t in left:  # a second Ctrl-C makes uvicorn stop waiting without cancelling them
+            t.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
     finally:
         t0 = time.monotonic()
         await engine.shutdown(grace_s=1.0)

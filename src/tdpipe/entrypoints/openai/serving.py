@@ -124,11 +124,11 @@ class OpenAIServing:
     def engine(self) -> Any:
         """The engine, or 503 while it starts or after its core died."""
         eng = self.get_engine()
+        if getattr(eng, "dead_reason", None):  # first: a dead engine is not ready either
+            raise engine_dead(eng.dead_reason)
         if eng is None or not getattr(eng, "ready", True):
             raise OpenAIError(503, "the engine is starting; retry shortly", code="engine_starting",
                               headers={"Retry-After": "5"})
-        if getattr(eng, "dead_reason", None):
-            raise engine_dead(eng.dead_reason)
         return eng
 
     def served_name(self, eng: Any | None = None) -> str:

@@ -121,7 +121,8 @@ async def test_streaming_chat_role_first_then_deltas():
     assert full["choices"][0]["message"]["role"] == "assistant"
     prompt = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(U), add_special_tokens=False)
     assert eng.requests[0][0] == prompt
-    assert full["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
+    assert full["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6,
+                             "total_tokens": len(prompt) + 6}
     chunks = ev[:-2]
     assert all(x["object"] == "chat.completion.chunk" for x in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -274,8 +275,9 @@ async def test_tokenize_and_detokenize():
         t = (await c.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False})).json()
         assert t["count"] == 2
         t = (await c.post("/tokenize", json={"messages": U})).json()
-        assert t["tokens"] == eng.tokenizer.encode(eng.tokenizer.apply_chat_template(U), add_special_tokens=False)
-        d = (await c.post("/detokenize", json={"tokens": eng.tokenizer.encode("ab", add_special_tokens=False)}))
+        tok = eng.tokenizer
+        assert t["tokens"] == tok.encode(tok.apply_chat_template(U), add_special_tokens=False)
+        d = await c.post("/detokenize", json={"tokens": tok.encode("ab", add_special_tokens=False)})
         assert d.json() == {"prompt": "ab"}
 
 
@@ -350,7 +352,8 @@ async def test_hang_up_while_queued_aborts_the_request(stream):
     eng.gate = asyncio.Event()  # never opened: the request waits in the queue
     app = _app(eng)
     hang_up, sent = asyncio.Event(), []
-    task = asyncio.ensure_future(_call(app, C, {"prompt": "a", "max_tokens": 5, "stream": stream}, hang_up, sent))
+    body = {"prompt": "a", "max_tokens": 5, "stream": stream}
+    task = asyncio.ensure_future(_call(app, C, body, hang_up, sent))
     await _until(lambda: bool(eng.waiting))
     hang_up.set()
     await asyncio.wait_for(task, 10)

@@ -32,9 +32,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def start_server(log_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`tdpipe serve` on a free port (--port 0); returns once it says where it listens."""
     log = open(log_path, "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tdpipe.entrypoints.cli", "serve", "--port", "0", "--dtype",
-                             "float32", "--kv-cache-memory", str(64 << 20), "--no-access-log", *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "serve", "--port", "0", "--dtype", "float32",
+           "--kv-cache-memory", str(64 << 20), "--no-access-log", *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     for _ in range(1500):  # model load and, at pp > 1, the stage processes
         m = re.search(r"serving \S+ on (http://\S+)", open(log_path).read())
         if m:
@@ -113,10 +113,12 @@ def test_completions_and_chat_streaming_and_not(server, client):
     r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
-    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 6 and r.usage.total_tokens == len(ids) + 6
+    usage = (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens)
+    assert usage == (len(ids), 6, len(ids) + 6)
     assert r.choices[0].finish_reason == "length" and r.id.startswith("cmpl-") and r.model == model
-    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
@@ -128,16 +130,19 @@ def test_completions_and_chat_streaming_and_not(server, client):
     assert chat.usage.completion_tokens <= 8
     tok = httpx.post(server + "/tokenize", json={"messages": msgs}).json()
     assert chat.usage.prompt_tokens == tok["count"]
-    parts = list(client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=8, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}))
+    parts = list(client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=8,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
     assert parts[0].choices[0].delta.role == "assistant"
-    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    streamed = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+    assert streamed == chat.choices[0].message.content
     assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
 def test_stop_strings_max_tokens_and_seeds(client):
     model = client.models.list().data[0].id
-    full = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0).choices[0].text
+    full = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16,
+                                     temperature=0).choices[0].text
     words = full.split()
     assert len(words) >= 3, full
     stop = words[2]
@@ -145,7 +150,8 @@ def test_stop_strings_max_tokens_and_seeds(client):
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[:full.index(stop)]
     assert cut.choices[0].model_extra["stop_reason"] == stop
     for n in (1, 5):
-        r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=n, extra_body={"ignore_eos": True})
+        r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=n,
+                                      extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == n and r.choices[0].finish_reason == "length"
     texts = [client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=s,
                                        extra_body={"ignore_eos": True}).choices[0].text for s in (11, 11, 12)]
@@ -216,7 +222,8 @@ def test_bad_input_matrix_leaks_nothing(server):
             assert r.status_code == status, (body, r.text)
             err = r.json()["error"]
             assert err["param"] == param and set(err) == {"message", "type", "param", "code"}, (body, err)
-        raw = [(b'{"prompt": "hi", ', "application/json", 400), (b'{"prompt": "\xff"}', "application/json", 400),
+        raw = [(b'{"prompt": "hi", ', "application/json", 400),
+               (b'{"prompt": "\xff"}', "application/json", 400),
                (b'{"prompt": "hi"}', "text/plain", 415), (b"[1, 2]", "application/json", 400),
                (b'{"prompt": "' + b"x" * (9 << 20) + b'"}', "application/json", 413)]
         for content, ctype, status in raw:
@@ -247,14 +254,16 @@ def test_50_streaming_clients_hang_up_others_still_served(server):
         return seen  # leaving the block closes the connection mid-stream
 
     async def served(c: httpx.AsyncClient, i: int) -> dict:
-        r = await c.post("/v1/completions", json={"prompt": f"Question {i}:", "max_tokens": 5, "ignore_eos": True})
+        r = await c.post("/v1/completions", json={"prompt": f"Question {i}:", "max_tokens": 5,
+                                                  "ignore_eos": True})
         assert r.status_code == 200, r.text
         return r.json()
 
     async def main():
         limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=server, headers=AUTH, timeout=300, limits=limits) as c:
-            return await asyncio.gather(*[hang_up(c, i) for i in range(50)], *[served(c, i) for i in range(5)])
+            return await asyncio.gather(*[hang_up(c, i) for i in range(50)],
+                                        *[served(c, i) for i in range(5)])
 
     results = asyncio.run(main())
     assert all(r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length"
@@ -264,7 +273,8 @@ def test_50_streaming_clients_hang_up_others_still_served(server):
     generated = after["tdpipe:generation_tokens_total"] - before
     print(f"50 clients hung up after {sorted(results[:50])} events; {generated:.0f} tokens generated in all")
     assert generated < 50 * max_tokens / 2
-    r = httpx.post(server + "/v1/completions", headers=AUTH, json={"prompt": "after", "max_tokens": 2}, timeout=60)
+    r = httpx.post(server + "/v1/completions", headers=AUTH, json={"prompt": "after", "max_tokens": 2},
+                   timeout=60)
     assert r.status_code == 200
 
 
@@ -337,7 +347,8 @@ def test_engine_core_death_fails_requests_and_health_says_why(tmp_path):
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_dead", events[-3:]
     h = httpx.get(url + "/health", timeout=10)
     assert h.status_code == 503 and h.json()["status"] == "dead" and "signal 9" in h.json()["reason"]
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   timeout=10)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert "tdpipe:engine_ready 0.0" in httpx.get(url + "/metrics", timeout=10).text
     stop_server(proc)  # still exits 0, nothing left

@@ -35,8 +35,8 @@ def bad_inputs(max_model_len: int, fake_template: bool = True) -> list[tuple[str
         (CHAT, {"messages": U, "max_completion_tokens": over}, 400, "max_completion_tokens"),
     ]
     if fake_template:
-        cases.append((CHAT, {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
-                      400, "messages"))
+        late_system = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+        cases.append((CHAT, {"messages": late_system}, 400, "messages"))
     return cases
 
 
@@ -93,8 +93,8 @@ MATRIX = [
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content[0]"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0]"),
     (CHAT, {"messages": U, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": U, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT, {"messages": U, "response_format": {"type": "json_object"}}, 400, "response_format"),
@@ -150,8 +150,10 @@ async def test_n_message_says_not_supported_yet():
     (b'{"prompt": "\xff\xfe"}', {"content-type": "application/json"}, 400, "invalid_encoding"),
     (b"", {"content-type": "application/json"}, 400, "invalid_json"),
     (b'{"prompt": "hi"}', {"content-type": "text/plain"}, 415, "unsupported_media_type"),
-    (b'{"prompt": "hi"}', {"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
-    (b'{"prompt": "hi"}', {"content-type": "application/json; charset=latin-1"}, 415, "unsupported_media_type"),
+    (b'{"prompt": "hi"}', {"content-type": "application/x-www-form-urlencoded"}, 415,
+     "unsupported_media_type"),
+    (b'{"prompt": "hi"}', {"content-type": "application/json; charset=latin-1"}, 415,
+     "unsupported_media_type"),
 ])
 async def test_malformed_bodies(content, headers, status, code):
     eng = FakeAsyncLLM()

@@ -130,15 +130,16 @@ def build_app(engine: Any | None, config: ServerConfig | None = None) -> FastAPI
         size = len(eng.tokenizer)
         bad = next((t for t in req.tokens if not 0 <= t < size), None)
         if bad is not None:
-            raise bad_request(f"'tokens' has {bad}, outside the vocabulary (ids are in [0, {size}))", "tokens",
-                              "invalid_value")
+            raise bad_request(f"'tokens' has {bad}, outside the vocabulary (ids are in [0, {size}))",
+                              "tokens", "invalid_value")
         return JSONResponse(DetokenizeResponse(prompt=eng.tokenizer.decode(req.tokens)).model_dump())
 
     return app
 
 
 def set_engine(app: FastAPI, engine: Any) -> None:
-    """Attach the engine once it has started (serve builds the app first, so /health answers 503 meanwhile)."""
+    """Attach the engine once it has started (serve builds the app first, so /health answers 503
+    meanwhile)."""
     app.state.engine = engine
 
 
@@ -177,7 +178,8 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})",
+                          code="invalid_encoding") from None
     if not text.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -185,7 +187,8 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
     except json.JSONDecodeError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(obj, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}",
+                          code="invalid_json")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -221,7 +224,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
-        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        route = e.status_code in (404, 405)
+        msg = f"no route {request.method} {request.url.path}" if route else str(e.detail)
         return JSONResponse(error_body(e.status_code, msg), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -36,7 +36,8 @@ class OpenAIError(Exception):
         return error_body(self.status, self.message, self.param, self.code)
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
                       "code": code}}
 
@@ -91,7 +92,8 @@ def _short(v: Any) -> str:
 
 def from_sampling_error(e: ValueError, rename: dict[str, str] | None = None) -> OpenAIError:
     """SamplingParams' ValueError ('temperature must be >= 0, got -1.0') as a 400 whose param is the field
-    its message starts with, under the name the request used (`rename`: max_tokens -> max_completion_tokens)."""
+    its message starts with, under the name the request used (`rename`: max_tokens ->
+    max_completion_tokens)."""
     msg = str(e)
     m = re.match(r"(\w+)", msg)
     param = m.group(1) if m else None
@@ -103,4 +105,5 @@ def from_sampling_error(e: ValueError, rename: dict[str, str] | None = None) -> 
 
 
 def engine_dead(e: BaseException | str) -> OpenAIError:
-    return OpenAIError(503, f"the engine is not running: {e}", code="engine_dead", headers={"Retry-After": "5"})
+    return OpenAIError(503, f"the engine is not running: {e}", code="engine_dead",
+                       headers={"Retry-After": "5"})

@@ -32,9 +32,10 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         eng = self.engine()
-        ready = GaugeMetricFamily("tdpipe:engine_ready", "1 when the engine answers requests, 0 while it starts "
-                                  "or after its core died")
-        ok = bool(eng is not None and getattr(eng, "ready", False) and getattr(eng, "dead_reason", None) is None)
+        ready = GaugeMetricFamily("tdpipe:engine_ready", "1 when the engine answers requests, 0 while it "
+                                  "starts or after its core died")
+        ok = eng is not None and bool(getattr(eng, "ready", False)) and \
+            getattr(eng, "dead_reason", None) is None
         ready.add_metric([], 1.0 if ok else 0.0)
         yield ready
         if not ok:
@@ -58,8 +59,8 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(s.get(key, 0)))
             yield c
-        busy = GaugeMetricFamily("tdpipe:stage_busy_ratio", "busy fraction of each pipeline stage over the last "
-                                 "few seconds (1 - bubble ratio)", labels=["stage"])
+        busy = GaugeMetricFamily("tdpipe:stage_busy_ratio", "busy fraction of each pipeline stage over the "
+                                 "last few seconds (1 - bubble ratio)", labels=["stage"])
         for k, v in enumerate(s.get("stage_busy") or []):
             busy.add_metric([str(k)], float(v))
         yield busy
@@ -72,12 +73,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry
-        self.ttft = Histogram("tdpipe:time_to_first_token_seconds", "time from accepting a request to its first "
-                              "output token", buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram("tdpipe:time_to_first_token_seconds", "time from accepting a request to its "
+                              "first output token", buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("tdpipe:time_per_output_token_seconds", "per request: (last token time - first "
                               "token time) / (output tokens - 1)", buckets=_TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("tdpipe:e2e_request_latency_seconds", "time from accepting a request to its last "
-                             "token", buckets=_E2E_BUCKETS, registry=r)
+        self.e2e = Histogram("tdpipe:e2e_request_latency_seconds", "time from accepting a request to its "
+                             "last token", buckets=_E2E_BUCKETS, registry=r)
         self.success = Counter("tdpipe:request_success", "requests finished, by finish reason",
                                ["finished_reason"], registry=r)
 

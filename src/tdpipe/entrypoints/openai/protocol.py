@@ -16,7 +16,8 @@ from tdpipe.entrypoints.openai.errors import bad_request
 
 
 class _Request(BaseModel):
-    """Strict types (JSON true is a bool, 1 is not); unknown fields kept in model_extra for the checks below."""
+    """Strict types (JSON true is a bool, 1 is not); unknown fields kept in model_extra for the checks
+    below."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -107,8 +108,8 @@ class _GenerationRequest(_Request):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields SamplingParams takes, None dropped (its defaults apply: declared once, there)."""
-        names = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
-                 "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+        names = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                  "skip_special_tokens", "include_stop_str_in_output")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
@@ -184,11 +185,11 @@ class ChatCompletionRequest(_GenerationRequest):
         for i, m in enumerate(self.messages):
             where = f"messages[{i}]"
             if m.role not in ROLES:
-                raise bad_request(f"'{where}.role': unknown role {m.role!r} (expected one of {', '.join(ROLES)})",
-                                  f"{where}.role", "invalid_value")
+                raise bad_request(f"'{where}.role': unknown role {m.role!r} (expected one of "
+                                  f"{', '.join(ROLES)})", f"{where}.role", "invalid_value")
             if (m.model_extra or {}).get("tool_calls"):
-                raise bad_request(f"'{where}.tool_calls': tool calls are not supported", f"{where}.tool_calls",
-                                  "unsupported_parameter")
+                raise bad_request(f"'{where}.tool_calls': tool calls are not supported",
+                                  f"{where}.tool_calls", "unsupported_parameter")
             msg = {"role": m.role, "content": m.text(where)}
             if m.name is not None:
                 msg["name"] = m.name

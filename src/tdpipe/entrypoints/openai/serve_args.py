@@ -46,9 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "Ctrl-C stops accepting, lets requests in flight finish for up to --shutdown-grace "
                     "seconds, aborts the rest and exits 0. See docs/serving.md.")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}: this machine only; "
-                                                  "0.0.0.0 exposes the server to the network)")
-    g.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port}; 0 picks a free one)")
+    g.add_argument("--host", default=d.host,
+                   help=f"address to listen on (default {d.host}: this machine only; 0.0.0.0 exposes the "
+                        "server to the network)")
+    g.add_argument("--port", type=int, default=d.port,
+                   help=f"TCP port (default {d.port}; 0 picks a free one)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: $TDPIPE_API_KEY if "
                         "set, else no key; the variable keeps the key out of `ps`)")
@@ -91,12 +93,15 @@ def engine_config(a: argparse.Namespace) -> Any:
                                   max_model_len=k["max_model_len"] or 0, throttle_T=k["throttle_T"],
                                   max_prefill_tokens=k["max_prefill_tokens"],
                                   min_prefill_tokens=k["min_prefill_tokens"], kv_thresh=k["kv_thresh"],
-                                  future_point_step=k["future_points"][0], future_point_max=k["future_points"][1],
-                                  switch_to_decode=k["switch_to_decode"], switch_to_prefill=k["switch_to_prefill"],
+                                  future_point_step=k["future_points"][0],
+                                  future_point_max=k["future_points"][1],
+                                  switch_to_decode=k["switch_to_decode"],
+                                  switch_to_prefill=k["switch_to_prefill"],
                                   work_stealing=k["work_stealing"], predictor=k["predictor"],
                                   profile_cache=k["profile_cache"]),
         parallel=ParallelConfig(pipeline_parallel_size=k["pipeline_parallel_size"],
-                                layer_partition=k["layer_partition"], threads_per_stage=k["threads_per_stage"]),
+                                layer_partition=k["layer_partition"],
+                                threads_per_stage=k["threads_per_stage"]),
     )
 
 

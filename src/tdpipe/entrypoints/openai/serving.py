@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tdpipe.entrypoints.openai.errors import EngineDeadError, OpenAIError, bad_request, engine_dead, error_json
+from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, engine_dead,
+                                              error_json, from_sampling_error)
 from tdpipe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest
 from tdpipe.outputs import RequestOutput
@@ -78,8 +79,8 @@ class Admission:
     def admit(self, engine: Any, n: int) -> list["Ticket"]:
         waiting = self.waiting(engine)
         if waiting + n > self.limit:
-            raise OpenAIError(503, f"the server is busy: {waiting} requests are waiting (at most {self.limit}, "
-                              "--max-waiting-requests); retry later", code="server_busy",
+            raise OpenAIError(503, f"the server is busy: {waiting} requests are waiting (at most "
+                              f"{self.limit}, --max-waiting-requests); retry later", code="server_busy",
                               headers={"Retry-After": "1"})
         return [Ticket(self) for _ in range(n)]
 
@@ -141,8 +142,8 @@ class OpenAIServing:
         """404 unless `model` is omitted or the served name."""
         name = self.served_name(eng)
         if model is not None and model != name:
-            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{name}'", "model",
-                              "model_not_found")
+            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{name}'",
+                              "model", "model_not_found")
         return name
 
     def warn_ignored(self, fields: list[str]) -> None:
@@ -173,7 +174,8 @@ class OpenAIServing:
             raise _sampling_error(e, max_field) from None
 
     @staticmethod
-    def fit(eng: Any, ids: list[int], sp: SamplingParams, max_field: str, prompt_field: str) -> SamplingParams:
+    def fit(eng: Any, ids: list[int], sp: SamplingParams, max_field: str,
+            prompt_field: str) -> SamplingParams:
         """The params with max_tokens set: what fits after the prompt when the request left it null; a 400
         when the prompt, or the prompt plus max_tokens, exceeds max_model_len."""
         n, limit = len(ids), int(eng.max_model_len)
@@ -181,18 +183,19 @@ class OpenAIServing:
             raise bad_request(f"'{prompt_field}' is empty: at least one token is needed", prompt_field,
                               "invalid_value")
         if n >= limit:
-            raise bad_request(f"'{prompt_field}' has {n} tokens, but this model's maximum context length is "
-                              f"{limit} tokens (max_model_len) and the prompt must leave room for at least one "
-                              "output token", prompt_field, "context_length_exceeded")
+            raise bad_request(f"'{prompt_field}' has {n} tokens, but this model's maximum context "
+                              f"length is {limit} tokens (max_model_len) and the prompt must leave room for "
+                              "at least one output token", prompt_field, "context_length_exceeded")
         if sp.max_tokens is None:
             try:
                 return dataclasses.replace(sp, max_tokens=limit - n)
             except ValueError as e:  # min_tokens above what fits
                 raise _sampling_error(e, max_field) from None
         if n + sp.max_tokens > limit:
-            raise bad_request(f"this model's maximum context length is {limit} tokens, but {n + sp.max_tokens} "
-                              f"were requested ({n} in the {prompt_field}, {sp.max_tokens} in the completion); "
-                              f"reduce the {prompt_field} or '{max_field}'", max_field, "context_length_exceeded")
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but "
+                              f"{n + sp.max_tokens} were requested ({n} in the {prompt_field}, "
+                              f"{sp.max_tokens} in the completion); reduce the {prompt_field} or "
+                              f"'{max_field}'", max_field, "context_length_exceeded")
         return sp
 
     @staticmethod
@@ -328,8 +331,6 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 def _sampling_error(e: ValueError, max_field: str) -> OpenAIError:
-    from tdpipe.entrypoints.openai.errors import from_sampling_error
-
     return from_sampling_error(e, {"max_tokens": max_field})
 
 
@@ -381,7 +382,8 @@ class SSEResponse(StreamingResponse):
             # end the stream with an error event the client can read, not a cut connection
             log.info("server stopping: a stream was aborted")
             if not started:
-                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
             await send({"type": "http.response.body", "body": sse_error(shutting_down()) + DONE,
                         "more_body": False})
         elif stream.cancelled():

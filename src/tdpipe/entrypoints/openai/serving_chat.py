@@ -11,7 +11,8 @@ from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
                                                 DeltaMessage)
-from tdpipe.entrypoints.openai.serving import DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse, sse_error
+from tdpipe.entrypoints.openai.serving import (DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
+                                               sse_error)
 from tdpipe.tokenizer import chat_prompt
 
 
@@ -75,7 +76,8 @@ class ChatServing:
         prompt_tokens = len(prep.items[0].prompt_ids)
 
         def chunk(choices: list[ChatStreamChoice], usage: bool) -> ChatCompletionChunk:
-            c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model, choices=choices)
+            c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
+                                    choices=choices)
             if usage:
                 c.usage = self.s.usage(prompt_tokens, tokens)
             return c
@@ -91,8 +93,10 @@ class ChatServing:
                 if not delta and not out.finished:
                     continue  # held back: a possible stop string or a split character
                 sent = len(c.text)
-                choice = ChatStreamChoice(index=0, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                                          logprobs=None, finish_reason=c.finish_reason if out.finished else None)
+                choice = ChatStreamChoice(index=0,
+                                          delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                                          logprobs=None,
+                                          finish_reason=c.finish_reason if out.finished else None)
                 if out.finished:
                     choice.stop_reason = c.stop_reason
                 if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first

@@ -8,8 +8,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
-from tdpipe.entrypoints.openai.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
-from tdpipe.entrypoints.openai.serving import DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse, sse_error
+from tdpipe.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionRequest,
+                                                CompletionResponse)
+from tdpipe.entrypoints.openai.serving import (DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
+                                               sse_error)
 
 
 class CompletionServing:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from tdpipe import aio
 from tdpipe.bench import workload as wl
 from tdpipe.viz.latency import FORMAT, load_runs, plot_latency
 
@@ -128,6 +129,32 @@ def distribution_ms(values_s: list[float]) -> dict[str, float | None]:
         return dict.fromkeys(keys)
     a = 1e3 * np.asarray(values_s, dtype=np.float64)
     return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in PERCENTILES}}
+
+
+def cpu_snapshot() -> tuple[float, float]:
+    """(this process's CPU seconds, the whole machine's busy CPU seconds from /proc/stat; 0 where unreadable).
+    The difference over a rate is what the server (and anything else running) used: with the client on the
+    same machine, its CPU is taken from the engine's."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    machine = 0.0
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        machine = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return ru.ru_utime + ru.ru_stime, machine
+
+
+def cpu_since(before: tuple[float, float], duration_s: float) -> dict[str, float]:
+    client0, machine0 = before
+    client1, machine1 = cpu_snapshot()
+    client, machine = client1 - client0, machine1 - machine0
+    return {"client_s": client, "machine_busy_s": machine, "server_and_rest_s": max(0.0, machine - client),
+            "client_share": client / machine if machine > 0 else 0.0, "wall_s": duration_s}
 
 
 def rate_metrics(results: list[RequestResult], duration_s: float, slo: SLO) -> dict[str, Any]:
@@ -663,7 +690,7 @@ def run(a: argparse.Namespace) -> int:
                                                  a.server_log), a.base_url, api_key)
             ready_s = server.wait_ready()
             print(f"server ready after {ready_s:.1f} s", file=sys.stderr, flush=True)
-        run_rec = asyncio.run(_bench(a, label, previous, vocab, guess_mml, model_path, tok, api_key))
+        run_rec = aio.run(_bench(a, label, previous, vocab, guess_mml, model_path, tok, api_key))
     finally:
         if server is not None:
             server.stop()
@@ -725,11 +752,13 @@ async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any
             "results": [],
         }
         for rate in rates:
+            cpu0 = cpu_snapshot()
             results, duration = await run_rate(client, served, specs, rate, a.max_concurrency,
                                                a.workload_seed + ARRIVAL_SEED_OFFSET, chat,
                                                progress=not a.no_progress and sys.stderr.isatty(),
                                                stream=not a.no_stream)
             m = {"request_rate": rate_label(rate)} | rate_metrics(results, duration, slo)
+            m["cpu"] = cpu_since(cpu0, duration)
             run_rec["results"].append(m)
             if m["failed"]:
                 print(f"rate {rate_label(rate)}: {m['failed']} of {m['num_requests']} requests failed; "

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tdpipe import aio
 from tdpipe.entrypoints.args import add_engine_args
 from tdpipe.entrypoints.batch_file import BatchLine, BatchSink, error_record, parse_batch, response_record
 from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
@@ -83,7 +84,7 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
             requests = write_unsendable(todo, sink, bar)
             outcome = Outcome()
             if requests:
-                outcome = asyncio.run(_run(ecfg, requests, sink, bar, a))
+                outcome = aio.run(_run(ecfg, requests, sink, bar, a))
         except KeyboardInterrupt:  # before the run's own handler was in place
             outcome = Outcome(signal=signal.SIGINT)
         except OSError as e:

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tdpipe import aio
 from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, error_body,
                                               from_validation_error)
 from tdpipe.entrypoints.openai.metrics import ServerMetrics
@@ -268,7 +269,7 @@ def run_server(config: ServerConfig, engine_config: Any) -> int:
     # handlers take that second delivery, so a clean shutdown exits 0 instead of dying by the signal
     previous = {s: signal.signal(s, _after_shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return asyncio.run(serve(engine_config, config, sock))
+        return aio.run(serve(engine_config, config, sock))
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

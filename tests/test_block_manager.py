@@ -88,6 +88,8 @@ def test_random_workload_never_leaks():
                 live.append(s)
         used = sum(len(x.block_table) for x in live)
         assert used == bm.num_used_blocks
+        if i % 50 == 0:
+            bm.check_invariants([x.block_table for x in live])
         for x in live:
             assert len(x.block_table) * 16 >= x.num_tokens
     for s in live:

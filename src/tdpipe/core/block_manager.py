@@ -1,35 +1,82 @@
 """Paged KV blocks (PagedAttention): one page table for the whole engine, whatever runs the layers.
 
-Pure Python. Physical blocks carry reference counts so that later prefix sharing can map one block into
-several block tables; a block returns to the free list only when its count reaches zero, and freeing a
-block that is already free is an error rather than silent corruption.
+Pure Python. The lecture (001 §3.3-3.4) treats the KV cache as paged memory: each sequence's block table maps
+its logical blocks to physical ones, and a physical block can appear in several tables so that requests share
+cached tokens instead of storing them twice. Hence reference counts: a block is released only when its count
+reaches zero, and freeing a block that is already free is an error rather than silent corruption. Three kinds
+of sharing build on them:
+
+- fork (parallel sampling, n > 1): a child sequence gets its parent's table, every count +1;
+- copy-on-write: a sequence about to write into a block it shares gets a private copy first
+  (`prepare_append`); only a partial last block is ever written, so only it is ever copied;
+- prefix caching (`enable_prefix_caching`, see `prefix_cache.py`): full blocks are named by a hash of their
+  prefix, a new request maps the longest named prefix into its table, and a named block whose count reaches
+  zero stays *evictable* (LRU) instead of free, so a later request can still hit it. Evictable blocks count as
+  free capacity: a fresh allocation takes the free list first, then evicts the oldest.
+
+Every block is in exactly one of: the free list, the evictable LRU, or referenced (count > 0).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from tdpipe.core.prefix_cache import (ROOT_HASH, BlockHash, ExtraKey, PrefixCache, encode_extra_key,
+                                      iter_block_hashes)
 from tdpipe.sequence import Sequence
 
 
+@dataclass
+class _SeqHashes:
+    """Per sequence: the extra key and the chained hashes of its full blocks committed so far (logical order),
+    so committing a new block hashes 16 tokens rather than the whole sequence again."""
+
+    extra: bytes
+    hashes: list[BlockHash] = field(default_factory=list)
+
+
+class PrefixPlan(NamedTuple):
+    """What `allocate_with_prefix` would do now: tokens already cached, and how many blocks it would take
+    from `num_free_blocks` (fresh blocks plus cached blocks revived from the evictable LRU)."""
+
+    num_cached_tokens: int
+    num_new_blocks: int
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.cache = PrefixCache(num_blocks)
+        self._seq_hashes: dict[int, _SeqHashes] = {}  # seq_id -> committed hash chain (caching on only)
+        # Counters (monotonic, like Prometheus counters; reset() keeps them): tokens looked up / found cached
+        # by allocate_with_prefix.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- capacity ---------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: free ones plus evictable cached ones (evicted on demand)."""
+        return len(self.free_blocks) + self.cache.num_evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return self.cache.num_evictable
 
     def usage(self) -> float:
         """Fraction of blocks in use (KV usage, TD-Pipe Fig. 12)."""
@@ -42,14 +89,18 @@ class BlockManager:
         """Whether `num_tokens` (default: all of seq's tokens) fit, keeping `reserve` blocks free."""
         n = seq.num_tokens if num_tokens is None else num_tokens
         need = self.blocks_needed(n) - len(seq.block_table)
-        return need + reserve <= len(self.free_blocks)
+        return need + reserve <= self.num_free_blocks
 
     # -- allocation --------------------------------------------------------------------------------
     def _take(self) -> int:
-        if not self.free_blocks:
+        """A fresh block with count 1: from the free list, else the least recently freed cached block."""
+        if self.free_blocks:
+            b = self.free_blocks.popleft()
+        elif self.cache.num_evictable:
+            b = self.cache.evict_lru()
+        else:
             raise RuntimeError("out of KV blocks: the scheduler must check capacity before allocating")
-        b = self.free_blocks.popleft()
-        assert self.ref_counts[b] == 0, f"block {b} on the free list with ref count {self.ref_counts[b]}"
+        assert self.ref_counts[b] == 0, f"block {b} free or evictable with ref count {self.ref_counts[b]}"
         self.ref_counts[b] = 1
         return b
 
@@ -57,15 +108,25 @@ class BlockManager:
         """Grow seq's block table to hold `num_tokens` (default: all its tokens); returns the new block ids."""
         n = seq.num_tokens if num_tokens is None else num_tokens
         need = self.blocks_needed(n) - len(seq.block_table)
-        if need > len(self.free_blocks):
-            raise RuntimeError(f"need {need} KV blocks for seq {seq.seq_id}, {len(self.free_blocks)} free")
+        if need > self.num_free_blocks:
+            raise RuntimeError(f"need {need} KV blocks for seq {seq.seq_id}, {self.num_free_blocks} free")
         new = [self._take() for _ in range(max(0, need))]
         seq.block_table.extend(new)
         return new
 
+    def _cow_needed(self, seq: Sequence) -> bool:
+        """Whether the block that the next decode writes (position num_tokens - 1) exists and is shared."""
+        if seq.num_tokens == 0:
+            return False
+        i = (seq.num_tokens - 1) // self.block_size
+        return i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1
+
     def can_append(self, seq: Sequence) -> bool:
-        """Whether seq can get a slot for its next decode token (position num_tokens - 1)."""
-        return self.blocks_needed(seq.num_tokens) <= len(seq.block_table) or bool(self.free_blocks)
+        """Whether seq can get a slot for its next decode token (position num_tokens - 1): a new block when
+        the last one is full, or a private copy when the last one is shared (copy-on-write)."""
+        if self.blocks_needed(seq.num_tokens) <= len(seq.block_table) and not self._cow_needed(seq):
+            return True
+        return self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence) -> list[int]:
         return self.allocate(seq, seq.num_tokens)
@@ -79,23 +140,244 @@ class BlockManager:
         return list(block_ids)
 
     def free(self, seq: Sequence) -> None:
-        """Release seq's blocks (in reverse, so recently used blocks are reused last)."""
-        for b in reversed(seq.block_table):
-            if self.ref_counts[b] <= 0:
+        """Release seq's blocks. In reverse, so a sequence's tail blocks, the least likely to be shared, are
+        reused (or evicted) before its head. A block reaching count 0 goes to the evictable LRU if it is
+        cached, to the free list otherwise. Validated first: a double free raises and changes nothing."""
+        for b, n in Counter(seq.block_table).items():
+            if self.ref_counts[b] < n:
                 raise RuntimeError(f"double free of KV block {b} (seq {seq.seq_id})")
+        for b in reversed(seq.block_table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_blocks.append(b)
+                if self.cache.hash_of(b) is not None:
+                    self.cache.add_evictable(b)
+                else:
+                    self.free_blocks.append(b)
         seq.block_table = []
+        self._seq_hashes.pop(seq.seq_id, None)
 
+    # -- fork and copy-on-write (parallel sampling) ---------------------------------------------------
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` (empty table) `parent`'s blocks, shared by reference count: the prompt is prefilled
+        once for n samples. The caller copies num_computed_tokens and the tokens themselves."""
+        if child.seq_id == parent.seq_id:
+            raise ValueError(f"fork_seq: child and parent have the same seq_id {parent.seq_id}")
+        if child.block_table:
+            raise ValueError(f"fork_seq: child seq {child.seq_id} already holds "
+                             f"{len(child.block_table)} blocks")
+        child.block_table = self.fork(parent.block_table)
+        st = self._seq_hashes.get(parent.seq_id)
+        if st is not None:
+            self._seq_hashes[child.seq_id] = _SeqHashes(st.extra, list(st.hashes))
+
+    def prepare_append(self, seq: Sequence) -> tuple[int, int] | None:
+        """Copy-on-write before seq writes its next token's KV (position num_tokens - 1; call after
+        `append_slot`). If that block is shared, seq's entry moves to a fresh block and the old one loses a
+        reference; returns (src, dst) so the executor copies the KV of src into dst before the step runs
+        (on every pipeline stage). None when the block is seq's alone."""
+        if seq.num_tokens == 0:
+            return None
+        i = (seq.num_tokens - 1) // self.block_size
+        if i >= len(seq.block_table):
+            raise RuntimeError(f"seq {seq.seq_id} has no block for position {seq.num_tokens - 1}: "
+                               "call append_slot before prepare_append")
+        src = seq.block_table[i]
+        if self.ref_counts[src] <= 0:
+            raise RuntimeError(f"seq {seq.seq_id} holds free KV block {src}")
+        if self.cache.hash_of(src) is not None:
+            raise RuntimeError(f"seq {seq.seq_id} would write into cached (full) KV block {src}: "
+                               "committed more tokens than were computed?")
+        if self.ref_counts[src] == 1:
+            return None
+        dst = self._take()
+        seq.block_table[i] = dst
+        self.ref_counts[src] -= 1  # stays >= 1: another sequence still holds src
+        return src, dst
+
+    # -- prefix caching --------------------------------------------------------------------------------
+    def _match(self, token_ids: list[int], extra: bytes) -> tuple[list[int], list[BlockHash]]:
+        """Cached blocks (and their hashes) of the longest full-block prefix, leaving >= 1 token to compute:
+        the model must run on at least the last token to give logits for the next one."""
+        if not self.enable_prefix_caching or not token_ids:
+            return [], []
+        blocks: list[int] = []
+        hashes: list[BlockHash] = []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        for h in iter_block_hashes(token_ids, self.block_size, extra, max_blocks=max_blocks):
+            b = self.cache.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+        return blocks, hashes
+
+    def find_cached_prefix(self, token_ids: list[int], extra_key: ExtraKey = None) -> list[int]:
+        """Block ids of the longest cached full-block prefix of `token_ids`, at most (len-1)//block_size
+        blocks. Read-only: takes no reference and counts no statistics. [] when caching is off."""
+        return self._match(token_ids, encode_extra_key(extra_key))[0]
+
+    def prefix_plan(self, seq: Sequence, num_tokens: int | None = None,
+                    extra_key: ExtraKey = None) -> PrefixPlan:
+        """What `allocate_with_prefix(seq, num_tokens)` would do now, for capacity checks (TD-Pipe
+        Algorithm 1, gLLM Eq. 3 count only what a request really prefills and allocates)."""
+        if seq.block_table:
+            raise ValueError(f"prefix_plan: seq {seq.seq_id} already holds blocks")
+        hits, _ = self._match(seq.all_token_ids, encode_extra_key(extra_key))
+        n = seq.num_tokens if num_tokens is None else num_tokens
+        fresh = max(0, self.blocks_needed(n) - len(hits))
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        return PrefixPlan(len(hits) * self.block_size, fresh + revived)
+
+    def can_allocate_with_prefix(self, seq: Sequence, num_tokens: int | None = None, reserve: int = 0,
+                                 extra_key: ExtraKey = None) -> bool:
+        """`can_allocate` for `allocate_with_prefix`: cached blocks in use cost nothing, evictable ones do."""
+        return self.prefix_plan(seq, num_tokens, extra_key).num_new_blocks + reserve <= self.num_free_blocks
+
+    def allocate_with_prefix(self, seq: Sequence, num_tokens: int | None = None,
+                             extra_key: ExtraKey = None) -> int:
+        """Map the longest cached prefix of seq's tokens (prompt and outputs: a preempted sequence hits too)
+        into its empty block table, then allocate fresh blocks up to `num_tokens` (default: all tokens).
+
+        Cached blocks get a reference each (revived from the LRU if they had none). Returns the number of
+        tokens already computed, a multiple of block_size and < seq.num_tokens; the engine sets
+        num_computed_tokens to it and prefills the rest. With caching off: `allocate`, and returns 0."""
+        if not self.enable_prefix_caching:
+            self.allocate(seq, num_tokens)
+            return 0
+        if seq.block_table:
+            raise ValueError(f"allocate_with_prefix: seq {seq.seq_id} already holds "
+                             f"{len(seq.block_table)} blocks (free it first)")
+        extra = encode_extra_key(extra_key)
+        hits, hashes = self._match(seq.all_token_ids, extra)
+        n = seq.num_tokens if num_tokens is None else num_tokens
+        fresh = max(0, self.blocks_needed(n) - len(hits))
+        revived = sum(1 for b in hits if self.ref_counts[b] == 0)
+        if fresh + revived > self.num_free_blocks:
+            raise RuntimeError(f"need {fresh + revived} KV blocks for seq {seq.seq_id} "
+                               f"({len(hits)} cached), {self.num_free_blocks} free")
+        for b in hits:  # revive before taking fresh blocks, so the fresh ones cannot evict a hit
+            if self.ref_counts[b] == 0:
+                self.cache.revive(b)
+            self.ref_counts[b] += 1
+        seq.block_table = list(hits)
+        seq.block_table.extend(self._take() for _ in range(fresh))
+        self._seq_hashes[seq.seq_id] = _SeqHashes(extra, hashes)
+        cached = len(hits) * self.block_size
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += cached
+        return cached
+
+    def commit_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> int:
+        """Name seq's blocks that are full and computed (the first `num_computed_tokens`, default
+        seq.num_computed_tokens; prompt and output tokens alike) so later requests hit them. Call after the
+        step that computed them returned. A block whose content another block already holds stays unnamed
+        (one block per prefix). Returns the number of blocks newly cached; 0 with caching off.
+
+        A sequence allocated with plain `allocate` is committed with extra_key None."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if not 0 <= n <= seq.num_tokens:
+            raise ValueError(f"seq {seq.seq_id}: {n} computed tokens out of {seq.num_tokens}")
+        full = n // self.block_size
+        if full > len(seq.block_table):
+            raise RuntimeError(f"seq {seq.seq_id}: {full} full blocks computed but only "
+                               f"{len(seq.block_table)} in its block table")
+        st = self._seq_hashes.get(seq.seq_id)
+        if st is None:
+            st = self._seq_hashes[seq.seq_id] = _SeqHashes(b"")
+        k = len(st.hashes)
+        if k > len(seq.block_table):
+            raise RuntimeError(f"seq {seq.seq_id}: stale prefix state ({k} hashed blocks, table of "
+                               f"{len(seq.block_table)}); was its table replaced without free()?")
+        if full <= k:
+            return 0
+        parent = st.hashes[-1] if k else ROOT_HASH
+        new = 0
+        hashes = iter_block_hashes(seq.all_token_ids, self.block_size, st.extra, start=k, parent=parent,
+                                   max_blocks=full)
+        for i, h in enumerate(hashes, start=k):
+            st.hashes.append(h)
+            b = seq.block_table[i]
+            was_named = self.cache.hash_of(b) is not None
+            if self.cache.register(b, h) and not was_named:
+                new += 1
+        return new
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by prefix lookup (referenced or evictable)."""
+        return len(self.cache)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cached tokens / tokens looked up by allocate_with_prefix (0.0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def prefix_cache_stats(self) -> dict[str, float | int]:
+        return {"queries": self.prefix_cache_queries, "hits": self.prefix_cache_hits,
+                "hit_rate": self.prefix_cache_hit_rate, "cached_blocks": self.num_cached_blocks,
+                "evictable_blocks": self.num_evictable_blocks}
+
+    # -- reset and checks ------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Every block free again: only for an engine with no sequence left (recovery after an interrupt)."""
+        """Every block free again and the prefix cache empty: only for an engine with no sequence left
+        (recovery after an interrupt). The hit/query counters are kept."""
         self.ref_counts = [0] * self.num_blocks
         self.free_blocks = deque(range(self.num_blocks))
+        self.cache.clear()
+        self._seq_hashes.clear()
 
     def check_no_leaks(self) -> None:
-        """Every block free with count 0; call when no sequence holds blocks."""
+        """Every block free or evictable with count 0; call when no sequence holds blocks."""
         leaked = [b for b, c in enumerate(self.ref_counts) if c != 0]
-        if leaked or len(self.free_blocks) != self.num_blocks or len(set(self.free_blocks)) != self.num_blocks:
+        avail = list(self.free_blocks) + list(self.cache.evictable)
+        if leaked or len(avail) != self.num_blocks or len(set(avail)) != self.num_blocks:
             raise AssertionError(f"KV block leak: {len(leaked)} blocks still referenced, "
-                                 f"{len(self.free_blocks)}/{self.num_blocks} on the free list")
+                                 f"{len(self.free_blocks)} free + {self.cache.num_evictable} evictable "
+                                 f"of {self.num_blocks}")
+        if self._seq_hashes:
+            raise AssertionError(f"prefix state left for seqs {sorted(self._seq_hashes)[:8]} (not freed)")
+
+    def check_invariants(self, block_tables: Iterable[list[int]] | None = None) -> None:
+        """The page table's consistency, AssertionError on the first break: free, evictable and referenced
+        blocks partition all blocks with no duplicates; the hash table agrees with the hashes the blocks
+        carry; free blocks carry none. With `block_tables` (every live sequence's table), each block's
+        count must equal the number of times the tables hold it."""
+        nb = self.num_blocks
+        if len(self.ref_counts) != nb:
+            raise AssertionError(f"{len(self.ref_counts)} ref counts for {nb} blocks")
+        neg = [b for b, c in enumerate(self.ref_counts) if c < 0]
+        if neg:
+            raise AssertionError(f"negative ref counts on blocks {neg[:8]}")
+        free = list(self.free_blocks)
+        evictable = list(self.cache.evictable)
+        if len(set(free)) != len(free):
+            raise AssertionError("a block is on the free list twice")
+        if len(set(evictable)) != len(evictable):
+            raise AssertionError("a block is on the evictable list twice")
+        free_set, ev_set = set(free), set(evictable)
+        if free_set & ev_set:
+            raise AssertionError(f"blocks both free and evictable: {sorted(free_set & ev_set)[:8]}")
+        if not free_set <= set(range(nb)):
+            raise AssertionError(f"free list holds unknown blocks {sorted(free_set - set(range(nb)))[:8]}")
+        referenced = {b for b, c in enumerate(self.ref_counts) if c > 0}
+        both = (free_set | ev_set) & referenced
+        if both:
+            raise AssertionError(f"blocks both free/evictable and referenced: {sorted(both)[:8]}")
+        lost = set(range(nb)) - free_set - ev_set - referenced
+        if lost:
+            raise AssertionError(f"blocks neither free, evictable nor referenced: {sorted(lost)[:8]}")
+        named_free = [b for b in free if self.cache.hash_of(b) is not None]
+        if named_free:
+            raise AssertionError(f"free blocks still carry a hash: {named_free[:8]}")
+        self.cache.check(self.ref_counts)
+        if not self.enable_prefix_caching and len(self.cache):
+            raise AssertionError("prefix caching is off but blocks are cached")
+        if block_tables is not None:
+            held = Counter(b for t in block_tables for b in t)
+            wrong = [(b, self.ref_counts[b], held.get(b, 0)) for b in range(nb)
+                     if self.ref_counts[b] != held.get(b, 0)]
+            if wrong:
+                raise AssertionError("ref counts differ from the block tables (block, count, held): "
+                                     f"{wrong[:8]}")

@@ -4,6 +4,12 @@ import os
 import pytest
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The async server tests (pytest.mark.anyio) run on asyncio."""
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def bundled_path() -> str:
     from tdpipe.model.bundled import bundled_model_path

@@ -27,3 +27,18 @@ def stage_pids_of(parent: int, live_only: bool = True) -> list[int]:
                 cmd[cmd.index(b"--parent") + 1] == str(parent).encode() and (not live_only or alive(int(d))):
             found.append(int(d))
     return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (children, their children, ...), from /proc/PID/task/PID/children."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(x) for x in f.read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out

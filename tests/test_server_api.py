@@ -19,10 +19,6 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 U = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def _client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")

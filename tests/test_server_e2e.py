@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from procs import alive
+from procs import alive, descendants
 from test_server_errors import bad_inputs
 
 pytestmark = pytest.mark.slow
@@ -43,20 +43,6 @@ def start_server(log_path, *flags: str, env: dict | None = None) -> tuple[subpro
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("the server did not start: " + open(log_path).read()[-2000:])
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -17,10 +17,6 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 U = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def bad_inputs(max_model_len: int, fake_template: bool = True) -> list[tuple[str, dict, int, str]]:
     """(route, body, status, param): every one must fail with this status and name this field. Sized for

@@ -1,7 +1,6 @@
 """The server under load, through the real openai client: 1,000 requests from 64 concurrent clients with no
 error, none lost, none duplicated, and the server's processes' memory flat after warm-up."""
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -11,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from procs import alive
+from procs import alive, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -22,21 +21,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def children(pid: int) -> list[int]:
-    """Every live descendant of pid (the engine core and its stages)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return [p for p in out if alive(p)]
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -80,7 +64,7 @@ def test_1000_requests_64_clients_nothing_lost_memory_flat(server):
     import json
 
     proc, url = server
-    pids = [proc.pid, *children(proc.pid)]
+    pids = [proc.pid, *(p for p in descendants(proc.pid) if alive(p))]
     assert len(pids) >= 2  # the frontend and the engine core
     with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
         model = json.loads(r.read())["data"][0]["id"]
@@ -147,7 +131,7 @@ def test_1000_requests_64_clients_nothing_lost_memory_flat(server):
 
 def test_sigterm_stops_everything(server):
     proc, url = server
-    pids = [proc.pid, *children(proc.pid)]
+    pids = [proc.pid, *(p for p in descendants(proc.pid) if alive(p))]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     deadline = time.time() + 10

@@ -334,6 +334,19 @@ def _sampling_error(e: ValueError, max_field: str) -> OpenAIError:
     return from_sampling_error(e, {"max_tokens": max_field})
 
 
+async def sse_events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE body: the events, then `data: [DONE]`. A failure after the stream began (the engine core died,
+    the server is stopping, a bug) becomes an error event before [DONE], so the client sees it: never a hang,
+    never a cut connection."""
+    try:
+        async with contextlib.aclosing(events):
+            async for e in events:
+                yield e
+    except Exception as e:  # noqa: BLE001 - OpenAIError carries its own status and code; anything else is a 500
+        yield sse_error(e)
+    yield DONE
+
+
 def sse(obj: BaseModel) -> bytes:
     return b"data: " + obj.model_dump_json().encode() + b"\n\n"
 

@@ -7,12 +7,12 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
+from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
                                                 DeltaMessage)
-from tdpipe.entrypoints.openai.serving import (DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
-                                               sse_error)
+from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
+                                               sse_events)
 from tdpipe.tokenizer import chat_prompt
 
 
@@ -50,7 +50,7 @@ class ChatServing:
         prep = self.prepare(req, eng)
         run = self.s.start(eng, prep, "messages")
         if prep.stream:
-            return SSEResponse(self._stream(prep, run), on_close=run.close)
+            return SSEResponse(sse_events(self._stream(prep, run)), on_close=run.close)
         try:
             body = await self.s.until_disconnect(raw.receive, self._full(prep, run))
         finally:
@@ -82,33 +82,27 @@ class ChatServing:
                 c.usage = self.s.usage(prompt_tokens, tokens)
             return c
 
-        try:
-            # the role first, as OpenAI does: a client sees the answer begin before the first token
-            yield sse(chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""),
-                                              logprobs=None, finish_reason=None)], prep.continuous_usage))
-            async for _, out in run.outputs():
-                c = out.outputs[0]
-                tokens = len(c.token_ids)
-                delta = c.text[sent:]
-                if not delta and not out.finished:
-                    continue  # held back: a possible stop string or a split character
-                sent = len(c.text)
-                choice = ChatStreamChoice(index=0,
-                                          delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                                          logprobs=None,
-                                          finish_reason=c.finish_reason if out.finished else None)
-                if out.finished:
-                    choice.stop_reason = c.stop_reason
-                if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first
-                    choice.token_ids = list(c.token_ids[ids_sent:])
-                    if ids_sent == 0:
-                        choice.prompt_token_ids = prep.items[0].prompt_ids
-                    ids_sent = len(c.token_ids)
-                yield sse(chunk([choice], prep.continuous_usage))
-            if prep.include_usage:
-                yield sse(chunk([], True))
-        except OpenAIError as e:
-            yield sse_error(e)
-        except Exception as e:  # noqa: BLE001 - a bug must end the stream visibly, not hang the client
-            yield sse_error(e)
-        yield DONE
+        # the role first, as OpenAI does: a client sees the answer begin before the first token
+        yield sse(chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""),
+                                          logprobs=None, finish_reason=None)], prep.continuous_usage))
+        async for _, out in run.outputs():
+            c = out.outputs[0]
+            tokens = len(c.token_ids)
+            delta = c.text[sent:]
+            if not delta and not out.finished:
+                continue  # held back: a possible stop string or a split character
+            sent = len(c.text)
+            choice = ChatStreamChoice(index=0,
+                                      delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                                      logprobs=None,
+                                      finish_reason=c.finish_reason if out.finished else None)
+            if out.finished:
+                choice.stop_reason = c.stop_reason
+            if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first
+                choice.token_ids = list(c.token_ids[ids_sent:])
+                if ids_sent == 0:
+                    choice.prompt_token_ids = prep.items[0].prompt_ids
+                ids_sent = len(c.token_ids)
+            yield sse(chunk([choice], prep.continuous_usage))
+        if prep.include_usage:
+            yield sse(chunk([], True))

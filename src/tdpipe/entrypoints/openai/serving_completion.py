@@ -7,11 +7,11 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
+from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionRequest,
                                                 CompletionResponse)
-from tdpipe.entrypoints.openai.serving import (DONE, Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
-                                               sse_error)
+from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
+                                               sse_events)
 
 
 class CompletionServing:
@@ -50,7 +50,7 @@ class CompletionServing:
         echo = req.echo
         run = self.s.start(eng, prep, "prompt")
         if prep.stream:
-            return SSEResponse(self._stream(prep, run, echo), on_close=run.close)
+            return SSEResponse(sse_events(self._stream(prep, run, echo)), on_close=run.close)
         try:
             body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo))
         finally:
@@ -89,34 +89,28 @@ class CompletionServing:
                 c.usage = self.s.usage(prompt_tokens, sum(tokens))
             return c
 
-        try:
-            if echo:
-                yield sse(chunk([CompletionChoice(index=it.index, text=it.prompt_text or "", logprobs=None,
-                                                  finish_reason=None) for it in prep.items], False))
-            async for i, out in run.outputs():
-                c = out.outputs[0]
-                tokens[i] = len(c.token_ids)
-                delta = c.text[sent[i]:]
-                if not delta and not out.finished:
-                    continue  # tokens whose text is held back (a possible stop string, a split character)
-                sent[i] = len(c.text)
-                choice = CompletionChoice(index=i, text=delta, logprobs=None,
-                                          finish_reason=c.finish_reason if out.finished else None)
-                if out.finished:
-                    choice.stop_reason = c.stop_reason
-                if prep.return_token_ids:  # the ids since this choice's last chunk; the prompt's once
-                    choice.token_ids = list(c.token_ids[ids_sent[i]:])
-                    if ids_sent[i] == 0:
-                        choice.prompt_token_ids = prep.items[i].prompt_ids
-                    ids_sent[i] = len(c.token_ids)
-                yield sse(chunk([choice], prep.continuous_usage))
-            if prep.include_usage:
-                yield sse(chunk([], True))
-        except OpenAIError as e:
-            yield sse_error(e)
-        except Exception as e:  # noqa: BLE001 - a bug must end the stream visibly, not hang the client
-            yield sse_error(e)
-        yield DONE
+        if echo:
+            yield sse(chunk([CompletionChoice(index=it.index, text=it.prompt_text or "", logprobs=None,
+                                              finish_reason=None) for it in prep.items], False))
+        async for i, out in run.outputs():
+            c = out.outputs[0]
+            tokens[i] = len(c.token_ids)
+            delta = c.text[sent[i]:]
+            if not delta and not out.finished:
+                continue  # tokens whose text is held back (a possible stop string, a split character)
+            sent[i] = len(c.text)
+            choice = CompletionChoice(index=i, text=delta, logprobs=None,
+                                      finish_reason=c.finish_reason if out.finished else None)
+            if out.finished:
+                choice.stop_reason = c.stop_reason
+            if prep.return_token_ids:  # the ids since this choice's last chunk; the prompt's once
+                choice.token_ids = list(c.token_ids[ids_sent[i]:])
+                if ids_sent[i] == 0:
+                    choice.prompt_token_ids = prep.items[i].prompt_ids
+                ids_sent[i] = len(c.token_ids)
+            yield sse(chunk([choice], prep.continuous_usage))
+        if prep.include_usage:
+            yield sse(chunk([], True))
 
 
 def _check_vocab(eng: Any, ids: list[int]) -> None:

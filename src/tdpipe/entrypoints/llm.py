@@ -25,6 +25,35 @@ log = logging.getLogger("tdpipe")
 PromptType = str | list[int] | dict[str, Any]
 
 
+def engine_config(kw: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig that LLM()'s keywords describe (LLM and `tdpipe serve` / `run-batch`, whose flags
+    give the same keywords, share this one mapping). Keywords left out take the dataclasses' defaults."""
+    d = kw
+    sched, cache, par = SchedulerConfig, CacheConfig, ParallelConfig
+    future = d.get("future_points", (sched.future_point_step, sched.future_point_max))
+    return EngineConfig(
+        model=d.get("model"), dtype=d.get("dtype", EngineConfig.dtype), seed=d.get("seed", EngineConfig.seed),
+        num_threads=d.get("num_threads"), trace=d.get("trace"), record_history=d.get("record_history"),
+        collect_trace=d.get("collect_trace", EngineConfig.collect_trace),
+        cache=CacheConfig(block_size=d.get("block_size", cache.block_size),
+                          kv_cache_memory=d.get("kv_cache_memory"), num_blocks=d.get("num_kv_blocks")),
+        scheduler=SchedulerConfig(
+            policy=d.get("scheduler", sched.policy), max_num_seqs=d.get("max_num_seqs", sched.max_num_seqs),
+            max_num_batched_tokens=d.get("max_num_batched_tokens"), max_model_len=d.get("max_model_len") or 0,
+            throttle_T=d.get("throttle_T", sched.throttle_T),
+            max_prefill_tokens=d.get("max_prefill_tokens", sched.max_prefill_tokens),
+            min_prefill_tokens=d.get("min_prefill_tokens", sched.min_prefill_tokens),
+            kv_thresh=d.get("kv_thresh", sched.kv_thresh), future_point_step=future[0],
+            future_point_max=future[1], switch_to_decode=d.get("switch_to_decode", sched.switch_to_decode),
+            switch_to_prefill=d.get("switch_to_prefill", sched.switch_to_prefill),
+            work_stealing=d.get("work_stealing", sched.work_stealing),
+            predictor=d.get("predictor", sched.predictor), profile_cache=d.get("profile_cache", sched.profile_cache)),
+        parallel=ParallelConfig(pipeline_parallel_size=d.get("pipeline_parallel_size", par.pipeline_parallel_size),
+                                layer_partition=d.get("layer_partition"),
+                                threads_per_stage=d.get("threads_per_stage"), device=d.get("device", par.device)),
+    )
+
+
 class LLM:
     """An engine over one model. `model=None` uses the bundled SmolLM2-135M-Instruct (converted once, offline).
 
@@ -65,22 +94,7 @@ class LLM:
                  profile_cache: bool = SchedulerConfig.profile_cache,
                  record_history: str | None = EngineConfig.record_history,
                  collect_trace: bool = EngineConfig.collect_trace) -> None:
-        cfg = EngineConfig(
-            model=model, dtype=dtype, seed=seed, num_threads=num_threads, trace=trace,
-            record_history=record_history, collect_trace=collect_trace,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks),
-            scheduler=SchedulerConfig(policy=scheduler, max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len or 0, throttle_T=throttle_T,
-                                      max_prefill_tokens=max_prefill_tokens,
-                                      min_prefill_tokens=min_prefill_tokens, kv_thresh=kv_thresh,
-                                      future_point_step=future_points[0], future_point_max=future_points[1],
-                                      switch_to_decode=switch_to_decode, switch_to_prefill=switch_to_prefill,
-                                      work_stealing=work_stealing, predictor=predictor,
-                                      profile_cache=profile_cache),
-            parallel=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size, layer_partition=layer_partition,
-                                    threads_per_stage=threads_per_stage, device=device),
-        )
+        cfg = engine_config({k: v for k, v in locals().items() if k != "self"})  # the keywords above
         self.engine = LLMEngine(cfg)
         self._req_ids = itertools.count()
 

@@ -78,31 +78,11 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 
 
 def engine_config(a: argparse.Namespace) -> Any:
-    """The EngineConfig the engine flags describe (the same mapping `LLM(...)` applies to them)."""
-    from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    """The EngineConfig the engine flags describe: the mapping `LLM(...)` applies to the same keywords."""
     from tdpipe.entrypoints.args import engine_kwargs
+    from tdpipe.entrypoints.llm import engine_config as from_keywords
 
-    k = engine_kwargs(a)
-    return EngineConfig(
-        model=k["model"], dtype=k["dtype"], seed=k["seed"], num_threads=k["num_threads"], trace=k["trace"],
-        record_history=k["record_history"],
-        cache=CacheConfig(block_size=k["block_size"], kv_cache_memory=k["kv_cache_memory"],
-                          num_blocks=k["num_kv_blocks"]),
-        scheduler=SchedulerConfig(policy=k["scheduler"], max_num_seqs=k["max_num_seqs"],
-                                  max_num_batched_tokens=k["max_num_batched_tokens"],
-                                  max_model_len=k["max_model_len"] or 0, throttle_T=k["throttle_T"],
-                                  max_prefill_tokens=k["max_prefill_tokens"],
-                                  min_prefill_tokens=k["min_prefill_tokens"], kv_thresh=k["kv_thresh"],
-                                  future_point_step=k["future_points"][0],
-                                  future_point_max=k["future_points"][1],
-                                  switch_to_decode=k["switch_to_decode"],
-                                  switch_to_prefill=k["switch_to_prefill"],
-                                  work_stealing=k["work_stealing"], predictor=k["predictor"],
-                                  profile_cache=k["profile_cache"]),
-        parallel=ParallelConfig(pipeline_parallel_size=k["pipeline_parallel_size"],
-                                layer_partition=k["layer_partition"],
-                                threads_per_stage=k["threads_per_stage"]),
-    )
+    return from_keywords(engine_kwargs(a))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

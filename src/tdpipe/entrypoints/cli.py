@@ -117,6 +117,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 raise
             return sink.stopped(len(recs), f"writing {a.output} failed ({e.strerror or e})", 1)
         except RuntimeError as e:  # PipelineError (a stage died) among them
+            _failed_pipeline(e)
             return sink.stopped(len(recs), f"the run failed: {e}", 1)
         finally:
             if llm is not None:
@@ -294,6 +295,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_PIPELINE_FAILED = False
+
+
+def _failed_pipeline(e: BaseException) -> None:
+    global _PIPELINE_FAILED
+    from tdpipe.executor.pipeline import PipelineError
+
+    _PIPELINE_FAILED = _PIPELINE_FAILED or isinstance(e, PipelineError)
+
+
+def run() -> None:
+    """The `tdpipe` command. After a pipeline failure (a stage died) everything is reported and written by
+    the time main() returns; the process then ends with os._exit, skipping interpreter teardown, where
+    torch.distributed's objects with a dead peer have been seen to abort the process (exit -6 instead of 1)."""
+    code = main()
+    if _PIPELINE_FAILED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -315,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, PipelineError):
             raise
+        _failed_pipeline(e)
         print(f"tdpipe: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -323,4 +347,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

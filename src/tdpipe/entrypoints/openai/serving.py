@@ -212,16 +212,7 @@ class OpenAIServing:
         """Await `work` (a coroutine), but cancel it if the client hangs up first (its generators close, which
         aborts its requests). Returns None then: nobody is left to answer."""
         task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        stopping = False
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # uvicorn's grace period at shutdown is over
-            stopping = True
-        finally:
-            for t in (watch, task):
-                t.cancel()
-            await asyncio.gather(watch, task, return_exceptions=True)
+        stopping, _ = await _race_disconnect(task, receive)
         if stopping:
             raise shutting_down()
         if task.cancelled():
@@ -323,6 +314,23 @@ async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _race_disconnect(task: asyncio.Future, receive: Receive) -> tuple[bool, bool]:
+    """Wait for `task` or the client hanging up, whichever comes first, then cancel both (a cancelled task
+    closes its generators, which aborts its requests in the engine). Returns (stopping, hung_up): stopping
+    when uvicorn cancelled the wait (its shutdown grace period is over), hung_up when the client left."""
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    stopping = False
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        stopping = True
+    finally:
+        for t in (watch, task):
+            t.cancel()
+        await asyncio.gather(watch, task, return_exceptions=True)
+    return stopping, watch.done() and not watch.cancelled()
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while True:
         msg = await receive()
@@ -380,18 +388,11 @@ class SSEResponse(StreamingResponse):
             await send(msg)
 
         stream = asyncio.ensure_future(self._send_all(tracked))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        stopping = False
         try:
-            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # uvicorn's grace period at shutdown is over
-            stopping = True
+            stopping, hung_up = await _race_disconnect(stream, receive)
         finally:
-            for t in (watch, stream):
-                t.cancel()
-            await asyncio.gather(watch, stream, return_exceptions=True)
             self.on_close()
-        if stopping and not (watch.done() and not watch.cancelled()):
+        if stopping and not hung_up:
             # end the stream with an error event the client can read, not a cut connection
             log.info("server stopping: a stream was aborted")
             if not started:

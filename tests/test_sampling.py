@@ -29,13 +29,19 @@ V = 32
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3.0}, "frequency_penalty"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 2.0}, "n"),
+        ({"n": 4, "best_of": 2}, "best_of"),
+        ({"best_of": 0}, "best_of"),
         ({"stop": 5}, "stop"),
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"seed": "x"}, "seed"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
@@ -46,8 +52,10 @@ def test_invalid_values_name_the_field(kwargs, field):
 def test_message_gives_range():
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingParams(top_p=1.5)
-    with pytest.raises(ValueError, match="not supported yet"):
-        SamplingParams(logprobs=2)
+    with pytest.raises(ValueError, match=r"best_of must be None or an int >= n \(3\), got 2"):
+        SamplingParams(n=3, best_of=2)
+    assert SamplingParams(n=2, best_of=4).num_samples == 4 and SamplingParams(n=3).num_samples == 3
+    assert SamplingParams(n=2, best_of=4).needs_logprobs and not SamplingParams(n=2).needs_logprobs
 
 
 def test_defaults_and_normalisation():

@@ -103,6 +103,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | float | None = None  # bytes, a fraction of available memory, or None: min(4 GiB, 40%)
     num_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
+    # automatic prefix caching (PagedAttention's prefix sharing, lecture 001 §3.3; on by default, as in vLLM):
+    # full blocks are named by a hash of their prefix and reused by later requests (core/prefix_cache.py)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(isinstance(self.block_size, int) and self.block_size >= 1,
@@ -112,6 +115,8 @@ class CacheConfig:
             _check(0.0 < m <= 0.95, f"kv_cache_memory as a fraction must be in (0, 0.95], got {m}")
         elif m is not None:
             _check(isinstance(m, int) and m > 0, f"kv_cache_memory in bytes must be a positive integer, got {m!r}")
+        _check(isinstance(self.enable_prefix_caching, bool),
+               f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.num_blocks is not None:
             _check(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
 

@@ -5,13 +5,28 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position, as vLLM reports it. `rank`: 1 = the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the top-k tokens and the sampled (or prompt) token.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # entry 0 is None: the first prompt token has no context
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "error"
+    finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs or best_of)
+    logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=k): one entry per token
 
 
 @dataclass
@@ -31,3 +46,4 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None  # set when the request was rejected; the other requests still complete
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams(prompt_logprobs=k)

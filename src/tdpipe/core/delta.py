@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# One position's log-probabilities: (token id, logprob, rank) triples, the sampled (or prompt) token first,
+# then the top-k in rank order (the sampled token may appear twice, as in vLLM's dict it appears once).
+TokenLogprobs = list[tuple[int, float, int]]
+
 
 @dataclass
 class RequestDelta:
@@ -16,3 +20,7 @@ class RequestDelta:
     finish_reason: str | None = None  # "stop" | "length" once finished (the core never sees stop strings)
     stop_reason: int | None = None  # the stop token id that ended it, if one did
     num_preemptions: int = 0
+    index: int = 0  # which of the request's samples (n > 1 or best_of): CompletionOutput.index
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    cumulative_logprob: float | None = None  # after the new tokens (logprobs or best_of requests)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole, with the request's first token

@@ -18,7 +18,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "threads": (EngineConfig, "num_threads"), "trace": (EngineConfig, "trace"),
     "record_history": (EngineConfig, "record_history"),
     "block_size": (CacheConfig, "block_size"), "kv_cache_memory": (CacheConfig, "kv_cache_memory"),
-    "num_kv_blocks": (CacheConfig, "num_blocks"),
+    "num_kv_blocks": (CacheConfig, "num_blocks"), "enable_prefix_caching": (CacheConfig, "enable_prefix_caching"),
     "pp": (ParallelConfig, "pipeline_parallel_size"), "layer_partition": (ParallelConfig, "layer_partition"),
     "threads_per_stage": (ParallelConfig, "threads_per_stage"),
     "scheduler": (SchedulerConfig, "policy"), "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
@@ -161,6 +161,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default min(4 GiB, 40%%)")
     g.add_argument("--num-kv-blocks", type=int, default=_d("num_kv_blocks"),
                    help="exact number of KV blocks (overrides the budget)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_d("enable_prefix_caching"),
+                   help="automatic prefix caching: a request reuses the KV of the longest prefix of full blocks "
+                        "an earlier request computed, and prefills only the rest (default: on)")
     add_scheduler_args(g)
     g.add_argument("--threads", type=int, default=_d("threads"),
                    help="torch threads of the engine process (default: all cores with --pp 1, else 1)")
@@ -185,7 +189,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
-                num_kv_blocks=a.num_kv_blocks, num_threads=a.threads, pipeline_parallel_size=a.pp,
+                num_kv_blocks=a.num_kv_blocks, enable_prefix_caching=a.enable_prefix_caching,
+                num_threads=a.threads, pipeline_parallel_size=a.pp,
                 layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace,
                 record_history=a.record_history) | scheduler_kwargs(a)
 

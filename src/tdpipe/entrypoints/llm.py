@@ -36,7 +36,8 @@ def engine_config(kw: dict[str, Any]) -> EngineConfig:
         num_threads=d.get("num_threads"), trace=d.get("trace"), record_history=d.get("record_history"),
         collect_trace=d.get("collect_trace", EngineConfig.collect_trace),
         cache=CacheConfig(block_size=d.get("block_size", cache.block_size),
-                          kv_cache_memory=d.get("kv_cache_memory"), num_blocks=d.get("num_kv_blocks")),
+                          kv_cache_memory=d.get("kv_cache_memory"), num_blocks=d.get("num_kv_blocks"),
+                          enable_prefix_caching=d.get("enable_prefix_caching", cache.enable_prefix_caching)),
         scheduler=SchedulerConfig(
             policy=d.get("scheduler", sched.policy), max_num_seqs=d.get("max_num_seqs", sched.max_num_seqs),
             max_num_batched_tokens=d.get("max_num_batched_tokens"), max_model_len=d.get("max_model_len") or 0,
@@ -66,6 +67,7 @@ class LLM:
     (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
     work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]' | a file from `tdpipe predictor train`),
     profile_cache: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
+    enable_prefix_caching: reuse the KV of cached full-block prefixes across requests (on by default).
     record_history: a JSONL file that every finished request is appended to (tdpipe/predictor/history.py).
     Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
@@ -76,7 +78,8 @@ class LLM:
                  max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
                  max_model_len: int | None = None, block_size: int = CacheConfig.block_size,
                  kv_cache_memory: int | float | None = CacheConfig.kv_cache_memory,
-                 num_kv_blocks: int | None = CacheConfig.num_blocks, scheduler: str = SchedulerConfig.policy,
+                 num_kv_blocks: int | None = CacheConfig.num_blocks,
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, scheduler: str = SchedulerConfig.policy,
                  num_threads: int | None = EngineConfig.num_threads,
                  pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
                  layer_partition: list[int] | None = ParallelConfig.layer_partition,

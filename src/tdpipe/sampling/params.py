@@ -7,6 +7,9 @@ from numbers import Integral, Real
 # Below this temperature, dividing logits overflows float32; such rows are treated as greedy.
 SAMPLING_EPS = 1e-5
 
+# Most top logprobs a request may ask for (vLLM's default max_logprobs; OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
 # The seeds torch's generators take (and vLLM passes on to them): int64 below zero, uint64 above.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -47,9 +50,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
-        self._check_int("n", lambda n: n == 1, "1 (only n=1 is supported)")
+        self._check_int("n", lambda n: n >= 1, "an int >= 1")
+        self._check_int("best_of", lambda b: b >= self.n, f"None or an int >= n ({self.n})", optional=True)
         self._check_real("temperature", lambda t: t >= 0, ">= 0")
         self._check_real("top_p", lambda p: 0 < p <= 1, "in (0, 1]")
         self._check_real("min_p", lambda p: 0 <= p <= 1, "in [0, 1]")
@@ -69,7 +75,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)  # a string such as "no" is truthy: it would silently mean True
             _require(isinstance(value, bool), f"{name} must be a bool (True or False), got {value!r}")
-        _require(self.logprobs is None, f"logprobs is not supported yet, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            self._check_int(name, lambda k: 0 <= k <= MAX_LOGPROBS, f"None or an int in [0, {MAX_LOGPROBS}]",
+                            optional=True)
         self.stop = self._normalise_stop(self.stop)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         _require(isinstance(ids, (list, tuple)) and all(_is_int(t) and 0 <= t < (1 << 63) for t in ids),
@@ -105,6 +113,16 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Greedy rows skip temperature, masks and random draws entirely."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: best_of (ranked by cumulative logprob, n returned) or n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """The sampler computes this row's log-probabilities: asked for, or needed to rank best_of samples."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def needs_penalties(self) -> bool:

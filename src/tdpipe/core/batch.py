@@ -14,6 +14,9 @@ class Batch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # query tokens per sequence this step
     is_prefill: bool
+    # copy-on-write: (src, dst) KV blocks every stage copies before running this batch (BlockManager.prepare_append)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    all_logits: list[bool] = field(default_factory=list)  # as sent (StepInput.all_logits): the result's layout
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +49,17 @@ class StepInput:
     is_prefill: bool
     greedy_rows: list[bool] = field(default_factory=list)  # per sampled row: may the last stage argmax?
     seq_ids: list[int] = field(default_factory=list)  # for block-table deltas (core/block_sync.py)
-    kv_epochs: list[int] = field(default_factory=list)  # per sequence: its preemption count
+    kv_epochs: list[int] = field(default_factory=list)  # per sequence: its table epoch (block_sync)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step runs
+    # per sequence: logits for every new token (prompt_logprobs) instead of the last one only; [] = none
+    all_logits: list[bool] = field(default_factory=list)
+
+    def logit_rows(self) -> int:
+        """Rows of the logits the last stage returns: one per sequence, or one per new token of a sequence
+        in `all_logits`."""
+        if not any(self.all_logits):
+            return len(self.query_lens)
+        return sum(q if a else 1 for q, a in zip(self.query_lens, self.all_logits))
 
     @property
     def num_tokens(self) -> int:
@@ -87,5 +100,6 @@ class StepInput:
             block_tables=[s.block_table for s in batch.seqs],
             is_prefill=batch.is_prefill,
             seq_ids=[s.seq_id for s in batch.seqs],
-            kv_epochs=[s.num_preemptions for s in batch.seqs],
+            kv_epochs=[s.table_epoch for s in batch.seqs],
+            block_copies=list(batch.block_copies),
         )

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tdpipe.core.prefix_cache import (ROOT_HASH, BlockHash, ExtraKey, PrefixCache, encode_extra_key,
+from tdpipe.core.prefix_cache import (ROOT_HASH, BlockHash, ExtraKey, PrefixCache, encode_extra_key, hash_block,
                                       iter_block_hashes)
 from tdpipe.sequence import Sequence
 
@@ -211,6 +211,66 @@ class BlockManager:
             hashes.append(h)
         return blocks, hashes
 
+    def _match_seq(self, seq: Sequence, extra: bytes = b"") -> tuple[list[int], list[BlockHash]]:
+        """`_match` over seq's tokens, with its block hashes memoised on the sequence (tokens only ever grow,
+        so a waiting request that admission checks many times is hashed once; later checks are lookups)."""
+        if extra or not self.enable_prefix_caching:
+            return self._match(seq.all_token_ids, extra)
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        memo = seq.block_hashes
+        blocks: list[int] = []
+        hashes: list[BlockHash] = []
+        toks: list[int] | None = None
+        parent = ROOT_HASH
+        for i in range(max_blocks):
+            if i < len(memo):
+                h = memo[i]
+            else:
+                if toks is None:
+                    toks = seq.all_token_ids
+                h = hash_block(parent, toks[i * bs:(i + 1) * bs])
+                memo.append(h)
+            b = self.cache.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of seq (not holding blocks) that `allocate_with_prefix` would find cached now; read-only."""
+        return len(self._match_seq(seq)[0]) * self.block_size
+
+    def probe_cached_tokens(self, seq: Sequence) -> int:
+        """A cheap running estimate of `cached_prefix_tokens` for a request that waits (gLLM's #WP counts only
+        what a request will really prefill): it resumes from the blocks that matched last time, checking the
+        last of them is still cached, so a queue of a thousand requests sharing a long prefix costs a few
+        lookups each per call instead of one per block. Stale only if a middle block was evicted since."""
+        if not self.enable_prefix_caching or seq.num_tokens == 0:
+            return 0
+        k = seq.probed_blocks
+        memo = seq.block_hashes
+        if k and (k > len(memo) or self.cache.lookup(memo[k - 1]) is None):
+            k = 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        toks: list[int] | None = None
+        while k < max_blocks:
+            if k < len(memo):
+                h = memo[k]
+            else:
+                if toks is None:
+                    toks = seq.all_token_ids
+                h = hash_block(memo[k - 1] if k else ROOT_HASH, toks[k * bs:(k + 1) * bs])
+                memo.append(h)
+            if self.cache.lookup(h) is None:
+                break
+            k += 1
+        seq.probed_blocks = k
+        return k * bs
+
     def find_cached_prefix(self, token_ids: list[int], extra_key: ExtraKey = None) -> list[int]:
         """Block ids of the longest cached full-block prefix of `token_ids`, at most (len-1)//block_size
         blocks. Read-only: takes no reference and counts no statistics. [] when caching is off."""
@@ -222,7 +282,7 @@ class BlockManager:
         Algorithm 1, gLLM Eq. 3 count only what a request really prefills and allocates)."""
         if seq.block_table:
             raise ValueError(f"prefix_plan: seq {seq.seq_id} already holds blocks")
-        hits, _ = self._match(seq.all_token_ids, encode_extra_key(extra_key))
+        hits, _ = self._match_seq(seq, encode_extra_key(extra_key))
         n = seq.num_tokens if num_tokens is None else num_tokens
         fresh = max(0, self.blocks_needed(n) - len(hits))
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
@@ -248,7 +308,7 @@ class BlockManager:
             raise ValueError(f"allocate_with_prefix: seq {seq.seq_id} already holds "
                              f"{len(seq.block_table)} blocks (free it first)")
         extra = encode_extra_key(extra_key)
-        hits, hashes = self._match(seq.all_token_ids, extra)
+        hits, hashes = self._match_seq(seq, extra)
         n = seq.num_tokens if num_tokens is None else num_tokens
         fresh = max(0, self.blocks_needed(n) - len(hits))
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)

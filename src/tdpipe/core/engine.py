@@ -21,7 +21,7 @@ import torch
 
 from tdpipe.config import EngineConfig, ModelConfig, cpu_supports_bf16, default_threads
 from tdpipe.core.batch import Batch, StepInput
-from tdpipe.core.delta import RequestDelta
+from tdpipe.core.delta import RequestDelta, TokenLogprobs
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.predictor import Predictor, make_predictor
 from tdpipe.core.scheduler import get_policy, make_scheduler
@@ -29,7 +29,7 @@ from tdpipe.executor.base import Executor, StepResult
 from tdpipe.malloc import pin_mmap_threshold
 from tdpipe.model.weights import check_model_folder, load_hf_config
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sampling.sampler import Sampler, draw_keys
+from tdpipe.sampling.sampler import Sampler, draw_keys, sample_seed
 from tdpipe.sequence import Sequence, SequenceStatus
 from tdpipe.tokenizer import load_tokenizer
 
@@ -127,7 +127,7 @@ class LLMEngine:
                         capacity, num_blocks, cache.block_size, sched.max_model_len, capacity)
             sched.max_model_len = capacity
         sched.pipeline_depth = self.pp
-        self.block_manager = BlockManager(num_blocks, cache.block_size)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         policy = get_policy(sched.policy)  # what the policy needs: a length predictor, measured step costs
         self.predictor = make_predictor(sched.predictor, self.model_path)
         # a learned predictor encodes prompts in batches as they arrive, for the policies that ask for lengths
@@ -252,6 +252,9 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none (simulated)")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, prompt=text,
                        max_tokens=max_tokens, arrival_time=self.clock())
+        if params.num_samples > 1:  # n / best_of: forked from this one once its prompt is prefilled
+            seq.samples_to_fork = params.num_samples - 1
+            seq.group = [seq]
         self.scheduler.add(seq)
         self.requests[request_id] = seq
         if self._batched:
@@ -292,30 +295,40 @@ class LLMEngine:
             raise RuntimeError("this engine was shut down; create a new LLM")
 
     # -- abort ---------------------------------------------------------------------------------------
-    def abort_request(self, request_ids: str | list[str], reason: str = "abort") -> list[Sequence]:
-        """Finish these requests now with finish_reason "abort" (unknown or finished ids are ignored).
+    def abort_request(self, request_ids: str | list[str | tuple[str, int]], reason: str = "abort") -> list[Sequence]:
+        """Finish these requests now with finish_reason "abort" (unknown or finished ids are ignored). An id
+        is a request id (all its samples) or (request id, sample index) for one sample of an n > 1 request.
         reason="stop": the frontend found a stop string; the request counts as finished normally (the
         predictor learns its length, --record-history records it).
 
-        A waiting or idle running request leaves its queue and frees its KV blocks at once. One inside a
+        A waiting or idle running sequence leaves its queue and frees its KV blocks at once. One inside a
         micro-batch still in flight keeps its blocks until that batch returns (the stages may still write
         them); its result is then dropped and the blocks freed by the scheduler as for any finished request.
         Returns the sequences aborted."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [request_ids] if isinstance(request_ids, (str, tuple)) else list(request_ids)
         done = []
         now = self.clock()
         for rid in ids:
-            seq = self.requests.pop(rid, None)
-            if seq is None or seq.is_finished:
+            one = None
+            if isinstance(rid, tuple):
+                rid, one = rid
+            head = self.requests.get(rid)
+            if head is None:
                 continue
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason, seq.finish_time = reason, now
-            if reason != "abort":
-                self._observe(seq)
-            if not seq.in_flight:
-                self.scheduler.abort(seq)
-                self.executor.release([seq.seq_id])
-            done.append(seq)
+            for seq in list(head.samples()):
+                if seq.is_finished or (one is not None and seq.sample_index != one):
+                    continue
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason, seq.finish_time = reason, now
+                seq.samples_to_fork = 0  # an aborted parent forks nothing
+                if reason != "abort":
+                    self._observe(seq)
+                if not seq.in_flight:
+                    self.scheduler.abort(seq)
+                    self.executor.release([seq.seq_id])
+                done.append(seq)
+            if all(s.is_finished for s in head.samples()):
+                self.requests.pop(rid, None)
         return done
 
     def abort_all(self) -> list[Sequence]:
@@ -361,6 +374,7 @@ class LLMEngine:
                 now = self.clock()
                 self.engine_trace.append({"batch_id": batch.batch_id, "submit": now})
                 self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
+            batch.block_copies = self.scheduler.take_block_copies()
             self.executor.submit(self._to_step(batch))
             self._inflight.append(batch)
         if self._unpredicted and self._inflight:
@@ -381,8 +395,11 @@ class LLMEngine:
 
     def _to_step(self, batch: Batch) -> StepInput:
         step = StepInput.from_batch(batch)
-        step.greedy_rows = [s.sampling_params.is_greedy and not s.sampling_params.needs_penalties
-                            and len(s.output_token_ids) >= s.sampling_params.min_tokens for s in batch.seqs]
+        step.greedy_rows = [p.is_greedy and not p.needs_penalties and not p.needs_logprobs
+                            and len(s.output_token_ids) >= p.min_tokens and not s.needs_prompt_logits
+                            for s, p in ((s, s.sampling_params) for s in batch.seqs)]
+        if any(s.needs_prompt_logits for s in batch.seqs):
+            batch.all_logits = step.all_logits = [s.needs_prompt_logits for s in batch.seqs]
         return step
 
     def _finish(self, batch: Batch, result: StepResult) -> tuple[list[RequestDelta], list[Sequence]]:
@@ -391,13 +408,23 @@ class LLMEngine:
                        if n == 1 and s.num_computed_tokens > 0)
         rows = batch.sampled_rows()  # a prefill chunk short of the prompt's end samples nothing
         seqs = [batch.seqs[i] for i in rows]
-        if result.token_ids is not None:
+        logits = result.logits
+        if batch.all_logits and logits is not None:  # prompt_logprobs rows hold one row per new token
+            logits = self._split_prompt_logits(batch, logits, rows)
+        forks: dict[int, list[tuple[Sequence, int]]] = {}
+        lps: list[TokenLogprobs | None] = [None] * len(seqs)
+        child_lps: dict[int, TokenLogprobs | None] = {}
+        if result.token_ids is not None:  # greedy-only batch: the last stage sent argmax ids
             tokens = [result.token_ids[i] for i in rows]
-        elif rows:  # no copy of the logits unless some rows are dropped
-            tokens = self._sample(seqs, result.logits if len(rows) == len(batch.seqs) else result.logits[rows])
+            for s, t in zip(seqs, tokens):
+                if s.samples_to_fork:  # greedy samples are all the same answer
+                    forks[s.seq_id] = [(s.fork(next(self._seq_ids), j), t) for j in range(1, s.samples_to_fork + 1)]
+        elif rows:
+            tokens, lps = self._sample_rows(seqs, logits if len(rows) == len(batch.seqs) or batch.all_logits
+                                            else logits[rows], forks, child_lps)
         else:
             tokens = []
-        finished = self.scheduler.update_from_output(batch, tokens)
+        finished = self.scheduler.update_from_output(batch, tokens, forks)
         now = self.clock()
         for seq in seqs:
             if seq.first_token_time is None:
@@ -412,25 +439,106 @@ class LLMEngine:
         else:
             self.stats.prefill_steps += 1
         self.stats.prompt_tokens += batch.num_tokens - n_decode
-        self.stats.output_tokens += len(seqs)
+        self.stats.output_tokens += len(seqs) + sum(len(c) for c in forks.values())
         if self.tracing:
             self.kv_trace.append((now, self.block_manager.usage()))
-        deltas = [RequestDelta(s.request_id, [t], s.is_finished, s.finish_reason,
-                               s.stop_reason if s.is_finished else None, s.num_preemptions)
-                  for s, t in zip(seqs, tokens)]
+        deltas = []
+        for s, t, lp in zip(seqs, tokens, lps):
+            deltas.append(self._delta(s, t, lp))
+            for child, ct in forks.get(s.seq_id, ()):
+                deltas.append(self._delta(child, ct, child_lps.get(child.seq_id)))
         return deltas, finished
 
+    def _delta(self, s: Sequence, tok: int, lp: TokenLogprobs | None) -> RequestDelta:
+        p = s.sampling_params
+        d = RequestDelta(s.request_id, [tok], s.is_finished, s.finish_reason,
+                         s.stop_reason if s.is_finished else None, s.num_preemptions, index=s.sample_index)
+        if p.logprobs is not None:
+            d.logprobs = [lp]
+        if p.needs_logprobs:
+            d.cumulative_logprob = s.cumulative_logprob
+        if p.prompt_logprobs is not None and s.sample_index == 0 and len(s.output_token_ids) == 1:
+            d.prompt_logprobs = list(s.prompt_logprobs or [None])
+        return d
+
+    def _split_prompt_logits(self, batch: Batch, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A batch with prompt_logprobs rows returns every new token's logits for them: turn those into the
+        prompt's logprobs (per position: the actual next prompt token, its rank, the top-k; from the
+        model's raw distribution) and return the sampled rows' last-token logits."""
+        last: list[int] = []
+        r = 0
+        for seq, q, full in zip(batch.seqs, batch.num_new_tokens, batch.all_logits):
+            width = q if full else 1
+            if full:
+                self._prompt_logprobs(seq, logits[r:r + width])
+            last.append(r + width - 1)
+            r += width
+        return logits[[last[i] for i in rows]]
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Append the logprobs of prompt positions start+1 .. for this chunk (start: its first token's
+        position), skipping positions already known (a prompt recomputed after preemption)."""
+        start = seq.num_computed_tokens
+        k = seq.sampling_params.prompt_logprobs
+        prompt = seq.prompt_token_ids
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        have = len(seq.prompt_logprobs)  # row j predicts position start + j + 1; the known ones are skipped
+        js = [j for j in range(logits.shape[0]) if have <= start + j + 1 < len(prompt)]
+        if not js:
+            return
+        out: list[TokenLogprobs | None] = [None] * len(js)
+        Sampler._logprobs(logits[js].to(torch.float32), [prompt[start + j + 1] for j in js], list(range(len(js))),
+                          [k] * len(js), out)
+        seq.prompt_logprobs.extend(out)
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, forks: dict[int, list[tuple[Sequence, int]]],
+                     child_lps: dict[int, TokenLogprobs | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample each row; a parent of an n > 1 request whose first token this is samples one token per
+        sample from its row (each with its own key), and its children are created here (in `forks`)."""
+        entries: list[tuple[Sequence, int]] = []  # (sequence, sample index)
+        idx: list[int] = []
+        for j, s in enumerate(seqs):
+            entries.append((s, s.sample_index))
+            idx.append(j)
+            for k in range(1, s.samples_to_fork + 1):
+                entries.append((s, k))
+                idx.append(j)
+        if len(idx) != len(seqs):
+            logits = logits[idx]
+        toks, lps = self._sample(entries, logits)
+        tokens: list[int] = []
+        out_lps: list[TokenLogprobs | None] = []
+        for (s, k), t, lp in zip(entries, toks, lps):
+            if k == s.sample_index:
+                tokens.append(t)
+                out_lps.append(lp)
+                if lp is not None:
+                    s.cumulative_logprob += lp[0][1]
+            else:
+                child = s.fork(next(self._seq_ids), k)
+                child_lps[child.seq_id] = lp
+                if lp is not None:
+                    child.cumulative_logprob += lp[0][1]
+                forks.setdefault(s.seq_id, []).append((child, t))
+        return tokens, out_lps
+
     def _observe(self, seq: Sequence) -> None:
-        """A request finished (not aborted): forget it, let the predictor learn its length, record it."""
-        self.requests.pop(seq.request_id, None)
+        """A sequence finished (not aborted): forget its request once every sample is done, let the
+        predictor learn its length, record it."""
+        if all(s.is_finished for s in seq.samples()):
+            self.requests.pop(seq.request_id, None)
         self.predictor.observe(seq)
         if self.history is not None:
             self._record(seq)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """A seeded row's randomness is keyed by (seed, index of the token being sampled), not kept in a
-        per-request generator: a request recomputed after preemption samples position i with the same
-        draw as without preemption, whatever was sampled or dropped meanwhile."""
+    def _sample(self, entries: list[tuple[Sequence, int]],
+                logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per (sequence, sample index) entry. A seeded row's randomness is keyed by (seed of
+        that sample, index of the token being sampled), not kept in a per-request generator: a request
+        recomputed after preemption samples position i with the same draw as without preemption, whatever
+        was sampled or dropped meanwhile, and sample i of a request is the same whatever shares the batch."""
+        seqs = [s for s, _ in entries]
         params = [s.sampling_params for s in seqs]
         eos = sorted(self.eos_token_ids)
         banned: list[list[int]] = []
@@ -443,10 +551,12 @@ class LLMEngine:
         keys: list[int | None] = [None] * len(seqs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if seeded:
-            for i, k in zip(seeded, draw_keys([params[i].seed for i in seeded],
+            for i, k in zip(seeded, draw_keys([sample_seed(params[i].seed, entries[i][1]) for i in seeded],
                                               [len(seqs[i].output_token_ids) for i in seeded])):
                 keys[i] = k
-        return self.sampler(logits, params, prompts, outs, keys, banned if any(banned) else None)
+        ks = [(p.logprobs or 0) if p.needs_logprobs else None for p in params]
+        return self.sampler.sample(logits, params, prompts, outs, keys, banned if any(banned) else None,
+                                   ks if any(k is not None for k in ks) else None)
 
     # -- trace ---------------------------------------------------------------------------------------------
     def _bounded(self) -> deque:

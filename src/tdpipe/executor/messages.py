@@ -45,3 +45,5 @@ class StepMessage:
     greedy: bool  # all rows greedy: the last stage returns argmax ids, not logits (SiPipe §5.1)
     shape: tuple[int, int] = (0, 0)  # (prefill tokens, decode sequences), for the trace
     sent_at: float = 0.0
+    block_copies: list[tuple[int, int]] | None = None  # copy-on-write, before the step (every stage)
+    all_logits: list[bool] | None = None  # prompt_logprobs rows: logits of every new token (last stage)

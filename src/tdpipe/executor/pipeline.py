@@ -341,7 +341,7 @@ class PipelineExecutor(Executor):
         if self._dead:
             raise PipelineError(self._failure or "the pipeline was shut down")
         greedy = bool(step.greedy_rows) and all(step.greedy_rows)
-        n = len(step.query_lens)
+        n = step.logit_rows()
         buf = torch.empty(n, dtype=torch.int64) if greedy else torch.empty(n, self.vocab, dtype=self.dtype)
         # from the deltas on, all or nothing: the sender's record of what the stages hold, the posted
         # receive and the messages must agree
@@ -350,7 +350,8 @@ class PipelineExecutor(Executor):
                 deltas = self.sender.deltas(step.seq_ids, step.kv_epochs, step.block_tables)
                 msg = m.StepMessage(step.batch_id, step.token_ids, step.query_lens, step.seq_lens,
                                     step.seq_ids, deltas, self.sender.take_freed(), step.is_prefill, greedy,
-                                    step.shape(), time.time())
+                                    step.shape(), time.time(), step.block_copies or None,
+                                    step.all_logits if any(step.all_logits) else None)
                 try:  # the last stage's rank is pp
                     work = self.t.irecv(buf, self.num_stages, tensor_tag(step.batch_id))
                 except RuntimeError as e:

@@ -5,6 +5,9 @@ import torch
 
 from tdpipe.sampling.params import SamplingParams
 
+# (token id, logprob, rank) triples, the sampled token first (tdpipe.core.delta.TokenLogprobs)
+TokenLogprobs = list[tuple[int, float, int]]
+
 
 _MASK64 = (1 << 64) - 1
 
@@ -24,6 +27,12 @@ def draw_key(seed: int, index: int) -> int:
     and recomputed, whatever was sampled (or sampled and thrown away) meanwhile, and nothing depends on
     what else shares the batch. Negative seeds are taken modulo 2**64, as torch.manual_seed takes them."""
     return _mix64(_mix64(seed & _MASK64) ^ (index & _MASK64))
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of an n > 1 request: sample 0 keeps the request's seed (so n=1
+    draws as before), the others get unrelated streams. A sample's tokens depend on nothing else."""
+    return seed if sample_index == 0 else _mix64((seed & _MASK64) ^ _mix64(sample_index))
 
 
 def draw_keys(seeds: list[int], indices: list[int]) -> list[int]:
@@ -171,9 +180,26 @@ class Sampler:
         (seeded: the row's draw depends on that key alone), or a torch.Generator the caller keeps.
         `banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
         vocabulary are ignored. The caller's logits are never modified."""
+        return self.sample(logits, params, prompt_ids, output_ids, generators, banned)[0]
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[RowRandom],
+        banned: list[list[int]] | None = None,
+        num_logprobs: list[int | None] | None = None,
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """`__call__`, plus log-probabilities for the rows where `num_logprobs[i]` is an int k: the sampled
+        token's (logprob, rank) and the top-k, from the distribution the row samples from after penalties,
+        banned tokens and temperature, before top-k / top-p / min-p truncation (vLLM v0's processed
+        logprobs; a greedy row's temperature is not applied)."""
         vocab = logits.shape[-1]
         bans = [] if banned is None else [(i, [t for t in b if 0 <= t < vocab]) for i, b in enumerate(banned)]
         bans = [(i, b) for i, b in bans if b]
+        want = [] if num_logprobs is None else [i for i, k in enumerate(num_logprobs) if k is not None]
         if all(p.is_greedy and not p.needs_penalties for p in params):  # hot path: plain greedy decoding
             tokens = logits.argmax(-1).tolist()
             if bans:  # mask a copy of the banned rows only, not of the whole batch
@@ -182,7 +208,15 @@ class Sampler:
                     rows[k, b] = float("-inf")
                 for (i, _), tok in zip(bans, rows.argmax(-1).tolist()):
                     tokens[i] = tok
-            return tokens
+            entries: list[TokenLogprobs | None] = [None] * len(params)
+            if want:
+                x = logits[want].to(torch.float32, copy=True)
+                banned_rows = dict(bans)
+                for j, i in enumerate(want):
+                    if i in banned_rows:
+                        x[j, banned_rows[i]] = float("-inf")
+                self._logprobs(x, tokens, want, num_logprobs, entries)
+            return tokens, entries
 
         logits = logits.to(torch.float32, copy=True)
         for i, b in bans:
@@ -204,7 +238,30 @@ class Sampler:
             sampled = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
             for i, tok in zip(rows, sampled):
                 tokens[i] = tok
-        return tokens
+        entries = [None] * len(params)
+        if want:
+            temps = torch.tensor([1.0 if params[i].is_greedy else params[i].temperature for i in want])
+            self._logprobs(logits[want] / temps.unsqueeze(1), tokens, want, num_logprobs, entries)
+        return tokens, entries
+
+    @staticmethod
+    def _logprobs(x: torch.Tensor, tokens: list[int], rows: list[int], ks: list[int | None],
+                  out: list[TokenLogprobs | None]) -> None:
+        """log_softmax of x (the `rows`' processed logits, float32): each row's sampled token with its rank
+        (1 + tokens strictly more likely), then its top-k in rank order."""
+        lp = torch.log_softmax(x, dim=-1)
+        chosen_ids = torch.tensor([tokens[i] for i in rows])
+        chosen = lp.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+        ranks = ((lp > chosen.unsqueeze(1)).sum(-1) + 1).tolist()
+        kmax = max(ks[i] for i in rows)
+        top_v, top_i = (lp.topk(kmax, dim=-1) if kmax else (None, None))
+        chosen_l = chosen.tolist()
+        for j, i in enumerate(rows):
+            entry = [(tokens[i], chosen_l[j], ranks[j])]
+            k = ks[i]
+            if k:
+                entry += [(t, v, r + 1) for r, (t, v) in enumerate(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))]
+            out[i] = entry
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[RowRandom]) -> list[int]:

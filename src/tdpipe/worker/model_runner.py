@@ -67,7 +67,15 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
         cu_seqlens_list=cu.tolist(),
     )
     ids = torch.tensor(step.token_ids, dtype=torch.int64, device=dev)
-    return PreparedInput(step, ids, meta, (cu[1:] - 1).to(dev))
+    if any(step.all_logits):  # prompt_logprobs: every new token's logits for those sequences
+        ends = cu.tolist()
+        rows: list[int] = []
+        for i, a in enumerate(step.all_logits):
+            rows.extend(range(ends[i], ends[i + 1]) if a else [ends[i + 1] - 1])
+        sample_idx = torch.tensor(rows, dtype=torch.int64)
+    else:
+        sample_idx = cu[1:] - 1
+    return PreparedInput(step, ids, meta, sample_idx.to(dev))
 
 
 class ModelRunner:
@@ -98,9 +106,18 @@ class ModelRunner:
     def prepare(self, step: StepInput) -> PreparedInput:
         return prepare_input(step, self.block_size, self.device)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: the KV of block src into block dst, in every layer of this slice. Runs in the
+        compute thread just before the batch that writes dst, so it sees every earlier batch's writes."""
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
     # -- compute -------------------------------------------------------------------------------------
     def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the slice. Returns hidden states [T, H], or on the last stage logits [S, V] of sampled rows."""
+        if inp.step.block_copies:
+            self.copy_blocks(inp.step.block_copies)
         x = inp.input_ids if self.model.is_first else hidden
         h = self.model(x, inp.meta, self.kv_cache)
         if not self.model.is_last:

@@ -83,7 +83,8 @@ class StageWorker:
                     continue
                 tables = self.mirror.apply(msg.seq_ids, msg.deltas, msg.freed)
                 step = StepInput(msg.batch_id, msg.token_ids, msg.query_lens, msg.seq_lens, tables,
-                                 msg.is_prefill, seq_ids=msg.seq_ids)
+                                 msg.is_prefill, seq_ids=msg.seq_ids, block_copies=msg.block_copies or [],
+                                 all_logits=msg.all_logits or [])
                 inp = self.runner.prepare(step)
                 work = buf = None
                 if not self.first:

@@ -6,8 +6,11 @@ from collections import deque
 
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.batch import Batch
-from tdpipe.core.block_manager import BlockManager
+from tdpipe.core.block_manager import BlockManager, PrefixPlan
 from tdpipe.sequence import Sequence, SequenceStatus
+
+# (child, its first token) per forking parent's seq_id: the samples of an n > 1 request forked this step
+Forks = dict[int, list[tuple[Sequence, int]]]
 
 
 class Scheduler:
@@ -28,6 +31,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.block_copies: list[tuple[int, int]] = []  # copy-on-write of the batch being formed
         # admission keeps ~1% of blocks free so fresh prefills do not immediately force preemption
         self.watermark_blocks = max(1, int(0.01 * block_manager.num_blocks)) if block_manager.num_blocks > 100 else 0
 
@@ -48,25 +52,49 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         raise NotImplementedError
 
-    def update_from_output(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
+    def update_from_output(self, batch: Batch, token_ids: list[int], forks: Forks | None = None) -> list[Sequence]:
         """`batch` ran and `token_ids[j]` was sampled for row `batch.sampled_rows()[j]`: the KV of every row
-        advances, each sampled row gets its token, a row that hits an end-of-sequence id, a stop token id,
-        max_tokens or max_model_len finishes (stop strings are the frontend's: it aborts such a request).
-        Returns the sequences finished now; their blocks are already free."""
+        advances (full blocks are named for the prefix cache), each sampled row gets its token, a row that
+        hits an end-of-sequence id, a stop token id, max_tokens or max_model_len finishes (stop strings are
+        the frontend's: it aborts such a request). `forks`: the other samples of an n > 1 request whose
+        prompt just finished, each with its own first token; they share the parent's blocks (fork).
+        Returns the sequences finished now (forked ones included); their blocks are already free."""
         rows = batch.sampled_rows()
         if len(rows) != len(token_ids):
             raise ValueError(f"batch {batch.batch_id}: {len(token_ids)} tokens for {len(rows)} sampled rows")
+        caching = self.bm.enable_prefix_caching
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            if caching and seq.block_table:
+                self.bm.commit_full_blocks(seq)
         finished = []
         for i, tok in zip(rows, token_ids):
             seq = batch.seqs[i]
+            if seq.samples_to_fork:
+                for child, ctok in (forks or {}).get(seq.seq_id, []):
+                    self._fork(seq, child)
+                    child.output_token_ids.append(ctok)
+                    if self._stops(child, ctok):
+                        child.status = SequenceStatus.FINISHED
+                        finished.append(child)
+                        self.running.remove(child)
+                        self.bm.free(child)
+                seq.samples_to_fork = 0
             seq.output_token_ids.append(tok)
             if self._stops(seq, tok):
                 seq.status = SequenceStatus.FINISHED
                 finished.append(seq)
         self.on_result(batch)
         return finished
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """A new sample shares the parent's blocks (reference counts, no copy) and decodes beside it; the
+        shared partial last block is copied when one of them first writes it (copy-on-write)."""
+        self.bm.fork_seq(parent, child)
+        child.status = SequenceStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_computed_tokens // self.bm.block_size * self.bm.block_size
+        self.running.append(child)
 
     def _stops(self, seq: Sequence, tok: int) -> bool:
         """vLLM's order: no stop before min_tokens; eos (unless ignore_eos), then stop token ids, then length."""
@@ -116,10 +144,42 @@ class Scheduler:
         depth = self.config.pipeline_depth
         return max(1, min(self.config.max_num_seqs, -(-len(self.running) // depth)))
 
+    # -- prefix caching: admission counts only what a request really prefills and allocates -------------
+    def prefill_plan(self, seq: Sequence, num_tokens: int | None = None) -> PrefixPlan:
+        """(prompt tokens already cached, blocks it would take from the free pool) if admitted now; a
+        request that needs every prompt position's logits (prompt_logprobs) gets no cache hit."""
+        if seq.needs_prompt_logits or not self.bm.enable_prefix_caching:
+            n = seq.num_tokens if num_tokens is None else num_tokens
+            return PrefixPlan(0, max(0, self.bm.blocks_needed(n) - len(seq.block_table)))
+        return self.bm.prefix_plan(seq, num_tokens)
+
+    def can_admit(self, seq: Sequence, reserve: int = 0) -> bool:
+        return self.prefill_plan(seq).num_new_blocks + reserve <= self.bm.num_free_blocks
+
+    def _allocate_prompt(self, seq: Sequence, num_tokens: int | None = None) -> int:
+        """Blocks for a request being admitted: the longest cached prefix mapped in, fresh blocks up to
+        `num_tokens` (default all its tokens); its computed tokens start after the cached prefix."""
+        if seq.needs_prompt_logits:
+            self.bm.allocate(seq, num_tokens)
+            cached = 0
+        else:
+            cached = self.bm.allocate_with_prefix(seq, num_tokens)
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        return cached
+
     def _admit(self, seq: Sequence) -> None:
-        self.bm.allocate(seq)
+        self._allocate_prompt(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+
+    def num_seqs(self) -> int:
+        """Sequences counted against max_num_seqs: running ones and the samples they have yet to fork."""
+        return sum(s.num_samples_pending for s in self.running)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs of the batch just formed (the engine ships them with it)."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the KV; the sequence goes back to the front of the waiting queue."""
@@ -145,6 +205,10 @@ class Scheduler:
                 self._preempt(victim)
             if self.bm.can_append(seq):
                 self.bm.append_slot(seq)
+                cow = self.bm.prepare_append(seq)  # the block it writes is shared (fork): a private copy
+                if cow is not None:
+                    self.block_copies.append(cow)
+                    seq.table_epoch += 1
                 chosen.append(seq)
                 taken.add(seq.seq_id)
             elif not seq.in_flight:

@@ -115,14 +115,17 @@ class HybridScheduler(Scheduler):
         cfg = self.config
         used = 0
         debt = self._prefill_debt() if self.waiting else 0
-        while self.waiting and budget - used > 0 and len(self.running) < cfg.max_num_seqs:
+        num_seqs = self.num_seqs() if self.waiting else 0
+        while self.waiting and budget - used > 0 and num_seqs + self.waiting[0].num_samples_pending <= cfg.max_num_seqs:
             seq = self.waiting[0]
             reserve = debt + (self.watermark_blocks if self.running else 0)
-            if not self.bm.can_allocate(seq, reserve=reserve):
+            plan = self.prefill_plan(seq)  # blocks of a cached prefix are mapped, not allocated
+            if plan.num_new_blocks + reserve > self.bm.num_free_blocks:
                 break
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget - used)
+            n = min(seq.num_tokens - plan.num_cached_tokens, budget - used)
             self.waiting.popleft()
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            self._allocate_prompt(seq, plan.num_cached_tokens + n)
+            num_seqs += seq.num_samples_pending
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             debt += self.bm.blocks_needed(seq.num_tokens) - len(seq.block_table)

@@ -29,21 +29,23 @@ class SeparateScheduler(Scheduler):
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         seqs, lens = [], []
-        num_running = len(self.running)
-        while self.waiting and num_running + len(seqs) < cfg.max_num_seqs:
+        num_seqs = self.num_seqs()
+        while self.waiting and num_seqs + self.waiting[0].num_samples_pending <= cfg.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_tokens - seq.num_computed_tokens
+            plan = self.prefill_plan(seq)  # a cached prefix is neither prefilled nor allocated again
+            n = seq.num_tokens - plan.num_cached_tokens
             # a lone prompt may exceed the budget: these policies never chunk, so it would wait forever
             if (n > budget and seqs) or self.prefill_closed(seq):
                 break
-            if not self.bm.can_allocate(seq, reserve=self.watermark_blocks if self.running or seqs else 0):
+            if plan.num_new_blocks + (self.watermark_blocks if self.running or seqs else 0) > self.bm.num_free_blocks:
                 break
             self.waiting.popleft()
             self._admit(seq)
             self.on_prefill_admit(seq)
             seqs.append(seq)
-            lens.append(n)
-            budget -= n
+            lens.append(seq.num_tokens - seq.num_computed_tokens)
+            num_seqs += seq.num_samples_pending
+            budget -= lens[-1]
         if not seqs:
             return None
         for s in seqs:

@@ -152,10 +152,15 @@ class TDPipeScheduler(SeparateScheduler):
         # a request that outlives its prediction is assumed to finish within the next step
         remaining = max(self.predicted_len(seq) - len(seq.output_token_ids), 1)
         n, bs, prev = seq.num_tokens, self.bm.block_size, 0
+        # blocks it shares rather than allocates: a cached prefix (or the prompt it forked from); and the
+        # samples it will fork (n > 1) each grow their own blocks past the shared prompt
+        shared = (seq.num_cached_tokens if seq.block_table else self.prefill_plan(seq).num_cached_tokens) // bs
+        forks, full = seq.samples_to_fork, n // bs
         for i, fp in enumerate(self.future_points):
             if remaining <= prev:
                 break
-            usage[i] += -(-(n + (fp if fp < remaining else remaining)) // bs)
+            blocks = -(-(n + (fp if fp < remaining else remaining)) // bs)
+            usage[i] += blocks - shared + (forks * (blocks - full) if forks else 0)
             prev = fp
 
     def would_overflow(self, seq: Sequence, usage: list[int], used_blocks: int) -> bool:
@@ -234,23 +239,24 @@ class TDPipeScheduler(SeparateScheduler):
         key = (len(self.running), len(self.waiting), self.phase_finished)
         if key == self._plan_key:
             return self._plan
-        start = len(self.running)
+        start = self.num_seqs()
         usage = [0] * len(self.future_points)
         for s in self.running:
             self.update_usage(s, usage)
         used, free = self.bm.num_used_blocks, self.bm.num_free_blocks - self.watermark_blocks
-        batches, cur, n_seqs = [], 0, len(self.running)
+        batches, cur, n_seqs = [], 0, start
         for s in self.waiting:
-            need = self.bm.blocks_needed(s.num_tokens)
-            if (n_seqs >= self.config.max_num_seqs or need > free
+            plan = self.prefill_plan(s)  # what it really prefills and allocates (prefix caching)
+            need, tokens = plan.num_new_blocks, s.num_tokens - plan.num_cached_tokens
+            if (n_seqs + s.num_samples_pending > self.config.max_num_seqs or need > free
                     or (n_seqs and self.would_overflow(s, usage, used))):
                 break
             self.update_usage(s, usage)
-            used, free, n_seqs = used + need, free - need, n_seqs + 1
-            if cur and cur + s.num_tokens > self.config.max_num_batched_tokens:
+            used, free, n_seqs = used + need, free - need, n_seqs + s.num_samples_pending
+            if cur and cur + tokens > self.config.max_num_batched_tokens:
                 batches.append(cur)
                 cur = 0
-            cur += s.num_tokens
+            cur += tokens
         if cur:
             batches.append(cur)
         self._plan_key, self._plan, self._plan_admits = key, batches, n_seqs - start

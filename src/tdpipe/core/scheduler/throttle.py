@@ -27,8 +27,11 @@ class ThrottleScheduler(HybridScheduler):
         return max(1, min(self.config.max_num_seqs, -(-rd // self.config.pipeline_depth)))
 
     def waiting_prefill_tokens(self) -> int:
-        """#WP: prompt tokens without KV, queued or partly prefilled."""
-        wp = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        """#WP: prompt tokens without KV, queued or partly prefilled; a queued request's cached prefix is not
+        counted (it will not be prefilled: BlockManager.probe_cached_tokens)."""
+        probe = self.bm.probe_cached_tokens if self.bm.enable_prefix_caching else None
+        wp = sum(s.num_tokens - s.num_computed_tokens - (probe(s) if probe and not s.needs_prompt_logits else 0)
+                 for s in self.waiting)
         return wp + sum(s.num_tokens - s.num_computed_tokens for s in self.running if self._is_prefilling(s))
 
     def prefill_budget(self, num_decodes: int) -> int:

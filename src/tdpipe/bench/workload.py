@@ -28,6 +28,9 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     text: str | None = None  # the prompt as text, where the workload has it (a learned predictor reads it)
+    n: int = 1  # samples per prompt (SamplingParams.n): a GRPO rollout asks for a group of answers per prompt
+    temperature: float = 0.0  # greedy unless the workload samples
+    seed: int | None = None  # per-request sampling seed, so a sampled workload draws the same tokens every run
 
     @property
     def input_len(self) -> int:
@@ -81,6 +84,73 @@ def sharegpt_like(num_prompts: int, vocab_size: int, seed: int = 0, max_model_le
     outs = np.clip(outs, 4, max(4, max_output))
     outs = np.minimum(outs, max_model_len - ins)
     return [BenchRequest(_random_ids(rng, int(i), vocab_size), int(o)) for i, o in zip(ins, outs)]
+
+
+# GRPO-like rollout (issue 15 (a)): prompt lengths spread +-12.5 % around the mean (448-576 for 512), so the
+# prompts are not all one shape, yet every row of a comparison gets the same ones.
+GRPO_INPUT_SPREAD = 0.125
+GRPO_SEED_MAX = 2**31  # request seeds stay small: the split rows derive seed * n + i from them
+
+
+def grpo(num_prompts: int, vocab_size: int, seed: int = 0, *, input_len: int = 512, n: int = 8,
+         output_len: int = 256, temperature: float = 1.0) -> list[BenchRequest]:
+    """A GRPO-style rollout: `num_prompts` distinct random prompts (lengths uniform in input_len +- 12.5 %),
+    each asking for `n` sampled answers of exactly `output_len` tokens at `temperature`, with its own seed.
+
+    Why: RL post-training samples a group of answers per prompt, so the prompt's KV can be computed once
+    and shared (fork + copy-on-write) instead of once per answer; the answers differ (temperature 1), so
+    the decode work is never shared."""
+    if num_prompts < 1 or input_len < 1 or n < 1 or output_len < 1:
+        raise ValueError(f"grpo workload needs num_prompts, input_len, n and output_len >= 1, got "
+                         f"{num_prompts}, {input_len}, {n}, {output_len}")
+    rng = np.random.default_rng(seed)
+    spread = int(input_len * GRPO_INPUT_SPREAD)
+    lens = rng.integers(max(1, input_len - spread), input_len + spread + 1, size=num_prompts)
+    seeds = rng.integers(0, GRPO_SEED_MAX, size=num_prompts)
+    return [BenchRequest(_random_ids(rng, int(k), vocab_size), output_len, n=n, temperature=temperature,
+                         seed=int(s)) for k, s in zip(lens, seeds)]
+
+
+def shared_prefix(num_requests: int, vocab_size: int, seed: int = 0, *, prefix_len: int = 1024,
+                  question_len: tuple[int, int] = (16, 48), output_len: int = 32) -> list[BenchRequest]:
+    """`num_requests` prompts that all start with the same `prefix_len`-token system prompt, followed by a
+    distinct random question of question_len[0]..question_len[1] tokens; greedy, `output_len` tokens each.
+
+    Why: a chat service sends one long system prompt with every short question; with prefix caching only
+    the first request computes the prefix's KV. Questions are distinct (redrawn on a repeat) so that only
+    the system prompt can be shared."""
+    lo, hi = question_len
+    if num_requests < 1 or prefix_len < 1 or output_len < 1 or lo < 1 or hi < lo:
+        raise ValueError(f"shared-prefix workload needs num_requests, prefix_len, output_len >= 1 and "
+                         f"1 <= question_len[0] <= question_len[1], got {num_requests}, {prefix_len}, "
+                         f"{output_len}, {question_len}")
+    ids = vocab_size - (FIRST_ORDINARY_ID if vocab_size > 2 * FIRST_ORDINARY_ID else 0)
+    if sum(ids ** k for k in range(lo, hi + 1)) < num_requests:
+        raise ValueError(f"only {sum(ids ** k for k in range(lo, hi + 1))} distinct questions of {lo}-{hi} tokens "
+                         f"exist in a vocabulary of {vocab_size}; {num_requests} asked")
+    rng = np.random.default_rng(seed)
+    prefix = _random_ids(rng, prefix_len, vocab_size)
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    while len(out) < num_requests:
+        q = _random_ids(rng, int(rng.integers(lo, hi + 1)), vocab_size)
+        if tuple(q) in seen:  # only possible with a tiny vocabulary or very short questions
+            continue
+        seen.add(tuple(q))
+        out.append(BenchRequest(prefix + q, output_len))
+    return out
+
+
+def split_samples(reqs: list[BenchRequest]) -> list[BenchRequest]:
+    """Each request with n samples as n independent n=1 requests (seeds seed * n + i): how an engine without
+    fork serves parallel sampling (vLLM v1 fans n out into independent child requests), so each copy
+    computes the prompt again unless a prefix cache shares it."""
+    out = []
+    for r in reqs:
+        for i in range(r.n):
+            out.append(BenchRequest(r.prompt_token_ids, r.output_len, r.text, n=1, temperature=r.temperature,
+                                    seed=None if r.seed is None else r.seed * r.n + i))
+    return out
 
 
 def from_jsonl(path: str | Path, tokenizer: Any, limit: int | None = None) -> list[BenchRequest]:

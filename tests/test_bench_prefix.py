@@ -157,9 +157,13 @@ def test_bench_prefix_end_to_end(tmp_path, bundled_path):
     # fork prefills each prompt once; the split row twice
     assert rows["fork"]["prefill_tokens_computed"] < rows["no-sharing"]["prefill_tokens_computed"]
 
+    # a prompt finds in the cache only blocks computed in an earlier step: a 64-token budget admits one
+    # 36-40-token prompt at a time, so the first computes the prefix and the others can reuse it (with the
+    # default budget all six would be prefilled in one step, as the first ~7 of the full-size run are)
     s = tmp_path / "shared.json"
     assert main(["bench", "prefix", "--workload", "shared-prefix", "--num-prompts", "6", "--prefix-len", "32",
-                 "--question-len", "4,8", "--output-len", "3", "--json", str(s), *common]) == 0
+                 "--question-len", "4,8", "--output-len", "3", "--max-model-len", "64",
+                 "--max-num-batched-tokens", "64", "--json", str(s), *common]) == 0
     res = json.loads(s.read_text())
     rows = {r["row"]: r for r in res["rows"]}
     assert list(rows) == ["cache-off", "cache-on"] and res["baseline"] == "cache-off"

@@ -1,4 +1,4 @@
-"""`tdpipe bench prefix`: workload shapes and determinism, flag errors (no model), and one tiny end-to-end run."""
+"""`tdpipe bench prefix`: workload shapes and determinism, flag errors (no model), one tiny end-to-end run."""
 import json
 
 import pytest
@@ -52,7 +52,8 @@ def test_shared_prefix_shape_and_determinism():
 
 
 def test_shared_prefix_distinct_questions_even_when_few_exist():
-    a = wl.shared_prefix(50, 60, seed=0, prefix_len=4, question_len=(1, 1), output_len=2)  # 60 one-token questions
+    # a vocabulary of 60 holds only 60 one-token questions: 50 distinct ones need redraws
+    a = wl.shared_prefix(50, 60, seed=0, prefix_len=4, question_len=(1, 1), output_len=2)
     assert len({tuple(r.prompt_token_ids[4:]) for r in a}) == 50
     with pytest.raises(ValueError, match="distinct questions"):
         wl.shared_prefix(61, 60, prefix_len=4, question_len=(1, 1))
@@ -141,8 +142,8 @@ def test_command_line_reproduces_the_flags():
 def test_bench_prefix_end_to_end(tmp_path, bundled_path):
     common = ["--model", bundled_path, "--dtype", "float32", "--num-kv-blocks", "128", "--threads", "1"]
     g = tmp_path / "grpo.json"
-    assert main(["bench", "prefix", "--workload", "grpo", "--num-prompts", "2", "--n", "2", "--input-len", "40",
-                 "--output-len", "4", "--json", str(g), *common]) == 0
+    assert main(["bench", "prefix", "--workload", "grpo", "--num-prompts", "2", "--n", "2",
+                 "--input-len", "40", "--output-len", "4", "--json", str(g), *common]) == 0
     res = json.loads(g.read_text())
     assert res["command"].startswith("tdpipe bench prefix --workload grpo")
     assert res["machine"]["cpu_count"] >= 1 and res["workload"]["n"] == 2 and res["baseline"] == "no-sharing"
@@ -168,7 +169,8 @@ def test_bench_prefix_end_to_end(tmp_path, bundled_path):
     rows = {r["row"]: r for r in res["rows"]}
     assert list(rows) == ["cache-off", "cache-on"] and res["baseline"] == "cache-off"
     off, on = rows["cache-off"], rows["cache-on"]
-    assert off["complete"] and on["complete"] and off["total_output_tokens"] == on["total_output_tokens"] == 18
+    assert off["complete"] and on["complete"]
+    assert off["total_output_tokens"] == on["total_output_tokens"] == 18
     assert off["prefix_cache"]["hit_rate"] == 0 and off["prefix_cache"]["hits"] == 0
     assert on["prefix_cache"]["hit_rate"] > 0 and on["prefix_cache"]["cached_tokens"] > 0
     assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]

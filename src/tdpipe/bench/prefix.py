@@ -81,21 +81,25 @@ def _question_len(v: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _rows_help() -> str:
+    """Every workload's rows, for --help."""
+    def one(r: Row) -> str:
+        return f"{r.name} [{r.label}" + ("]" if r.default else "; only with --rows]")
+    return "; ".join(f"{w}: " + ", ".join(one(r) for r in rows) for w, rows in ROWS.items())
+
+
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p = bsub.add_parser(
         "prefix", help="parallel sampling and prefix caching: the same workload with caching off and on",
         description="Run one workload (grpo: a GRPO-like rollout, n samples per prompt; shared-prefix: "
                     "requests sharing a long system prompt) through several engine configurations in the "
                     "same run and report each one's throughput, prefix-cache hit rate and ratio to the "
-                    "baseline. Output lengths are forced (ignore_eos), so every row does the same work. Rows: "
-                    + "; ".join(f"{w}: " + ", ".join(f"{r.name} = {r.label}" + ("" if r.default else
-                                                                               " (only with --rows)")
-                                                      for r in rows) for w, rows in ROWS.items())
-                    + ". The first row of each workload is the baseline.")
+                    "baseline. Output lengths are forced (ignore_eos), so every row does the same work. "
+                    "Rows: " + _rows_help() + ". The first row of each workload is the baseline.")
     p.add_argument("--workload", required=True, choices=WORKLOADS,
-                   help="grpo: prompts of ~--input-len tokens (+-12.5%%) x --n samples of --output-len tokens, "
-                        "temperature 1, seeded; shared-prefix: --num-prompts requests = one --prefix-len "
-                        "system prompt + a distinct question of --question-len tokens, greedy")
+                   help="grpo: prompts of ~--input-len tokens (+-12.5%%) x --n samples of --output-len "
+                        "tokens, temperature 1, seeded; shared-prefix: --num-prompts requests = one "
+                        "--prefix-len system prompt + a distinct question of --question-len tokens, greedy")
     p.add_argument("--rows", default=None, metavar="NAME,...",
                    help="run only these rows, in this order (default: every default row of the workload)")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -156,8 +160,8 @@ def select_rows(workload: str, spec: str | None) -> list[Row]:
 def check_args(a: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     """Every flag checked before a model loads."""
     if a.enable_prefix_caching is not None:
-        raise ValueError("--enable-prefix-caching / --no-enable-prefix-caching: each row sets caching itself; "
-                         "pick rows with --rows")
+        raise ValueError("--enable-prefix-caching / --no-enable-prefix-caching: each row sets caching "
+                         "itself; pick rows with --rows")
     return workload_params(a), select_rows(a.workload, a.rows)
 
 
@@ -198,7 +202,8 @@ def command_line(a: argparse.Namespace, p: argparse.ArgumentParser) -> str:
 
 
 # -- one row -------------------------------------------------------------------------------------------
-def submissions(reqs: list[wl.BenchRequest], split: bool) -> tuple[list[dict[str, Any]], list[Any], list[int]]:
+def submissions(reqs: list[wl.BenchRequest],
+                split: bool) -> tuple[list[dict[str, Any]], list[Any], list[int]]:
     """The prompts and sampling params a row submits, and for each submission its workload request."""
     from tdpipe.sampling.params import SamplingParams
 
@@ -323,7 +328,7 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) ->
         llm = LLM(**_row_kwargs(a, row))
         try:
             engine = llm.engine
-            if reqs is None:  # the vocabulary and length limit come from the first engine; all rows share them
+            if reqs is None:  # vocabulary and length limit from the first engine; every row shares them
                 max_model_len = engine.scheduler.config.max_model_len
                 reqs = build_workload(params, engine.model_config.vocab_size, max_model_len)
                 res["workload"] |= wl.summarize(reqs) | {"prompt_tokens": sum(r.input_len for r in reqs)}
@@ -366,8 +371,8 @@ def format_table(res: dict[str, Any]) -> str:
     """A header naming the workload and machine, then one line per row."""
     w, m = res["workload"], res["machine"]
     if w["name"] == "grpo":
-        shape = (f"grpo (seed {w['seed']}): {w['num_prompts']} prompts of {w['input_mean']:.0f} tokens on average "
-                 f"x n = {w['n']} samples of {w['output_len']} tokens, temperature 1")
+        shape = (f"grpo (seed {w['seed']}): {w['num_prompts']} prompts of {w['input_mean']:.0f} tokens on "
+                 f"average x n = {w['n']} samples of {w['output_len']} tokens, temperature 1")
     else:
         shape = (f"shared-prefix (seed {w['seed']}): {w['num_prompts']} requests = {w['prefix_len']}-token "
                  f"shared prefix + {w['question_len'][0]}-{w['question_len'][1]}-token question, "
@@ -381,12 +386,13 @@ def format_table(res: dict[str, Any]) -> str:
     for r in res["rows"]:
         pc = r["prefix_cache"]
         ratio = "-" if r["ratio_vs_baseline"] is None else f"{r['ratio_vs_baseline']:.2f}x"
+        preempt = "-" if r["preemptions"] is None else str(r["preemptions"])
         lines.append([r["row"] + ("" if r["complete"] else " (INCOMPLETE)"),
                       "on" if r["enable_prefix_caching"] else "off", str(r["submitted_requests"]),
-                      f"{r['elapsed_s']:.2f}", f"{r['requests_per_s']:.3f}", f"{r['output_tokens_per_s']:.1f}",
-                      f"{r['total_tokens_per_s']:.1f}", f"{100 * pc['hit_rate']:.1f} %", str(pc["cached_tokens"]),
-                      str(r["prefill_tokens_computed"]), "-" if r["preemptions"] is None else str(r["preemptions"]),
-                      ratio])
+                      f"{r['elapsed_s']:.2f}", f"{r['requests_per_s']:.3f}",
+                      f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}",
+                      f"{100 * pc['hit_rate']:.1f} %", str(pc["cached_tokens"]),
+                      str(r["prefill_tokens_computed"]), preempt, ratio])
     widths = [max(len(x[k]) for x in lines) for k in range(len(cols))]
     body = ["  ".join(x.ljust(wd) if k == 0 else x.rjust(wd) for k, (x, wd) in enumerate(zip(row, widths)))
             for row in lines]

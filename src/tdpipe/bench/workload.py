@@ -30,7 +30,7 @@ class BenchRequest:
     text: str | None = None  # the prompt as text, where the workload has it (a learned predictor reads it)
     n: int = 1  # samples per prompt (SamplingParams.n): a GRPO rollout asks for a group of answers per prompt
     temperature: float = 0.0  # greedy unless the workload samples
-    seed: int | None = None  # per-request sampling seed, so a sampled workload draws the same tokens every run
+    seed: int | None = None  # per-request sampling seed: a sampled workload draws the same tokens every run
 
     @property
     def input_len(self) -> int:
@@ -125,9 +125,10 @@ def shared_prefix(num_requests: int, vocab_size: int, seed: int = 0, *, prefix_l
                          f"1 <= question_len[0] <= question_len[1], got {num_requests}, {prefix_len}, "
                          f"{output_len}, {question_len}")
     ids = vocab_size - (FIRST_ORDINARY_ID if vocab_size > 2 * FIRST_ORDINARY_ID else 0)
-    if sum(ids ** k for k in range(lo, hi + 1)) < num_requests:
-        raise ValueError(f"only {sum(ids ** k for k in range(lo, hi + 1))} distinct questions of {lo}-{hi} tokens "
-                         f"exist in a vocabulary of {vocab_size}; {num_requests} asked")
+    distinct = sum(ids ** k for k in range(lo, hi + 1))
+    if distinct < num_requests:
+        raise ValueError(f"only {distinct} distinct questions of {lo}-{hi} tokens exist in a vocabulary of "
+                         f"{vocab_size}; {num_requests} asked")
     rng = np.random.default_rng(seed)
     prefix = _random_ids(rng, prefix_len, vocab_size)
     seen: set[tuple[int, ...]] = set()

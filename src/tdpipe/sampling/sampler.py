@@ -232,10 +232,15 @@ class Sampler:
                 torch.tensor([params[i].presence_penalty for i in rows]),
             )
 
-        tokens = logits.argmax(-1).tolist()  # greedy rows' answer; random rows overwrite theirs below
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        tokens = [0] * len(params)
+        if greedy:  # greedy rows' answer (random rows' below); an argmax over only the rows that need it
+            for i, tok in zip(greedy, (logits if len(greedy) == len(params) else logits[greedy]).argmax(-1).tolist()):
+                tokens[i] = tok
         if rows:
-            sampled = self._sample(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+            sub = logits if len(rows) == len(params) else logits[rows]
+            sampled = self._sample(sub, [params[i] for i in rows], [generators[i] for i in rows])
             for i, tok in zip(rows, sampled):
                 tokens[i] = tok
         entries = [None] * len(params)
@@ -268,7 +273,8 @@ class Sampler:
         """Temperature, then top-k / top-p / min-p on the candidate fast path where a row has top-k or top-p
         and its survivors lie within its top CANDIDATES tokens; every other row takes the full path."""
         vocab = logits.shape[-1]
-        logits = logits / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        logits = logits / temps  # a new tensor: `sample`'s copy keeps the unscaled logits for logprobs
         tokens = [0] * len(params)
         fast = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         if fast:
@@ -285,29 +291,35 @@ class Sampler:
             fast = [fast[j] for j in rows]
         rest = sorted(set(range(len(params))) - set(fast))
         if rest:
-            for i, t in zip(rest, self._sample_full(logits[rest], [params[i] for i in rest],
-                                                    [generators[i] for i in rest])):
+            sub = logits if len(rest) == len(params) else logits[rest]
+            for i, t in zip(rest, self._sample_full(sub, [params[i] for i in rest], [generators[i] for i in rest])):
                 tokens[i] = t
         return tokens
 
     def _race(self, probs: torch.Tensor, generators: list[RowRandom]) -> list[int]:
-        """Exponential race: argmax(p / q), q ~ Exp(1), picks column j with probability p_j. A seeded row
-        draws its noise (one value per column) from the scratch generator reseeded with its key, so its
-        draw depends on nothing but (seed, output index) and the number of columns."""
-        q = torch.empty(probs.shape, dtype=probs.dtype)
+        """Inverse-CDF sampling: one uniform u in (0, 1] per row, the first token whose cumulative probability
+        reaches u times the row's total (a float32 cumsum, as GPU samplers use). One draw per row instead
+        of one per token (an exponential race drew 12.5M values for 256 rows x 49k tokens: ~0.45 s per step on
+        one core; the cumsum takes ~0.03 s). A seeded row draws its u from the scratch generator reseeded with its
+        key, so its token depends on nothing but (seed, output index) and its probabilities. u > 0, so a
+        zero-probability token is never chosen."""
+        b = probs.shape[0]
+        u = torch.empty(b, dtype=torch.float64)
         unseeded = [i for i, g in enumerate(generators) if g is None]
-        if len(unseeded) == len(generators):
-            q.exponential_()
+        if len(unseeded) == b:
+            u.uniform_()
         elif unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype).exponential_()
+            u[unseeded] = torch.empty(len(unseeded), dtype=torch.float64).uniform_()
         for i, g in enumerate(generators):
             if g is None:
                 continue
             if not isinstance(g, torch.Generator):
                 g = self._scratch.manual_seed(g)
-            q[i].exponential_(generator=g)  # a contiguous row of q: drawn in place, as one stream
-        q = q.to(probs.device).clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw would make 0/0 = NaN
-        return (probs / q).argmax(dim=-1).tolist()
+            u[i:i + 1].uniform_(generator=g)
+        cdf = probs.cumsum(-1)
+        target = ((1.0 - u) * cdf[:, -1].double()).to(cdf.dtype).to(cdf.device).unsqueeze(1)  # in (0, total]
+        picked = torch.searchsorted(cdf, target).squeeze(1).clamp_max_(probs.shape[1] - 1)
+        return picked.tolist()
 
     def _sample_full(self, logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[RowRandom]) -> list[int]:

@@ -30,6 +30,25 @@ def test_generate_jsonl_file(tmp_path, bundled_path):
     assert recs[1]["finish_reason"] == "error" and "empty" in recs[1]["error"]
 
 
+def test_generate_samples_and_logprobs(tmp_path, bundled_path):
+    out = tmp_path / "out.jsonl"
+    rc = main(["generate", "The capital of France is", "--output", str(out), "--max-tokens", "4", "--dtype",
+               "float32", "--kv-cache-memory", "64MiB", "--no-progress", "--ignore-eos", "--n", "3",
+               "--temperature", "1", "--sampling-seed", "5", "--logprobs", "2", "--prompt-logprobs", "1",
+               "--output-token-ids"])
+    assert rc == 0
+    rec = json.loads(out.read_text())
+    assert [s["index"] for s in rec["samples"]] == [0, 1, 2] and rec["num_output_tokens"] == 12
+    assert rec["text"] == rec["samples"][0]["text"]
+    for s in rec["samples"]:
+        assert len(s["logprobs"]) == 4 and all(2 <= len(p) <= 3 for p in s["logprobs"])
+        chosen = [p[str(t)]["logprob"] for p, t in zip(s["logprobs"], s["token_ids"])]
+        assert abs(sum(chosen) - s["cumulative_logprob"]) < 1e-4
+    assert rec["prompt_logprobs"][0] is None and len(rec["prompt_logprobs"]) == rec["num_prompt_tokens"]
+    with pytest.raises(SystemExit, match="best_of must be None or an int >= n"):
+        main(["generate", "x", "--n", "3", "--best-of", "2"])
+
+
 def test_generate_messages_through_the_chat_template_and_record_history(tmp_path, bundled_path):
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Name a fruit."}]

@@ -195,7 +195,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 record_history=a.record_history) | scheduler_kwargs(a)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128, samples: bool = True) -> None:
+    """`samples`: also n, best_of and logprobs (tdpipe generate; the interactive chat shows one answer)."""
     g = p.add_argument_group("sampling")
     from tdpipe.sampling.params import SamplingParams
 
@@ -216,9 +217,23 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 128) -> None
     g.add_argument("--sampling-seed", type=int, default=d("seed"), help="per-request seed (reproducible sampling)")
     g.add_argument("--stop", action="append", default=d("stop"), help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS up to --max-tokens")
+    if not samples:
+        return
+    g.add_argument("--n", type=int, default=d("n"),
+                   help="answers per prompt; the prompt is prefilled once and its KV blocks shared (default: "
+                        "%(default)s)")
+    g.add_argument("--best-of", type=int, default=d("best_of"),
+                   help="sample this many (>= --n) and keep the --n with the highest cumulative logprob")
+    g.add_argument("--logprobs", type=int, default=d("logprobs"), metavar="K",
+                   help="per output token: its logprob and rank and the top K (0-20), after penalties and "
+                        "temperature")
+    g.add_argument("--prompt-logprobs", type=int, default=d("prompt_logprobs"), metavar="K",
+                   help="per prompt token: its logprob and rank and the top K (0-20); such prompts are "
+                        "prefilled whole (no prefix-cache hit)")
 
 
 def sampling_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
                 repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-                frequency_penalty=a.frequency_penalty, seed=a.sampling_seed, stop=a.stop, ignore_eos=a.ignore_eos)
+                frequency_penalty=a.frequency_penalty, seed=a.sampling_seed, stop=a.stop, ignore_eos=a.ignore_eos,
+                **{k: getattr(a, k) for k in ("n", "best_of", "logprobs", "prompt_logprobs") if hasattr(a, k)})

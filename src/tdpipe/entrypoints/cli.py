@@ -149,15 +149,36 @@ def _to_prompts(tok, recs: list[dict], todo: list[int], chat_template: bool) -> 
 
 
 def _output_record(i: int, r: dict, o, with_ids: bool) -> dict:
+    """One JSON line: the first answer's text at the top level; with n > 1 every answer under "samples";
+    logprobs as [{token id: {"logprob", "rank", "token"}}] per position."""
     c = o.outputs[0]
     rec = {"index": i, "request_id": o.request_id, "prompt": o.prompt if o.prompt is not None else r.get("prompt"),
            "text": c.text, "finish_reason": c.finish_reason, "num_prompt_tokens": len(o.prompt_token_ids),
-           "num_output_tokens": len(c.token_ids)}
+           "num_output_tokens": sum(len(x.token_ids) for x in o.outputs)}
     if o.error:
         rec["error"] = (f"line {r['line']}: " if "line" in r else "") + o.error
     if with_ids:
         rec["token_ids"] = c.token_ids
+    if c.logprobs is not None:
+        rec["logprobs"], rec["cumulative_logprob"] = _logprobs_json(c.logprobs), c.cumulative_logprob
+    if o.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = _logprobs_json(o.prompt_logprobs)
+    if len(o.outputs) > 1:
+        rec["samples"] = []
+        for x in o.outputs:
+            s = {"index": x.index, "text": x.text, "finish_reason": x.finish_reason,
+                 "cumulative_logprob": x.cumulative_logprob}
+            if with_ids:
+                s["token_ids"] = x.token_ids
+            if x.logprobs is not None:
+                s["logprobs"] = _logprobs_json(x.logprobs)
+            rec["samples"].append(s)
     return rec
+
+
+def _logprobs_json(positions: list) -> list:
+    return [None if p is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+                                    for t, lp in p.items()} for p in positions]
 
 
 def _error_record(i: int, r: dict, error: str) -> dict:
@@ -253,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
     c.add_argument("--system", default=None, help="system message")
     add_engine_args(c)
-    add_sampling_args(c, max_tokens=512)
+    add_sampling_args(c, max_tokens=512, samples=False)
     c.set_defaults(fn=cmd_chat)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -41,6 +41,7 @@ class Sequence:
     sample_index: int = 0
     group: list["Sequence"] | None = None
     samples_to_fork: int = 0  # samples still to fork off this sequence once its first token is sampled
+    aborted_samples: set[int] = field(default_factory=set)  # sample indices aborted before they were forked
     cumulative_logprob: float = 0.0  # of the sampled tokens (logprobs or best_of requests)
     prompt_logprobs: list | None = None  # per prompt position, filled chunk by chunk (prompt_logprobs=k)
     # the page table: bumped when the block table is rebuilt (preemption) or an entry is replaced
@@ -100,6 +101,8 @@ class Sequence:
                          first_token_time=self.first_token_time, sample_index=sample_index, group=self.group,
                          cumulative_logprob=self.cumulative_logprob,
                          num_cached_tokens=self.num_cached_tokens, block_hashes=list(self.block_hashes))
+        if self.group is not None:
+            self.group.append(child)
         return child
 
     def reset_for_recompute(self) -> None:

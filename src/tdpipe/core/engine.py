@@ -252,6 +252,9 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this engine has none (simulated)")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, prompt=text,
                        max_tokens=max_tokens, arrival_time=self.clock())
+        if params.num_samples > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"{'best_of' if params.best_of else 'n'} is {params.num_samples}, more samples than "
+                             f"max_num_seqs ({self.scheduler.config.max_num_seqs}) lets run at once")
         if params.num_samples > 1:  # n / best_of: forked from this one once its prompt is prefilled
             seq.samples_to_fork = params.num_samples - 1
             seq.group = [seq]
@@ -297,7 +300,9 @@ class LLMEngine:
     # -- abort ---------------------------------------------------------------------------------------
     def abort_request(self, request_ids: str | list[str | tuple[str, int]], reason: str = "abort") -> list[Sequence]:
         """Finish these requests now with finish_reason "abort" (unknown or finished ids are ignored). An id
-        is a request id (all its samples) or (request id, sample index) for one sample of an n > 1 request.
+        is a request id (all its samples) or (request id, sample index) for one sample of an n > 1 request;
+        before the samples are forked (the prompt still prefilling), sample k > 0 is then never forked, and
+        sample 0, the sequence that carries the shared prompt, takes the whole request with it.
         reason="stop": the frontend found a stop string; the request counts as finished normally (the
         predictor learns its length, --record-history records it).
 
@@ -314,6 +319,9 @@ class LLMEngine:
                 rid, one = rid
             head = self.requests.get(rid)
             if head is None:
+                continue
+            if one is not None and one > 0 and head.samples_to_fork and not head.is_finished:
+                head.aborted_samples.add(one)  # not forked yet: it never will be (its prompt is shared)
                 continue
             for seq in list(head.samples()):
                 if seq.is_finished or (one is not None and seq.sample_index != one):
@@ -418,7 +426,8 @@ class LLMEngine:
             tokens = [result.token_ids[i] for i in rows]
             for s, t in zip(seqs, tokens):
                 if s.samples_to_fork:  # greedy samples are all the same answer
-                    forks[s.seq_id] = [(s.fork(next(self._seq_ids), j), t) for j in range(1, s.samples_to_fork + 1)]
+                    forks[s.seq_id] = [(s.fork(next(self._seq_ids), j), t) for j in range(1, s.samples_to_fork + 1)
+                                       if j not in s.aborted_samples]
         elif rows:
             tokens, lps = self._sample_rows(seqs, logits if len(rows) == len(batch.seqs) or batch.all_logits
                                             else logits[rows], forks, child_lps)
@@ -502,6 +511,8 @@ class LLMEngine:
             entries.append((s, s.sample_index))
             idx.append(j)
             for k in range(1, s.samples_to_fork + 1):
+                if k in s.aborted_samples:
+                    continue
                 entries.append((s, k))
                 idx.append(j)
         if len(idx) != len(seqs):

@@ -167,20 +167,9 @@ class Sampler:
     def __init__(self) -> None:
         self._scratch = torch.Generator(device="cpu")
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
-        generators: list[RowRandom],
-        banned: list[list[int]] | None = None,
-    ) -> list[int]:
-        """One token per row. `generators[i]`: None (unseeded: the global RNG), an int from `draw_key`
-        (seeded: the row's draw depends on that key alone), or a torch.Generator the caller keeps.
-        `banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
-        vocabulary are ignored. The caller's logits are never modified."""
-        return self.sample(logits, params, prompt_ids, output_ids, generators, banned)[0]
+    def __call__(self, *args, **kwargs) -> list[int]:
+        """`sample(...)`'s tokens only."""
+        return self.sample(*args, **kwargs)[0]
 
     def sample(
         self,
@@ -192,7 +181,12 @@ class Sampler:
         banned: list[list[int]] | None = None,
         num_logprobs: list[int | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """`__call__`, plus log-probabilities for the rows where `num_logprobs[i]` is an int k: the sampled
+        """One token per row. `generators[i]`: None (unseeded: the global RNG), an int from `draw_key`
+        (seeded: the row's draw depends on that key alone), or a torch.Generator the caller keeps.
+        `banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
+        vocabulary are ignored. The caller's logits are never modified.
+
+        Also log-probabilities for the rows where `num_logprobs[i]` is an int k: the sampled
         token's (logprob, rank) and the top-k, from the distribution the row samples from after penalties,
         banned tokens and temperature, before top-k / top-p / min-p truncation (vLLM v0's processed
         logprobs; a greedy row's temperature is not applied)."""

@@ -70,6 +70,8 @@ def test_best_of_keeps_the_most_likely(llm_fp32):
     assert [c.index for c in o.outputs] == [0, 1]
     everyone = llm_fp32.generate(PROMPTS[:1], SamplingParams(n=6, temperature=1.0, seed=9, max_tokens=12,
                                                               ignore_eos=True, logprobs=0), use_tqdm=False)[0]
+    for c in everyone.outputs:  # each sample's own tokens, the first (sampled at the fork) included
+        assert abs(c.cumulative_logprob - sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))) < 1e-4
     best = sorted(everyone.outputs, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in o.outputs] == [c.token_ids for c in best]
     assert [round(c.cumulative_logprob, 4) for c in o.outputs] == [round(c.cumulative_logprob, 4) for c in best]

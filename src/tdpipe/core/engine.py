@@ -518,6 +518,7 @@ class LLMEngine:
         if len(idx) != len(seqs):
             logits = logits[idx]
         toks, lps = self._sample(entries, logits)
+        before = {s.seq_id: s.cumulative_logprob for s in seqs}  # a child forks from the parent's value before
         tokens: list[int] = []
         out_lps: list[TokenLogprobs | None] = []
         for (s, k), t, lp in zip(entries, toks, lps):
@@ -529,8 +530,7 @@ class LLMEngine:
             else:
                 child = s.fork(next(self._seq_ids), k)
                 child_lps[child.seq_id] = lp
-                if lp is not None:
-                    child.cumulative_logprob += lp[0][1]
+                child.cumulative_logprob = before[s.seq_id] + (lp[0][1] if lp is not None else 0.0)
                 forks.setdefault(s.seq_id, []).append((child, t))
         return tokens, out_lps
 

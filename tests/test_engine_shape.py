@@ -111,7 +111,7 @@ def test_stop_string_cuts_the_text_holds_back_a_partial_stop_and_asks_the_core_t
     proc = OutputProcessor(tok, stream=True)
     proc.add_request("r", None, [1, 2], SamplingParams(stop=["four", "zzz"], include_stop_str_in_output=include))
     outs, stopped = _feed(proc, "r", ids)
-    assert stopped == ["r"] and outs[-1].finished
+    assert stopped == [("r", 0)] and outs[-1].finished
     comp = outs[-1].outputs[0]
     assert comp.finish_reason == "stop" and comp.stop_reason == "four"
     assert comp.text == ("one two three four" if include else "one two three ")

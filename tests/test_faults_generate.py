@@ -25,8 +25,9 @@ def _cmd(out, inp, pp: int, resume: bool = False, seeded: bool = False) -> list[
     cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "generate", "-i", str(inp), "-o", str(out),
            "--max-tokens", "32", "--ignore-eos", "--max-num-seqs", "4", "--max-model-len", "512",
            "--kv-cache-memory", "64MiB", "--no-progress"]
-    if seeded:
-        cmd += ["--dtype", "float32", "--sampling-seed", "7", "--temperature", "0.8"]
+    if seeded:  # no prefix caching: a cached prefix's KV was computed in another batch shape (ulps apart),
+        # which can move a temperature-0.8 draw; the run and its resumption must compute the same numbers
+        cmd += ["--dtype", "float32", "--sampling-seed", "7", "--temperature", "0.8", "--no-enable-prefix-caching"]
     if pp > 1:
         cmd += ["--pp", str(pp), "--layer-partition", "15,15"]
     return cmd + (["--resume"] if resume else [])

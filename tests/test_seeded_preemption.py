@@ -143,11 +143,11 @@ def _run(dtype: str, num_kv_blocks: int | None) -> tuple[list[list[int]], dict, 
     seen: dict[tuple[str, int], tuple[str, int]] = {}
     inner = engine._sample
 
-    def recording(seqs, logits):
-        for i, s in enumerate(seqs):
+    def recording(entries, logits):
+        for i, (s, _) in enumerate(entries):
             row = logits[i].float().contiguous().numpy().tobytes()
             seen[(s.request_id, len(s.output_token_ids))] = (hashlib.sha1(row).hexdigest(), s.num_preemptions)
-        return inner(seqs, logits)
+        return inner(entries, logits)
 
     engine._sample = recording
     try:

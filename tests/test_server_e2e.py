@@ -166,6 +166,70 @@ def test_models_metrics_and_api_key(server, client):
     m = metrics(server)
     assert m["tdpipe:generation_tokens_total"] >= 3 and m["tdpipe:time_to_first_token_seconds_count"] >= 1
     assert 'tdpipe:stage_busy_ratio{stage="0"}' in text
+    # the same 40-token prompt twice: the second finds its two full blocks in the prefix cache
+    long = "The quick brown fox jumps over the lazy dog. " * 4
+    before = metrics(server)
+    for _ in range(2):
+        client.completions.create(model=models[0].id, prompt=long, max_tokens=1)
+    after = metrics(server)
+    assert after["tdpipe:prefix_cache_hits_total"] - before["tdpipe:prefix_cache_hits_total"] >= 32
+    assert after["tdpipe:prefix_cache_queries_total"] > before["tdpipe:prefix_cache_queries_total"]
+    assert 0 < after["tdpipe:prefix_cache_hit_rate"] <= 1
+
+
+def test_n_samples_and_logprobs(client):
+    """n, best_of and logprobs through the real openai client: greedy samples equal the greedy answer, seeded
+    samples reproduce, logprobs have OpenAI's shapes (legacy completions, chat content)."""
+    model = client.models.list().data[0].id
+    one = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    three = client.completions.create(model=model, prompt=[PROMPTS[0], PROMPTS[1]], n=3, max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in three.choices] == list(range(6)) and three.usage.completion_tokens == 48
+    assert [c.text for c in three.choices[:3]] == [one] * 3
+    seeded = [[c.text for c in client.completions.create(model=model, prompt=PROMPTS[1], n=2, max_tokens=10,
+                                                         temperature=1.0, seed=7,
+                                                         extra_body={"ignore_eos": True}).choices]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1] and seeded[0][0] != seeded[0][1]
+    streamed = client.completions.create(model=model, prompt=PROMPTS[1], n=2, max_tokens=10, temperature=1.0,
+                                         seed=7, stream=True, extra_body={"ignore_eos": True})
+    texts = ["", ""]
+    for ch in streamed:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == seeded[0]
+
+    r = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=5, logprobs=2, temperature=1.0,
+                                  seed=3, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and 2 <= len(top) <= 3 and top[tok] == val and max(top.values()) >= val
+    best = client.completions.create(model=model, prompt=PROMPTS[2], n=2, extra_body={"best_of": 4,
+                                     "ignore_eos": True}, max_tokens=5, temperature=1.0, seed=3)
+    assert len(best.choices) == 2
+
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=6, temperature=0,
+                                          n=2, logprobs=True, top_logprobs=2)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob
+        assert t.top_logprobs[0].token == t.token  # greedy: the most likely token
+    parts = list(client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=6,
+                                                temperature=0, n=2, stream=True, logprobs=True, top_logprobs=1))
+    got = {0: "", 1: ""}
+    n_lp = {0: 0, 1: 0}
+    for p in parts:
+        for c in p.choices:
+            got[c.index] += c.delta.content or ""
+            n_lp[c.index] += len(c.logprobs.content) if c.logprobs else 0
+    assert got[0] == got[1] == chat.choices[0].message.content and n_lp[0] == len(content)
 
 
 def _greedy_ids_via_server(url: str, headers: dict) -> list[list[int]]:

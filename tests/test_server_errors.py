@@ -54,7 +54,7 @@ MATRIX = [
     (C, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     (C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     (C, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
-    (C, {"prompt": "hi", "n": 2}, 400, "n"),
+    (C, {"prompt": "hi", "n": 9}, 400, "n"),  # more than max_num_seqs (4 in the fake, 8 in the e2e server)
     (C, {"prompt": "hi", "n": 10**9}, 400, "n"),
     (C, {"prompt": "hi", "n": 0}, 400, "n"),
     (C, {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
@@ -72,14 +72,20 @@ MATRIX = [
     (C, {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
     (C, {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (C, {"prompt": "hi", "skip_special_tokens": 0}, 400, "skip_special_tokens"),
-    (C, {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+    (C, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    (C, {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    (C, {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    (C, {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     (C, {"prompt": "hi", "echo": "true"}, 400, "echo"),
     (C, {"prompt": "hi", "stream": 1}, 400, "stream"),
     (C, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage"),
     (C, {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    (C, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    (C, {"prompt": "hi", "best_of": 0}, 400, "best_of"),
+    (C, {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    (C, {"prompt": "hi", "best_of": 9}, 400, "best_of"),
+    (C, {"prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
     (C, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     (C, {"prompt": "hi", "user": 5}, 400, "user"),
     (C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -94,8 +100,10 @@ MATRIX = [
     (CHAT, {"messages": U, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     (CHAT, {"messages": U, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT, {"messages": U, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    (CHAT, {"messages": U, "logprobs": True}, 400, "logprobs"),
-    (CHAT, {"messages": U, "n": 3}, 400, "n"),
+    (CHAT, {"messages": U, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"messages": U, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    (CHAT, {"messages": U, "logprobs": 1}, 400, "logprobs"),
+    (CHAT, {"messages": U, "n": 9}, 400, "n"),
     (CHAT, {"messages": U, "model": "other"}, 404, "model"),
     ("/tokenize", {"prompt": "a", "messages": U}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
@@ -134,10 +142,10 @@ async def test_bad_input_matrix_then_still_serving():
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-async def test_n_message_says_not_supported_yet():
+async def test_n_message_names_the_limit():
     async with await _app(FakeAsyncLLM()) as c:
-        err = _check_error(await c.post(C, json={"prompt": "hi", "n": 2}), 400, "n")
-        assert err["message"] == "n > 1 is not supported yet"
+        err = _check_error(await c.post(C, json={"prompt": "hi", "n": 5}), 400, "n")
+        assert err["message"] == "n is 5, more samples than this server runs at once (--max-num-seqs 4)"
 
 
 @pytest.mark.parametrize("content,headers,status,code", [

@@ -49,7 +49,9 @@ def engine_stats(engine: Any, busy: list[float]) -> dict[str, Any]:
             "num_requests": len(engine.requests), "kv_usage": bm.usage(),
             "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.stats.prompt_tokens,
-            "generation_tokens": engine.stats.output_tokens, "stage_busy": list(busy)}
+            "generation_tokens": engine.stats.output_tokens, "stage_busy": list(busy),
+            "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate}
 
 
 class BusyMeter:

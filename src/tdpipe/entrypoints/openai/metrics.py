@@ -47,14 +47,20 @@ class _EngineCollector:
             return
         gauges = (("tdpipe:num_requests_running", "requests in the running batch", "num_running"),
                   ("tdpipe:num_requests_waiting", "requests waiting to be scheduled", "num_waiting"),
-                  ("tdpipe:kv_cache_usage_perc", "fraction of KV cache blocks in use (0..1)", "kv_usage"))
+                  ("tdpipe:kv_cache_usage_perc", "fraction of KV cache blocks in use (0..1)", "kv_usage"),
+                  ("tdpipe:prefix_cache_hit_rate", "prefix-cache hits / queries since start, in tokens (0..1)",
+                   "prefix_cache_hit_rate"))
         for name, doc, key in gauges:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(s.get(key, 0)))
             yield g
         counters = (("tdpipe:prompt_tokens", "prompt tokens prefilled", "prompt_tokens"),
                     ("tdpipe:generation_tokens", "tokens generated", "generation_tokens"),
-                    ("tdpipe:num_preemptions", "requests preempted (recompute)", "num_preemptions"))
+                    ("tdpipe:num_preemptions", "requests preempted (recompute)", "num_preemptions"),
+                    ("tdpipe:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                     "prefix_cache_queries"),
+                    ("tdpipe:prefix_cache_hits", "prompt tokens found in the prefix cache (not prefilled again)",
+                     "prefix_cache_hits"))
         for name, doc, key in counters:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(s.get(key, 0)))

@@ -2,12 +2,12 @@
 
 Requests are validated strictly: "max_tokens": "10" or "stream": 1 is a 400 naming the field, never a silent
 coercion. Unknown top-level fields are ignored with a warning (vLLM's behaviour: clients send newer fields),
-except the ones in UNSUPPORTED, which would change the result if ignored (logit_bias, tools, response_format,
-logprobs...): those are a 400 unless they hold their neutral value.
+except the ones in UNSUPPORTED, which would change the result if ignored (logit_bias, tools,
+response_format...): those are a 400 unless they hold their neutral value.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, model_serializer
 
@@ -27,7 +27,7 @@ class _Request(BaseModel):
         for name, value in extra.items():
             neutral = UNSUPPORTED.get(name)
             if neutral is not None and not neutral(value):
-                raise bad_request(f"'{name}' is not supported by this server{_NEXT.get(name, '')}; "
+                raise bad_request(f"'{name}' is not supported by this server; "
                                   "remove it or send its default", name, "unsupported_parameter")
         return sorted(k for k in extra if k not in UNSUPPORTED)
 
@@ -42,12 +42,8 @@ def _is(*ok: Any) -> Callable[[Any], bool]:
 
 # field -> "this value changes nothing": any other value is a 400 (it would silently change results)
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _is(None, False),
-    "top_logprobs": _is(None, 0),
-    "prompt_logprobs": _is(None),
     "logit_bias": _none_or_empty,
     "suffix": _none_or_empty,
-    "best_of": _is(None, 1),
     "use_beam_search": _is(None, False),
     "length_penalty": _is(None, 1, 1.0),
     "response_format": lambda v: v is None or v == {"type": "text"},
@@ -72,8 +68,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prediction": _is(None),
     "modalities": lambda v: v is None or v == ["text"],
 }
-_NEXT = {"logprobs": " yet (planned next)", "top_logprobs": " yet (planned next)",
-         "prompt_logprobs": " yet (planned next)"}
 
 
 class StreamOptions(_Request):
@@ -88,6 +82,8 @@ class _GenerationRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    best_of: int | None = None  # vLLM: sample best_of, return the n with the highest cumulative logprob
+    prompt_logprobs: int | None = None  # vLLM: the prompt tokens' logprobs (top k)
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -108,7 +104,8 @@ class _GenerationRequest(_Request):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields SamplingParams takes, None dropped (its defaults apply: declared once, there)."""
-        names = ("n", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+        names = ("n", "best_of", "prompt_logprobs", "temperature", "top_p", "seed", "stop", "presence_penalty",
+                 "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                  "skip_special_tokens", "include_stop_str_in_output")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
@@ -123,6 +120,11 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions; null = up to max_model_len
     echo: bool = False
     add_special_tokens: bool = True  # vLLM: BOS etc. when tokenising a text prompt
+    logprobs: int | None = None  # legacy completions: the top k per token (0-20)
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a batch: one entry per choice (OpenAI: a list of prompts is a batch)."""
@@ -176,6 +178,14 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # vLLM: end the template with the assistant's turn header
     add_special_tokens: bool = False  # vLLM: the template already has them
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # 0-20, with logprobs: true
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict[str, str]]:
         """[{"role", "content"}] for the chat template; roles and contents checked, naming the message."""
@@ -243,7 +253,7 @@ class _Choice(BaseModel):
 class CompletionChoice(_Choice):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it (None for EOS)
 
@@ -266,7 +276,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(_Choice):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
 
@@ -295,7 +305,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(_Choice):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length"] | None = None
     stop_reason: int | str | None = None
 

@@ -157,21 +157,27 @@ class OpenAIServing:
         name = self.check_model(req.model, eng)
         self.warn_ignored(req.unknown_fields())
         req.check_stream_options()
-        if req.n is not None and req.n != 1:
-            if req.n > 1:
-                raise bad_request("n > 1 is not supported yet", "n", "unsupported_parameter")
+        n = 1 if req.n is None else req.n
+        if n < 1:
             raise bad_request(f"n must be >= 1, got {req.n}", "n", "invalid_value")
+        most = getattr(eng, "max_num_seqs", 0) or None
+        for field, v in (("n", n), ("best_of", req.best_of)):
+            if v is not None and most is not None and v > most:
+                raise bad_request(f"{field} is {v}, more samples than this server runs at once "
+                                  f"(--max-num-seqs {most})", field, "invalid_value")
+        if req.stream and req.best_of is not None and req.best_of != n:
+            raise bad_request(f"best_of ({req.best_of}) must equal n ({n}) when streaming: the best samples are "
+                              "known only once all have finished", "best_of", "invalid_value")
         return name
 
     @staticmethod
     def sampling_params(req: _GenerationRequest, max_tokens: int | None, max_field: str) -> SamplingParams:
         """SamplingParams from the request's fields (its ValueError, naming the field, becomes a 400)."""
         kw = req.sampling_kwargs()
-        kw.pop("n", None)
         try:
-            return SamplingParams(**kw, max_tokens=max_tokens)
-        except ValueError as e:
-            raise _sampling_error(e, max_field) from None
+            return SamplingParams(**kw, max_tokens=max_tokens, logprobs=req.num_logprobs())
+        except ValueError as e:  # chat's k is top_logprobs
+            raise from_sampling_error(e, {"max_tokens": max_field, "logprobs": req.LOGPROBS_FIELD}) from None
 
     @staticmethod
     def fit(eng: Any, ids: list[int], sp: SamplingParams, max_field: str,
@@ -256,15 +262,15 @@ class Run:
             async with contextlib.aclosing(self.eng.generate(it.prompt_ids, it.params, it.request_id)) as gen:
                 async for out in gen:
                     ticket.started()
-                    c = out.outputs[0]
-                    timer.tokens_seen(len(c.token_ids))
+                    timer.tokens_seen(sum(len(c.token_ids) for c in out.outputs))
                     if out.finished:
-                        if c.finish_reason not in ("stop", "length"):
-                            raise OpenAIError(503 if c.finish_reason == "abort" else 500,
-                                              f"the request ended without an answer (finish_reason "
-                                              f"{c.finish_reason!r}{': ' + out.error if out.error else ''})",
-                                              code="request_aborted")
-                        timer.finished(c.finish_reason)
+                        for c in out.outputs:
+                            if c.finish_reason not in ("stop", "length"):
+                                raise OpenAIError(503 if c.finish_reason == "abort" else 500,
+                                                  f"the request ended without an answer (finish_reason "
+                                                  f"{c.finish_reason!r}{': ' + out.error if out.error else ''})",
+                                                  code="request_aborted")
+                        timer.finished(out.outputs[0].finish_reason)
                     yield it.index, out
         except EngineDeadError as e:
             raise engine_dead(e) from None

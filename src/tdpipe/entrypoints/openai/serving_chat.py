@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tdpipe.entrypoints.openai.errors import bad_request
+from tdpipe.entrypoints.openai.logprobs import chat_logprobs
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
                                                 DeltaMessage)
@@ -61,48 +62,62 @@ class ChatServing:
         last = None
         async for _, out in run.outputs():
             last = out
-        c = last.outputs[0]
-        choice = ChatChoice(index=0, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason)
-        if prep.return_token_ids:
-            choice.prompt_token_ids, choice.token_ids = prep.items[0].prompt_ids, list(c.token_ids)
-        usage = self.s.usage(len(prep.items[0].prompt_ids), len(c.token_ids))
+        it = prep.items[0]
+        tok = self.s.get_engine().tokenizer
+        choices = []
+        for c in last.outputs:
+            choice = ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
+            if it.params.logprobs is not None and c.logprobs is not None:
+                choice.logprobs = chat_logprobs(tok, c.token_ids, c.logprobs, it.params.logprobs)
+            if prep.return_token_ids:
+                choice.prompt_token_ids, choice.token_ids = it.prompt_ids, list(c.token_ids)
+            choices.append(choice)
+        usage = self.s.usage(len(it.prompt_ids), sum(len(c.token_ids) for c in last.outputs))
         return ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
-                                      choices=[choice], usage=usage).model_dump()
+                                      choices=choices, usage=usage).model_dump()
 
     async def _stream(self, prep: Prepared, run: Run) -> AsyncIterator[bytes]:
-        sent = ids_sent = 0
-        tokens = 0
-        prompt_tokens = len(prep.items[0].prompt_ids)
+        it = prep.items[0]
+        n = it.params.n
+        sent, ids_sent, tokens, done = [0] * n, [0] * n, [0] * n, [False] * n
+        prompt_tokens = len(it.prompt_ids)
+        tok = self.s.get_engine().tokenizer
 
         def chunk(choices: list[ChatStreamChoice], usage: bool) -> ChatCompletionChunk:
             c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
                                     choices=choices)
             if usage:
-                c.usage = self.s.usage(prompt_tokens, tokens)
+                c.usage = self.s.usage(prompt_tokens, sum(tokens))
             return c
 
-        # the role first, as OpenAI does: a client sees the answer begin before the first token
-        yield sse(chunk([ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""),
-                                          logprobs=None, finish_reason=None)], prep.continuous_usage))
+        # the role first, as OpenAI does: a client sees each answer begin before its first token
+        for j in range(n):
+            yield sse(chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
+                                              logprobs=None, finish_reason=None)], prep.continuous_usage))
         async for _, out in run.outputs():
-            c = out.outputs[0]
-            tokens = len(c.token_ids)
-            delta = c.text[sent:]
-            if not delta and not out.finished:
-                continue  # held back: a possible stop string or a split character
-            sent = len(c.text)
-            choice = ChatStreamChoice(index=0,
-                                      delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                                      logprobs=None,
-                                      finish_reason=c.finish_reason if out.finished else None)
-            if out.finished:
-                choice.stop_reason = c.stop_reason
-            if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first
-                choice.token_ids = list(c.token_ids[ids_sent:])
-                if ids_sent == 0:
-                    choice.prompt_token_ids = prep.items[0].prompt_ids
-                ids_sent = len(c.token_ids)
-            yield sse(chunk([choice], prep.continuous_usage))
+            for c in out.outputs:
+                k = c.index
+                if done[k]:
+                    continue
+                finished = c.finish_reason is not None
+                tokens[k] = len(c.token_ids)
+                delta = c.text[sent[k]:]
+                if not delta and not finished:
+                    continue  # held back: a possible stop string or a split character
+                sent[k], done[k] = len(c.text), finished
+                choice = ChatStreamChoice(index=k, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                                          finish_reason=c.finish_reason if finished else None)
+                if finished:
+                    choice.stop_reason = c.stop_reason
+                if it.params.logprobs is not None and c.logprobs is not None:
+                    choice.logprobs = chat_logprobs(tok, c.token_ids[ids_sent[k]:], c.logprobs[ids_sent[k]:],
+                                                    it.params.logprobs)
+                if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first
+                    choice.token_ids = list(c.token_ids[ids_sent[k]:])
+                    if ids_sent[k] == 0:
+                        choice.prompt_token_ids = it.prompt_ids
+                ids_sent[k] = len(c.token_ids)
+                yield sse(chunk([choice], prep.continuous_usage))
         if prep.include_usage:
             yield sse(chunk([], True))

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tdpipe.entrypoints.openai.errors import bad_request
+from tdpipe.entrypoints.openai.logprobs import completion_logprobs
 from tdpipe.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionRequest,
                                                 CompletionResponse)
 from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
@@ -57,31 +58,47 @@ class CompletionServing:
             run.close()
         return None if body is None else JSONResponse(body)
 
+    def _logprobs(self, prep: Prepared, it: Item, out: Any, c: Any, echo: bool) -> dict | None:
+        """The legacy logprobs object of choice c; with echo the prompt's positions first (vLLM)."""
+        k = it.params.logprobs
+        if k is None or c.logprobs is None:
+            return None
+        tok = self.s.get_engine().tokenizer
+        ids, positions = list(c.token_ids), list(c.logprobs)
+        if echo and out.prompt_logprobs is not None:
+            ids, positions = list(it.prompt_ids) + ids, list(out.prompt_logprobs) + positions
+        return completion_logprobs(tok, ids, positions, k)
+
     async def _full(self, prep: Prepared, run: Run, echo: bool) -> dict:
         last: dict[int, Any] = {}
         async for i, out in run.outputs():
             last[i] = out
         choices = []
         completion_tokens = 0
+        n = prep.items[0].params.n if prep.items else 1
         for it in prep.items:
-            c = last[it.index].outputs[0]
-            completion_tokens += len(c.token_ids)
-            text = (it.prompt_text or "") + c.text if echo else c.text
-            choice = CompletionChoice(index=it.index, text=text, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason)
-            if prep.return_token_ids:
-                choice.prompt_token_ids, choice.token_ids = it.prompt_ids, list(c.token_ids)
-            choices.append(choice)
+            out = last[it.index]
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text = (it.prompt_text or "") + c.text if echo else c.text
+                choice = CompletionChoice(index=it.index * n + c.index, text=text, finish_reason=c.finish_reason,
+                                          stop_reason=c.stop_reason, logprobs=self._logprobs(prep, it, out, c, echo))
+                if prep.return_token_ids:
+                    choice.prompt_token_ids, choice.token_ids = it.prompt_ids, list(c.token_ids)
+                choices.append(choice)
         usage = self.s.usage(sum(len(it.prompt_ids) for it in prep.items), completion_tokens)
         return CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model, choices=choices,
                                   usage=usage).model_dump()
 
     async def _stream(self, prep: Prepared, run: Run, echo: bool) -> AsyncIterator[bytes]:
-        n = len(prep.items)
-        sent = [0] * n  # characters of each choice's text already sent
-        ids_sent = [0] * n  # and of its token ids (return_token_ids)
-        tokens = [0] * n
+        n = prep.items[0].params.n if prep.items else 1
+        m = len(prep.items) * n  # choices: prompt i's sample j is choice i * n + j (vLLM's numbering)
+        sent = [0] * m  # characters of each choice's text already sent
+        ids_sent = [0] * m  # and of its token ids (return_token_ids) and logprobs
+        tokens = [0] * m
+        done = [False] * m
         prompt_tokens = sum(len(it.prompt_ids) for it in prep.items)
+        tok = self.s.get_engine().tokenizer
 
         def chunk(choices: list[CompletionChoice], usage: bool) -> CompletionChunk:
             c = CompletionChunk(id=prep.request_id, created=prep.created, model=prep.model, choices=choices)
@@ -90,25 +107,33 @@ class CompletionServing:
             return c
 
         if echo:
-            yield sse(chunk([CompletionChoice(index=it.index, text=it.prompt_text or "", logprobs=None,
-                                              finish_reason=None) for it in prep.items], False))
+            yield sse(chunk([CompletionChoice(index=it.index * n + j, text=it.prompt_text or "", logprobs=None,
+                                              finish_reason=None) for it in prep.items for j in range(n)], False))
         async for i, out in run.outputs():
-            c = out.outputs[0]
-            tokens[i] = len(c.token_ids)
-            delta = c.text[sent[i]:]
-            if not delta and not out.finished:
-                continue  # tokens whose text is held back (a possible stop string, a split character)
-            sent[i] = len(c.text)
-            choice = CompletionChoice(index=i, text=delta, logprobs=None,
-                                      finish_reason=c.finish_reason if out.finished else None)
-            if out.finished:
-                choice.stop_reason = c.stop_reason
-            if prep.return_token_ids:  # the ids since this choice's last chunk; the prompt's once
-                choice.token_ids = list(c.token_ids[ids_sent[i]:])
-                if ids_sent[i] == 0:
-                    choice.prompt_token_ids = prep.items[i].prompt_ids
-                ids_sent[i] = len(c.token_ids)
-            yield sse(chunk([choice], prep.continuous_usage))
+            it = prep.items[i]
+            for c in out.outputs:
+                k = i * n + c.index
+                if done[k]:
+                    continue
+                finished = c.finish_reason is not None
+                tokens[k] = len(c.token_ids)
+                delta = c.text[sent[k]:]
+                if not delta and not finished:
+                    continue  # tokens whose text is held back (a possible stop string, a split character)
+                offset = sent[k] + (len(it.prompt_text or "") if echo else 0)
+                sent[k], done[k] = len(c.text), finished
+                choice = CompletionChoice(index=k, text=delta, finish_reason=c.finish_reason if finished else None)
+                if finished:
+                    choice.stop_reason = c.stop_reason
+                if it.params.logprobs is not None and c.logprobs is not None:
+                    choice.logprobs = completion_logprobs(tok, c.token_ids[ids_sent[k]:], c.logprobs[ids_sent[k]:],
+                                                          it.params.logprobs, offset)
+                if prep.return_token_ids:  # the ids since this choice's last chunk; the prompt's once
+                    choice.token_ids = list(c.token_ids[ids_sent[k]:])
+                    if ids_sent[k] == 0:
+                        choice.prompt_token_ids = it.prompt_ids
+                ids_sent[k] = len(c.token_ids)
+                yield sse(chunk([choice], prep.continuous_usage))
         if prep.include_usage:
             yield sse(chunk([], True))
 

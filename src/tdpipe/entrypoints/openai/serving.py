@@ -280,6 +280,42 @@ class Run:
             ticket.release()
 
 
+@dataclass
+class ChoiceStep:
+    """What a choice's next stream chunk carries: its text delta, whether it just finished, and where its
+    token ids (and logprobs) not sent yet begin."""
+
+    text: str
+    finished: bool
+    ids_from: int
+    offset: int  # characters of the choice's text sent before this delta
+
+
+class StreamCursor:
+    """Per streamed choice: text and token ids already sent, tokens so far, finished. Completions and chat
+    advance their choices the same way; only the chunk they build differs."""
+
+    def __init__(self, num_choices: int) -> None:
+        self.sent = [0] * num_choices
+        self.ids_sent = [0] * num_choices
+        self.tokens = [0] * num_choices
+        self.done = [False] * num_choices
+
+    def advance(self, k: int, c: Any) -> ChoiceStep | None:
+        """Choice k's output is now c (cumulative): the step to send, or None when nothing is due (finished
+        before, or text held back: a possible stop string or a split character)."""
+        if self.done[k]:
+            return None
+        finished = c.finish_reason is not None
+        self.tokens[k] = len(c.token_ids)
+        delta = c.text[self.sent[k]:]
+        if not delta and not finished:
+            return None
+        step = ChoiceStep(delta, finished, self.ids_sent[k], self.sent[k])
+        self.sent[k], self.done[k], self.ids_sent[k] = len(c.text), finished, len(c.token_ids)
+        return step
+
+
 async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     """Items of several async generators as they come; the first error ends all of them. One generator is
     iterated directly (no task, no queue: the common case costs nothing extra)."""

@@ -12,8 +12,8 @@ from tdpipe.entrypoints.openai.logprobs import chat_logprobs
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
                                                 DeltaMessage)
-from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
-                                               sse_events)
+from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, StreamCursor,
+                                               sse, sse_events)
 from tdpipe.tokenizer import chat_prompt
 
 
@@ -80,7 +80,7 @@ class ChatServing:
     async def _stream(self, prep: Prepared, run: Run) -> AsyncIterator[bytes]:
         it = prep.items[0]
         n = it.params.n
-        sent, ids_sent, tokens, done = [0] * n, [0] * n, [0] * n, [False] * n
+        cur = StreamCursor(n)
         prompt_tokens = len(it.prompt_ids)
         tok = self.s.get_engine().tokenizer
 
@@ -88,7 +88,7 @@ class ChatServing:
             c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
                                     choices=choices)
             if usage:
-                c.usage = self.s.usage(prompt_tokens, sum(tokens))
+                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens))
             return c
 
         # the role first, as OpenAI does: a client sees each answer begin before its first token
@@ -97,27 +97,21 @@ class ChatServing:
                                               logprobs=None, finish_reason=None)], prep.continuous_usage))
         async for _, out in run.outputs():
             for c in out.outputs:
-                k = c.index
-                if done[k]:
+                step = cur.advance(c.index, c)
+                if step is None:
                     continue
-                finished = c.finish_reason is not None
-                tokens[k] = len(c.token_ids)
-                delta = c.text[sent[k]:]
-                if not delta and not finished:
-                    continue  # held back: a possible stop string or a split character
-                sent[k], done[k] = len(c.text), finished
-                choice = ChatStreamChoice(index=k, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
-                                          finish_reason=c.finish_reason if finished else None)
-                if finished:
+                choice = ChatStreamChoice(index=c.index,
+                                          delta=DeltaMessage(content=step.text) if step.text else DeltaMessage(),
+                                          finish_reason=c.finish_reason if step.finished else None)
+                if step.finished:
                     choice.stop_reason = c.stop_reason
                 if it.params.logprobs is not None and c.logprobs is not None:
-                    choice.logprobs = chat_logprobs(tok, c.token_ids[ids_sent[k]:], c.logprobs[ids_sent[k]:],
+                    choice.logprobs = chat_logprobs(tok, c.token_ids[step.ids_from:], c.logprobs[step.ids_from:],
                                                     it.params.logprobs)
                 if prep.return_token_ids:  # the ids since the last chunk; the prompt's with the first
-                    choice.token_ids = list(c.token_ids[ids_sent[k]:])
-                    if ids_sent[k] == 0:
+                    choice.token_ids = list(c.token_ids[step.ids_from:])
+                    if step.ids_from == 0:
                         choice.prompt_token_ids = it.prompt_ids
-                ids_sent[k] = len(c.token_ids)
                 yield sse(chunk([choice], prep.continuous_usage))
         if prep.include_usage:
             yield sse(chunk([], True))

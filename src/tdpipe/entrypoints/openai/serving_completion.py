@@ -11,8 +11,8 @@ from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.logprobs import completion_logprobs
 from tdpipe.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionRequest,
                                                 CompletionResponse)
-from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, sse,
-                                               sse_events)
+from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, StreamCursor,
+                                               sse, sse_events)
 
 
 class CompletionServing:
@@ -92,18 +92,14 @@ class CompletionServing:
 
     async def _stream(self, prep: Prepared, run: Run, echo: bool) -> AsyncIterator[bytes]:
         n = prep.items[0].params.n if prep.items else 1
-        m = len(prep.items) * n  # choices: prompt i's sample j is choice i * n + j (vLLM's numbering)
-        sent = [0] * m  # characters of each choice's text already sent
-        ids_sent = [0] * m  # and of its token ids (return_token_ids) and logprobs
-        tokens = [0] * m
-        done = [False] * m
+        cur = StreamCursor(len(prep.items) * n)  # prompt i's sample j is choice i * n + j (vLLM's numbering)
         prompt_tokens = sum(len(it.prompt_ids) for it in prep.items)
         tok = self.s.get_engine().tokenizer
 
         def chunk(choices: list[CompletionChoice], usage: bool) -> CompletionChunk:
             c = CompletionChunk(id=prep.request_id, created=prep.created, model=prep.model, choices=choices)
             if usage:
-                c.usage = self.s.usage(prompt_tokens, sum(tokens))
+                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens))
             return c
 
         if echo:
@@ -113,26 +109,21 @@ class CompletionServing:
             it = prep.items[i]
             for c in out.outputs:
                 k = i * n + c.index
-                if done[k]:
+                step = cur.advance(k, c)
+                if step is None:
                     continue
-                finished = c.finish_reason is not None
-                tokens[k] = len(c.token_ids)
-                delta = c.text[sent[k]:]
-                if not delta and not finished:
-                    continue  # tokens whose text is held back (a possible stop string, a split character)
-                offset = sent[k] + (len(it.prompt_text or "") if echo else 0)
-                sent[k], done[k] = len(c.text), finished
-                choice = CompletionChoice(index=k, text=delta, finish_reason=c.finish_reason if finished else None)
-                if finished:
+                choice = CompletionChoice(index=k, text=step.text,
+                                          finish_reason=c.finish_reason if step.finished else None)
+                if step.finished:
                     choice.stop_reason = c.stop_reason
                 if it.params.logprobs is not None and c.logprobs is not None:
-                    choice.logprobs = completion_logprobs(tok, c.token_ids[ids_sent[k]:], c.logprobs[ids_sent[k]:],
-                                                          it.params.logprobs, offset)
+                    offset = step.offset + (len(it.prompt_text or "") if echo else 0)
+                    choice.logprobs = completion_logprobs(tok, c.token_ids[step.ids_from:],
+                                                          c.logprobs[step.ids_from:], it.params.logprobs, offset)
                 if prep.return_token_ids:  # the ids since this choice's last chunk; the prompt's once
-                    choice.token_ids = list(c.token_ids[ids_sent[k]:])
-                    if ids_sent[k] == 0:
+                    choice.token_ids = list(c.token_ids[step.ids_from:])
+                    if step.ids_from == 0:
                         choice.prompt_token_ids = it.prompt_ids
-                ids_sent[k] = len(c.token_ids)
                 yield sse(chunk([choice], prep.continuous_usage))
         if prep.include_usage:
             yield sse(chunk([], True))

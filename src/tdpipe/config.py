@@ -181,9 +181,11 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Pipeline parallelism (TD-Pipe §3.2): one stage worker process per slice of layers."""
+    """The P x T layout (TD-Pipe §3.2; SiPipe's P(i,j), §1): P pipeline stages, each a slice of layers run by a
+    group of T tensor-parallel ranks (Megatron-style sharding inside the stage)."""
 
     pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # T: ranks per stage, vLLM's --tensor-parallel-size
     layer_partition: list[int] | None = None  # layers per stage, e.g. [18, 12]; None: balance by cost
     threads_per_stage: int | None = None  # None: the cores split evenly between stages
     device: str = "cpu"  # stages on CPU, activations over gloo (CUDA + NCCL: not built yet)
@@ -191,6 +193,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
         _check(isinstance(pp, int) and pp >= 1, f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        tp = self.tensor_parallel_size
+        _check(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+               f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.layer_partition is not None:
             lp = self.layer_partition
             _check(len(lp) == pp, f"layer_partition {lp} has {len(lp)} entries; pipeline_parallel_size is {pp}")
@@ -201,8 +206,14 @@ class ParallelConfig:
         _check(self.device == "cpu", f"device must be 'cpu', got {self.device!r} (the CUDA pipeline, NCCL between "
                                      "stages, is not built yet)")
 
+    @property
+    def world_size(self) -> int:
+        """Worker processes: P stages x T ranks (the engine is one more)."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
     def stage_threads(self) -> int:
-        return self.threads_per_stage or max(1, default_threads() // self.pipeline_parallel_size)
+        """Threads per worker rank: the cores split evenly between the P x T ranks."""
+        return self.threads_per_stage or max(1, default_threads() // self.world_size)
 
 
 @dataclass

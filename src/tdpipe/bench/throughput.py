@@ -178,14 +178,14 @@ def run(a: argparse.Namespace) -> int:
     preflight(a)
     if a.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
-    if a.compare_pp1 and a.pp <= 1:
-        raise ValueError("--compare-pp1 needs --pp > 1")
+    if a.compare_pp1 and a.pp * a.tp <= 1:
+        raise ValueError("--compare-pp1 needs --pp > 1 or --tp > 1")
     llm = LLM(**engine_kwargs(a), collect_trace=True)  # the bubble ratios come from the trace
     engine = llm.engine
     mc = engine.model_config
     max_model_len = engine.scheduler.config.max_model_len
     name, reqs = build_workload(a, mc.vocab_size, max_model_len, engine.tokenizer)
-    threads = sum(engine.stage_threads)  # compute threads over all stages
+    threads = sum(engine.stage_threads) * engine.tp  # compute threads over all P x T workers
     dtype_name = str(engine.dtype).replace("torch.", "")
 
     own = torch.get_num_threads()
@@ -230,12 +230,17 @@ def run(a: argparse.Namespace) -> int:
         "kv_blocks": engine.block_manager.num_blocks,
         "kv_capacity_tokens": engine.block_manager.num_blocks * engine.block_manager.block_size,
         "pp": engine.pp,
+        "tp": engine.tp,
         "policy": engine.scheduler.config.policy,
         "layer_partition": [b - a_ for a_, b in engine.partition],
         "stage_threads": engine.stage_threads,
         "bubble_ratio": timed["summary"]["bubble_ratio"],
         "bubble_ratio_per_stage": timed["summary"]["bubble_ratio_per_stage"],
         "decode_bubble_ratio": timed["summary"]["decode_bubble_ratio"],
+        # tensor parallelism: per stage, the all-reduce seconds of the run and of one micro-batch (trace)
+        "allreduce_s_per_stage": timed["summary"]["allreduce_s"],
+        "allreduce_ms_per_step": [1e3 * x for x in timed["summary"]["mean_allreduce_s"]],
+        "busy_s_per_stage": timed["summary"]["busy_s"],
         "step_costs": _step_costs(engine),
         "peak_gflops": peak,
         "model_flops": asdict(flops) | {"total": flops.total},
@@ -258,7 +263,8 @@ def run(a: argparse.Namespace) -> int:
 
     llm.shutdown()
     if a.compare_pp1:
-        kw = engine_kwargs(a) | {"pipeline_parallel_size": 1, "layer_partition": None, "trace": None,
+        kw = engine_kwargs(a) | {"pipeline_parallel_size": 1, "tensor_parallel_size": 1,
+                                 "layer_partition": None, "trace": None,
                                  "num_threads": threads, "collect_trace": True}
         with LLM(**kw) as base:
             t1 = _timed_run(base, reqs)
@@ -408,13 +414,13 @@ def format_table(r: dict[str, Any]) -> str:
         ("input tokens/s", f"{r['input_tokens_per_s']:.1f}  ({r['total_input_tokens']} tokens)"),
         ("output tokens/s", f"{r['output_tokens_per_s']:.1f}  ({r['total_output_tokens']} tokens)"),
         ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
-        ("pipeline", f"pp {r['pp']}, layers {r['layer_partition']}, threads per stage {r['stage_threads']}, "
-                     f"policy {r['policy']}"),
+        ("layout", f"pp {r['pp']} x tp {r.get('tp', 1)}, layers {r['layer_partition']}, threads per worker "
+                   f"{r['stage_threads']}, policy {r['policy']}"),
         ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
                   + get_policy(r["policy"]).stats_text(r)),
         ("KV cache", f"{r['kv_blocks']} blocks, {r['kv_capacity_tokens']} tokens"),
         ("engine CPU", f"{r['engine_cpu_s']:.1f} s = {100 * r['engine_cpu_s'] / r['elapsed_s']:.1f} % of elapsed"
-                       + (" (control plane only: the stages are other processes)" if r["pp"] > 1
+                       + (" (control plane only: the stages are other processes)" if r["pp"] * r.get("tp", 1) > 1
                           else " (engine and model in one process)")),
     ]
     pc = r.get("predictor")
@@ -428,6 +434,13 @@ def format_table(r: dict[str, Any]) -> str:
         ("bubble ratio", f"{r['bubble_ratio']:.3f} mean (idle / wall per stage: "
                          f"{', '.join(f'{b:.3f}' for b in r['bubble_ratio_per_stage'])}); decode-only phase "
                          + ("-" if r['decode_bubble_ratio'] is None else f"{r['decode_bubble_ratio']:.3f}")),
+    ]
+    if r.get("tp", 1) > 1:
+        busy = r["busy_s_per_stage"]
+        rows.append(("all-reduce", "per stage " + ", ".join(
+            f"{ar:.1f} s = {100 * ar / b:.1f} % of busy, {ms:.2f} ms/step"
+            for ar, b, ms in zip(r["allreduce_s_per_stage"], busy, r["allreduce_ms_per_step"]) if b)))
+    rows += [
         ("model FLOPs", f"{r['model_flops']['total'] / 1e12:.3f} TFLOP (linear {r['model_flops']['linear'] / 1e12:.3f}"
                         f", attention {r['model_flops']['attention'] / 1e12:.3f}, lm_head "
                         f"{r['model_flops']['lm_head'] / 1e12:.3f})"),

@@ -89,7 +89,8 @@ class LLMEngine:
         from tdpipe.executor.pipeline import run_stage_if_worker
         from tdpipe.model.bundled import resolve_model
 
-        run_stage_if_worker(config.parallel.pipeline_parallel_size)  # torchrun ranks > 0 serve a stage, exit
+        par = config.parallel
+        run_stage_if_worker(par.pipeline_parallel_size, par.tensor_parallel_size)  # torchrun ranks > 0: workers
         pin_mmap_threshold()  # per-step [batch, vocab] tensors must not fragment the heap (tdpipe/malloc.py)
         self.config = config
         self.model_path = resolve_model(config.model)
@@ -101,8 +102,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(hf)
         self.dtype = resolve_dtype(config.dtype)
         self.pp = config.parallel.pipeline_parallel_size
-        # pp > 1: the stages own the cores; the engine process only samples and schedules
-        torch.set_num_threads(config.num_threads or (default_threads() if self.pp == 1 else 1))
+        self.tp = config.parallel.tensor_parallel_size
+        # workers of their own: they own the cores; the engine process only samples and schedules
+        torch.set_num_threads(config.num_threads or (default_threads() if config.parallel.world_size == 1 else 1))
 
         sched = config.scheduler
         mc = self.model_config
@@ -194,10 +196,14 @@ class LLMEngine:
             batch = max(8, min(128, self.scheduler.config.max_num_seqs // self.pp))
             costs = StageCosts.measure(self.model_config, self.dtype, par.stage_threads(), batch=batch)
         self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition, costs)
+        if self.tp > 1:  # an unsplittable model fails here, naming its sizes, before any worker starts
+            from tdpipe.model.tensor_parallel import head_split
+
+            head_split(self.model_config.num_heads, self.model_config.num_kv_heads, self.tp)
         if self.pp > 1:
             log.info("layer partition %s (embedding on stage 0, norm + lm_head on stage %d; costs %s)",
                      [b - a for a, b in self.partition], self.pp - 1, costs)
-        if self.pp == 1:
+        if self.pp == 1 and self.tp == 1:
             from tdpipe.executor.local import LocalExecutor
             from tdpipe.worker.model_runner import ModelRunner
 
@@ -212,7 +218,7 @@ class LLMEngine:
         stages = [StageSpec(a, b, threads) for a, b in self.partition]
         return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
                                 self.config.cache.block_size, stages,
-                                self._max_batch_tokens(), par.device)
+                                self._max_batch_tokens(), par.device, self.tp)
 
     def _max_batch_tokens(self) -> int:
         """Tokens the stages' receive buffers must hold: separate and td-pipe send a lone prompt longer
@@ -608,6 +614,7 @@ class LLMEngine:
         return {
             "format": "tdpipe-trace/1",
             "pp": self.pp,
+            "tp": self.tp,
             "policy": self.scheduler.config.policy,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
             "model": self.model_path,

@@ -19,7 +19,8 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "record_history": (EngineConfig, "record_history"),
     "block_size": (CacheConfig, "block_size"), "kv_cache_memory": (CacheConfig, "kv_cache_memory"),
     "num_kv_blocks": (CacheConfig, "num_blocks"), "enable_prefix_caching": (CacheConfig, "enable_prefix_caching"),
-    "pp": (ParallelConfig, "pipeline_parallel_size"), "layer_partition": (ParallelConfig, "layer_partition"),
+    "pp": (ParallelConfig, "pipeline_parallel_size"), "tp": (ParallelConfig, "tensor_parallel_size"),
+    "layer_partition": (ParallelConfig, "layer_partition"),
     "threads_per_stage": (ParallelConfig, "threads_per_stage"),
     "scheduler": (SchedulerConfig, "policy"), "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
     "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens"),
@@ -168,15 +169,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_scheduler_args(g)
     g.add_argument("--threads", type=int, default=_d("threads"),
                    help="torch threads of the engine process (default: all cores with --pp 1, else 1)")
-    g = p.add_argument_group("pipeline parallelism (TD-Pipe §3.2)")
+    g = p.add_argument_group("parallelism: P pipeline stages x T tensor-parallel ranks (TD-Pipe §3.2, SiPipe P(i,j))")
     g.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=_d("pp"),
-                   help="stage worker processes, each holding a contiguous slice of layers and their KV cache; "
-                        "the engine keeps up to this many micro-batches in flight (default: %(default)s)")
+                   help="P: pipeline stages, each holding a contiguous slice of layers and their KV cache; the "
+                        "engine keeps up to P micro-batches in flight (default: %(default)s)")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=_d("tp"),
+                   help="T: worker processes per stage, Megatron-style (q/k/v and gate/up split by column, o and "
+                        "down by row with one all-reduce each per layer, vocabulary-parallel embedding and "
+                        "lm_head, KV cache split by KV heads); P x T workers in all (default: %(default)s)"),
     g.add_argument("--layer-partition", type=_partition, default=_d("layer_partition"),
                    help="layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, counting "
                         "the embedding on the first stage and norm + lm_head on the last")
     g.add_argument("--threads-per-stage", type=int, default=_d("threads_per_stage"),
-                   help="torch threads in each stage worker (default: the cores split evenly between stages)")
+                   help="torch threads in each worker process (default: the cores split evenly between the P x T "
+                        "workers)")
     g.add_argument("--trace", default=_d("trace"), metavar="FILE",
                    help="write the run's timeline (per stage and micro-batch: compute, input wait, send, shape; "
                         "KV usage) as JSON; draw it with `tdpipe plot timeline FILE`")
@@ -190,7 +196,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(model=a.model, dtype=a.dtype, seed=a.seed, max_num_seqs=a.max_num_seqs,
                 max_model_len=a.max_model_len, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                 num_kv_blocks=a.num_kv_blocks, enable_prefix_caching=a.enable_prefix_caching,
-                num_threads=a.threads, pipeline_parallel_size=a.pp,
+                num_threads=a.threads, pipeline_parallel_size=a.pp, tensor_parallel_size=a.tp,
                 layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace,
                 record_history=a.record_history) | scheduler_kwargs(a)
 

@@ -50,6 +50,7 @@ def engine_config(kw: dict[str, Any]) -> EngineConfig:
             work_stealing=d.get("work_stealing", sched.work_stealing),
             predictor=d.get("predictor", sched.predictor), profile_cache=d.get("profile_cache", sched.profile_cache)),
         parallel=ParallelConfig(pipeline_parallel_size=d.get("pipeline_parallel_size", par.pipeline_parallel_size),
+                                tensor_parallel_size=d.get("tensor_parallel_size", par.tensor_parallel_size),
                                 layer_partition=d.get("layer_partition"),
                                 threads_per_stage=d.get("threads_per_stage"), device=d.get("device", par.device)),
     )
@@ -61,6 +62,7 @@ class LLM:
     kv_cache_memory: bytes (int) or a fraction of available memory (float); default min(4 GiB, 40%).
     pipeline_parallel_size: stage worker processes, each with a contiguous slice of layers and their KV
     (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
+    tensor_parallel_size: T worker processes per stage, each holding a Megatron-style shard of it (vLLM's name).
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`);
     collect_trace: keep the timeline for `trace()` without writing it (off by default: it costs memory).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
@@ -82,6 +84,7 @@ class LLM:
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, scheduler: str = SchedulerConfig.policy,
                  num_threads: int | None = EngineConfig.num_threads,
                  pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
+                 tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
                  layer_partition: list[int] | None = ParallelConfig.layer_partition,
                  threads_per_stage: int | None = ParallelConfig.threads_per_stage,
                  device: str = ParallelConfig.device, trace: str | None = EngineConfig.trace,

@@ -27,6 +27,8 @@ class StageInit:
     threads: int
     device: str
     max_num_batched_tokens: int  # sizes the two alternating receive buffers (SiPipe §5.2)
+    tp_rank: int = 0  # this worker's rank in its stage's tensor-parallel group
+    tp_size: int = 1  # T: ranks per stage (tdpipe/distributed/layout.py)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""torch.distributed transport for the pipeline: rank 0 is the engine, ranks 1..pp are the stages.
+"""torch.distributed transport for the pipeline: rank 0 is the engine, the P x T workers follow
+(tdpipe/distributed/layout.py numbers them).
 
 Three process groups over one store, so no pair of peers ever shares a channel between two threads:
   ctrl  engine -> stages: metadata messages (pickled, header + payload)
@@ -6,6 +7,9 @@ Three process groups over one store, so no pair of peers ever shares a channel b
   data  stage k -> stage k+1 hidden states, last stage -> engine results; the receiver knows the shape
         from the metadata it already holds, so a tensor travels alone with no size handshake
         (gLLM §3.3, SiPipe §5.3). gloo, CPU tensors (CUDA stages with NCCL are not built yet).
+and, with T > 1, one more per stage:
+  tp<s> the stage's T ranks: the Megatron all-reduces and the small greedy all-gather, used by the compute
+        thread alone (tdpipe/model/tensor_parallel.py wraps it)
 Groups are built directly (not the global default group), so several engines can live in one process.
 
 Nothing listens beyond the loopback when the engine spawns its stages: the rendezvous store is bound to
@@ -218,9 +222,15 @@ class Transport:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         else:
             opts = START_TIMEOUT  # torch's default device: GLOO_SOCKET_IFNAME, else the hostname's address
+        self._opts = opts
         self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), self.rank, self.world_size, opts)
         self.reply = dist.ProcessGroupGloo(dist.PrefixStore("reply", store), self.rank, self.world_size, opts)
         self.data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), self.rank, self.world_size, opts)
+
+    def stage_group(self, stage: int, tp_rank: int, tp: int) -> dist.ProcessGroup:
+        """The tensor-parallel group of `stage` (its T ranks only; the engine is not a member). Built after
+        the stage's INIT, when every member knows the layout; waits for the others like the groups above."""
+        return dist.ProcessGroupGloo(dist.PrefixStore(f"tp{stage}", self._polling), tp_rank, tp, self._opts)
 
     @staticmethod
     @_gloo

@@ -187,7 +187,8 @@ def _mean(xs: list[float]) -> float:
 
 def summarize(trace: dict) -> dict:
     """Numbers of a trace: bubble ratios (overall and decode-only window, per stage and mean over stages),
-    wall time, and per stage micro-batch count, busy seconds, mean wait and mean send seconds."""
+    wall time, and per stage micro-batch count, busy seconds, mean wait and mean send seconds, and the
+    all-reduce seconds (total and per micro-batch; 0 without tensor parallelism)."""
     lo, hi = wall_window(trace)
     ivs = _stage_intervals(trace)
     per = _ratios(trace, lo, hi)
@@ -203,6 +204,10 @@ def summarize(trace: dict) -> dict:
         "busy_s": [_union_length(x, lo, hi) for x in ivs],
         "mean_wait_s": [_mean([float(ev.get("wait", 0) or 0) for ev in st.get("events", [])]) for st in stages],
         "mean_send_s": [_mean([float(ev.get("send", 0) or 0) for ev in st.get("events", [])]) for st in stages],
+        # tensor parallelism: seconds inside the stage's all-reduces, part of its busy time (TD-Pipe Fig. 6)
+        "allreduce_s": [sum(float(ev.get("allreduce", 0) or 0) for ev in st.get("events", [])) for st in stages],
+        "mean_allreduce_s": [_mean([float(ev.get("allreduce", 0) or 0) for ev in st.get("events", [])])
+                             for st in stages],
     }
 
 

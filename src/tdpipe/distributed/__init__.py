@@ -1,0 +1,1 @@
+"""Where the processes of a run sit: the P x T layout (ranks, groups, peers)."""

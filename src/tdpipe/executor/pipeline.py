@@ -1,4 +1,5 @@
-"""pp > 1: one worker process per stage, the engine as rank 0 (TD-Pipe §3.2 hierarchy controller).
+"""pp > 1 or tp > 1: one worker process per (stage, tp rank), the engine as rank 0 (TD-Pipe §3.2 hierarchy
+controller); tdpipe/distributed/layout.py numbers the ranks and names the peers.
 
 submit() sends a micro-batch's metadata to every stage at once and posts the receive for its result;
 collect() waits for the oldest result. Up to pp micro-batches are in flight, so while the engine samples
@@ -7,7 +8,7 @@ one batch's tokens the stages compute the others (SiPipe §5.1).
 Launch: by default the engine starts the stages itself (`python -m tdpipe.worker.stage`) on this machine,
 each in its own process group, so a Ctrl-C in the terminal reaches the engine alone; the stages exit when
 the engine does, however it dies. Under torchrun (env:// variables set) rank 0 is the engine and ranks
-1..pp are the stages, on any nodes.
+1..P x T are the workers, on any nodes (a stage's T ranks best on one node: they all-reduce every layer).
 
 Nothing hangs and nothing is left behind: a watchdog thread waits on the stage processes; when one dies the
 engine fails the run with that stage's exit code (and the reason the stage wrote into the store, if any)
@@ -36,6 +37,7 @@ import torch
 
 from tdpipe.core.batch import StepInput
 from tdpipe.core.block_sync import BlockTableSender
+from tdpipe.distributed.layout import Layout
 from tdpipe.executor import messages as m
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.interrupt import deferred_sigint
@@ -49,7 +51,7 @@ _live: weakref.WeakSet[PipelineExecutor] = weakref.WeakSet()
 
 
 class PipelineError(RuntimeError):
-    """A stage died or the pipeline broke; the run cannot continue."""
+    """A stage (or one tensor-parallel rank of it) died or the pipeline broke; the run cannot continue."""
 
 
 @dataclass
@@ -114,17 +116,26 @@ class _Waiter:
 @dataclass
 class _InFlight:
     step: StepInput
-    pending: _Pending  # the result's receive
-    buf: torch.Tensor
+    pending: _Pending  # the result's receive(s)
+    bufs: list[torch.Tensor]  # greedy: one [n] of ids; else one [n, vocab shard] per last-stage tp rank
     greedy: bool
     submitted: float
 
 
 class PipelineExecutor(Executor):
     def __init__(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 stages: list[StageSpec], max_num_batched_tokens: int, device: str = "cpu") -> None:
+                 stages: list[StageSpec], max_num_batched_tokens: int, device: str = "cpu",
+                 tensor_parallel_size: int = 1) -> None:
         self.num_stages = len(stages)
         self.stages = stages
+        self.layout = Layout(self.num_stages, tensor_parallel_size)
+        # the vocabulary shard each last-stage rank returns (the engine concatenates them)
+        self.vocab_shards = [(0, model_config.vocab_size)]
+        if tensor_parallel_size > 1:
+            from tdpipe.model.tensor_parallel import shard_range
+
+            self.vocab_shards = [shard_range(model_config.vocab_size, tensor_parallel_size, t)
+                                 for t in range(tensor_parallel_size)]
         self.vocab = model_config.vocab_size
         self.dtype = dtype
         self.procs: list[subprocess.Popen] = []
@@ -153,12 +164,14 @@ class PipelineExecutor(Executor):
 
     def _start(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
                max_num_batched_tokens: int, device: str) -> None:
-        world = self.num_stages + 1
+        lay = self.layout
+        world = lay.world_size
         if torchrun_env():
             rv = torchrun_rendezvous()
             if rv.world_size != world:
                 raise ValueError(f"torchrun started {rv.world_size} processes; pipeline_parallel_size "
-                                 f"{self.num_stages} needs {world} (the engine plus one per stage)")
+                                 f"{lay.pp} x tensor_parallel_size {lay.tp} needs {world} (the engine plus one "
+                                 "per stage and tensor-parallel rank)")
             self._rv = rv
             self.launcher = "torchrun"
         else:
@@ -169,12 +182,14 @@ class PipelineExecutor(Executor):
         self.t = self._connect(rv)
         self._waiter = _Waiter(self.t.wait)
         dname = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        for k, s in enumerate(self.stages):
+        for r in lay.worker_ranks():
+            k, t = lay.coords(r)
+            s = self.stages[k]
             init = m.StageInit(k, self.num_stages, s.start_layer, s.end_layer, model_config, model_path, dname,
-                               num_blocks, block_size, s.threads, device, max_num_batched_tokens)
-            self._send_all([k], m.INIT, init)
-        for k in range(self.num_stages):
-            kind, info = self._reply(k)
+                               num_blocks, block_size, s.threads, device, max_num_batched_tokens, t, lay.tp)
+            self._send_all([r], m.INIT, init)
+        for r in lay.worker_ranks():
+            kind, info = self._reply(r)
             if kind != m.READY:
                 self._fail(str(info), reported=True)
             self.stage_pids.append(info["pid"])
@@ -212,10 +227,11 @@ class PipelineExecutor(Executor):
 
     # -- processes ---------------------------------------------------------------------------------------
     def _spawn(self, port: int, world: int) -> None:
-        for k, s in enumerate(self.stages):
+        for r in self.layout.worker_ranks():
+            s = self.stages[self.layout.coords(r)[0]]
             env = dict(os.environ, OMP_NUM_THREADS=str(s.threads))
             cmd = [sys.executable, "-m", "tdpipe.worker.stage", "--master", f"127.0.0.1:{port}",
-                   "--rank", str(k + 1), "--world-size", str(world), "--parent", str(os.getpid())]
+                   "--rank", str(r), "--world-size", str(world), "--parent", str(os.getpid())]
             # own process group: the terminal's Ctrl-C goes to the engine only, which stops the stages
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0))
         self._watchdog = threading.Thread(target=self._watch, name="tdpipe-watchdog", daemon=True)
@@ -244,10 +260,11 @@ class PipelineExecutor(Executor):
                 dead = [(k, self.procs[k].poll()) for k in order if self.procs[k].poll() is not None]
                 dead.sort(key=lambda kr: kr[1] >= 0)
                 if dead and not self._closing:
-                    k, rc = dead[0]
+                    k, rc = dead[0]  # procs[k] is worker rank k + 1
                     how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
                     why = failure_reason(self._rv.store, k + 1) if self._rv is not None else None
-                    self._failure = (f"pipeline stage {k} (pid {self.procs[k].pid}) {how}"
+                    rank = f", rank {k + 1}" if self.layout.tp > 1 else ""
+                    self._failure = (f"pipeline {self.layout.name(k + 1)} (pid {self.procs[k].pid}{rank}) {how}"
                                      + (f" ({why})" if why else "")
                                      + "; the run is aborted and the other stages stopped")
                     self._kill_all()
@@ -270,8 +287,8 @@ class PipelineExecutor(Executor):
         """The first failure a stage wrote into the store (torchrun: the engine cannot see exit codes)."""
         if self._rv is None:
             return None
-        for k in range(self.num_stages):
-            why = failure_reason(self._rv.store, k + 1)
+        for r in self.layout.worker_ranks():
+            why = failure_reason(self._rv.store, r)
             if why:
                 return why
         return None
@@ -300,12 +317,12 @@ class PipelineExecutor(Executor):
         self.shutdown()
 
     # -- messaging ---------------------------------------------------------------------------------------
-    def _send_all(self, stages: list[int], kind: int, obj: object) -> list[_Pending]:
+    def _send_all(self, ranks: list[int], kind: int, obj: object) -> list[_Pending]:
         packed = self.t.pack(kind, obj)
         out = []
         try:
-            for k in stages:
-                out.append(self._waiter.add(self.t.isend_packed(self.t.ctrl, packed, k + 1), keep=packed))
+            for r in ranks:
+                out.append(self._waiter.add(self.t.isend_packed(self.t.ctrl, packed, r), keep=packed))
         except RuntimeError as e:
             self._fail(f"sending to the stages failed: {e}")
         return out
@@ -320,14 +337,14 @@ class PipelineExecutor(Executor):
         if p.error is not None:
             self._fail(f"{what}: {p.error}")
 
-    def _reply(self, k: int) -> tuple[int, object]:
-        what = f"stage {k} stopped answering"
+    def _reply(self, rank: int) -> tuple[int, object]:
+        what = f"{self.layout.name(rank)} stopped answering"
 
         def wait(work) -> None:
             self._await(self._waiter.add([work]), what)
 
         try:
-            return self.t.recv_obj(self.t.reply, k + 1, wait=wait)
+            return self.t.recv_obj(self.t.reply, rank, wait=wait)
         except PipelineError:
             raise
         except RuntimeError as e:
@@ -342,7 +359,11 @@ class PipelineExecutor(Executor):
             raise PipelineError(self._failure or "the pipeline was shut down")
         greedy = bool(step.greedy_rows) and all(step.greedy_rows)
         n = step.logit_rows()
-        buf = torch.empty(n, dtype=torch.int64) if greedy else torch.empty(n, self.vocab, dtype=self.dtype)
+        lay = self.layout
+        if greedy:
+            bufs = [torch.empty(n, dtype=torch.int64)]
+        else:
+            bufs = [torch.empty(n, b - a, dtype=self.dtype) for a, b in self.vocab_shards]
         # from the deltas on, all or nothing: the sender's record of what the stages hold, the posted
         # receive and the messages must agree
         with deferred_sigint():
@@ -352,16 +373,17 @@ class PipelineExecutor(Executor):
                                     step.seq_ids, deltas, self.sender.take_freed(), step.is_prefill, greedy,
                                     step.shape(), time.time(), step.block_copies or None,
                                     step.all_logits if any(step.all_logits) else None)
-                try:  # the last stage's rank is pp
-                    work = self.t.irecv(buf, self.num_stages, tensor_tag(step.batch_id))
+                try:
+                    works = [self.t.irecv(b, r, tensor_tag(step.batch_id))
+                             for b, r in zip(bufs, lay.result_ranks(greedy))]
                 except RuntimeError as e:
                     self._fail(f"posting the result receive failed: {e}")
-                self._inflight.append(_InFlight(step, self._waiter.add([work], keep=buf), buf, greedy,
+                self._inflight.append(_InFlight(step, self._waiter.add(works, keep=bufs), bufs, greedy,
                                                 time.time()))
-                self._send_all([0], m.STEP, msg)  # the first stage needs the token ids
+                self._send_all(lay.stage_ranks(0), m.STEP, msg)  # the first stage needs the token ids
                 if self.num_stages > 1:
                     msg.token_ids = []
-                    self._send_all(list(range(1, self.num_stages)), m.STEP, msg)
+                    self._send_all([r for r in lay.worker_ranks() if not lay.is_first(r)], m.STEP, msg)
             except PipelineError:
                 raise
             except BaseException:
@@ -379,9 +401,10 @@ class PipelineExecutor(Executor):
         done = time.time()
         res = StepResult(f.step.batch_id, timings={"submit": f.submitted, "done": done})
         if f.greedy:
-            res.token_ids = f.buf.tolist()
+            res.token_ids = f.bufs[0].tolist()
         else:
-            res.logits = f.buf.float() if f.buf.dtype != torch.float32 else f.buf
+            logits = f.bufs[0] if len(f.bufs) == 1 else torch.cat(f.bufs, dim=1)
+            res.logits = logits.float() if logits.dtype != torch.float32 else logits
         return res
 
     def drain(self) -> int:
@@ -411,15 +434,16 @@ class PipelineExecutor(Executor):
         return dropped
 
     def trace_events(self) -> list[list[dict]]:
-        """Collect every stage's trace events since the last call (absolute time.time() stamps)."""
+        """Collect every stage's trace events since the last call (absolute time.time() stamps); a stage of
+        T ranks speaks through its tp rank 0 (its events carry the all-reduce time)."""
         if self._dead:
             return [[] for _ in self.stages]
         out = []
         with deferred_sigint():  # a reply left half-received would answer the next call
             try:
-                self._send_all(list(range(self.num_stages)), m.TRACE, None)
-                for k in range(self.num_stages):
-                    kind, events = self._reply(k)
+                self._send_all(self.layout.leaders(), m.TRACE, None)
+                for r in self.layout.leaders():
+                    kind, events = self._reply(r)
                     out.append(events if kind == m.TRACE_DATA else [])
             except PipelineError:
                 raise
@@ -437,7 +461,7 @@ class PipelineExecutor(Executor):
         try:
             if not self._dead and self.t is not None and self._waiter is not None:
                 try:
-                    pending = self._send_all(list(range(self.num_stages)), m.STOP, None)
+                    pending = self._send_all(self.layout.worker_ranks(), m.STOP, None)
                     deadline = time.monotonic() + _STOP_GRACE
                     for p in pending:
                         p.done.wait(max(0.0, deadline - time.monotonic()))
@@ -471,10 +495,10 @@ def _shutdown_live() -> None:
             pass
 
 
-def run_stage_if_worker(pipeline_parallel_size: int) -> None:
+def run_stage_if_worker(pipeline_parallel_size: int, tensor_parallel_size: int = 1) -> None:
     """Under torchrun, ranks other than 0 become stage workers here and exit when the engine stops them,
-    so the same script (or `tdpipe generate --pp N`) runs on every rank."""
-    if pipeline_parallel_size <= 1 or not torchrun_env() or int(os.environ["RANK"]) == 0:
+    so the same script (or `tdpipe generate --pp P --tensor-parallel-size T`) runs on every rank."""
+    if pipeline_parallel_size * tensor_parallel_size <= 1 or not torchrun_env() or int(os.environ["RANK"]) == 0:
         return
     from tdpipe.worker import stage
 

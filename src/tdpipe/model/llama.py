@@ -3,6 +3,8 @@
 A model object holds a contiguous slice of layers [start_layer, end_layer): the embedding lives on the
 first slice, the final norm and lm_head on the last, so a pipeline stage is just a slice (pp = 1 holds all).
 q/k/v and gate/up projections are fused into one matmul each on load (fewer, larger GEMMs).
+With a tensor-parallel group (tp, model/tensor_parallel.py) the slice holds this rank's Megatron shard:
+its heads, MLP rows and vocabulary range, read from the checkpoint alone (safetensors slices).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from tdpipe.config import ModelConfig
 from tdpipe.model import paged_attention as pa
 from tdpipe.model import cpu_ops as ops
 from tdpipe.model.layers import RMSNorm, RotaryEmbedding
+from tdpipe.model.tensor_parallel import SINGLE, TPGroup, greedy_ids, head_split, shard_range
 
 
 @dataclass
@@ -33,11 +36,15 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """q/k/v column-parallel (this rank's heads), o_proj row-parallel + one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        heads = head_split(cfg.num_heads, cfg.num_kv_heads, tp.size)[tp.rank]
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
@@ -56,27 +63,49 @@ class Attention(nn.Module):
         else:
             o = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                    self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.tp.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """gate/up column-parallel (this rank's rows of the intermediate size), down row-parallel + one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        a, b = shard_range(cfg.intermediate_size, tp.size, tp.rank)
+        self.tp = tp
+        self.inter = b - a
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce_(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rows of this rank's vocabulary range; other ids look up zeros, and the all-reduce fills them in."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = shard_range(vocab, tp.size, tp.rank)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        x = nn.functional.embedding(torch.where(mine, ids - self.start, 0), self.weight)
+        x.masked_fill_(~mine[:, None], 0)
+        return self.tp.all_reduce_(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -93,19 +122,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, start_layer: int = 0, end_layer: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, start_layer: int = 0, end_layer: int | None = None,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.start_layer = start_layer
         self.end_layer = cfg.num_layers if end_layer is None else end_layer
         self.is_first = start_layer == 0
         self.is_last = self.end_layer == cfg.num_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(self.end_layer - start_layer))
+        self.heads = head_split(cfg.num_heads, cfg.num_kv_heads, tp.size)[tp.rank]
+        self.vocab_range = shard_range(cfg.vocab_size, tp.size, tp.rank)  # of the embedding and the lm_head
+        self.inter_range = shard_range(cfg.intermediate_size, tp.size, tp.rank)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(self.end_layer - start_layer))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            a, b = self.vocab_range
+            self.lm_head = nn.Linear(cfg.hidden_size, b - a, bias=False)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -119,8 +154,35 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head, only on the rows that are sampled."""
+        """Final norm + lm_head, only on the rows that are sampled: this rank's vocabulary range [S, V_rank]
+        (all of it with T = 1)."""
         return self.lm_head(self.norm(hidden))
+
+    @torch.inference_mode()
+    def greedy_ids(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Argmax ids over the whole vocabulary from this rank's logits (a collective with T > 1)."""
+        return greedy_ids(local_logits, self.vocab_range[0], self.tp)
+
+    def shard_of(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, end) of the checkpoint tensor `name` that this rank holds; None: all of it. Rows of
+        column-parallel weights (and their biases), columns of row-parallel ones, vocabulary rows."""
+        if self.tp.size == 1:
+            return None
+        hd, h = self.cfg.head_dim, self.heads
+        if name.startswith("model.embed_tokens") or name.startswith("lm_head"):
+            return (0, *self.vocab_range)
+        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if proj == "q_proj":
+            return (0, h.q_start * hd, (h.q_start + h.q_count) * hd)
+        if proj in ("k_proj", "v_proj"):
+            return (0, h.kv_start * hd, (h.kv_start + h.kv_count) * hd)
+        if proj == "o_proj":
+            return (1, h.q_start * hd, (h.q_start + h.q_count) * hd)
+        if proj in ("gate_proj", "up_proj"):
+            return (0, *self.inter_range)
+        if proj == "down_proj":
+            return (1, *self.inter_range)
+        return None
 
     # -- loading -------------------------------------------------------------------------------------
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -26,6 +26,8 @@ _OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
                   "flax_model.msgpack", "consolidated.00.pth")
 
 NameFilter = Callable[[str], bool]
+# a tensor-parallel rank's part of a tensor: (dim, start, end), or None for the whole tensor
+Slicer = Callable[[str], "tuple[int, int, int] | None"]
 
 
 class ModelFileError(ValueError):
@@ -151,19 +153,26 @@ def check_weights(folder: str | Path, names: NameFilter | None = None) -> list[P
 
 
 def iter_safetensors(
-    folder: str | Path, names: NameFilter | None = None
+    folder: str | Path, names: NameFilter | None = None, slicer: Slicer | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in the checkpoint that ``names`` accepts.
 
     Unwanted tensors are never read from disk: safetensors maps the file and
     ``get_tensor`` only copies the one requested. Every shard is checked before the first is read.
+    ``slicer``: a tensor-parallel rank reads only its rows or columns (``get_slice``), never the whole tensor.
     """
     for shard in check_weights(folder, names):
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for name in f.keys():
                     if names is None or names(name):
-                        yield name, f.get_tensor(name)
+                        part = slicer(name) if slicer is not None else None
+                        if part is None:
+                            yield name, f.get_tensor(name)
+                        else:
+                            dim, a, b = part
+                            sl = f.get_slice(name)
+                            yield name, (sl[a:b] if dim == 0 else sl[:, a:b]).contiguous()
         except ModelFileError:
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' own errors (SafetensorError) name no file

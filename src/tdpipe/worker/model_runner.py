@@ -13,6 +13,7 @@ from tdpipe.config import ModelConfig
 from tdpipe.core.batch import StepInput
 from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
 from tdpipe.model.packed_linear import pack_linears
+from tdpipe.model.tensor_parallel import SINGLE, TPGroup
 from tdpipe.model.weights import iter_safetensors
 
 
@@ -81,7 +82,9 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", tp: TPGroup = SINGLE) -> None:
+        """`tp`: this rank's tensor-parallel group; it then holds its shard of the slice and the KV cache of
+        its KV heads (model/tensor_parallel.py)."""
         keep_freed_memory()
         self.cfg = model_config
         self.dtype = dtype
@@ -89,17 +92,17 @@ class ModelRunner:
         self.block_size = block_size
         torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, start_layer, end_layer)
+            model = LlamaForCausalLM(model_config, start_layer, end_layer, tp)
         model = model.to_empty(device=self.device)
         model.rotary.__init__(model_config.head_dim, model_config.max_position_embeddings,
                               model_config.rope_theta, model_config.rope_scaling)  # buffers were on meta
         model.rotary.to(self.device)
-        model.load_weights(iter_safetensors(model_path, names=model.wants))
+        model.load_weights(iter_safetensors(model_path, names=model.wants, slicer=model.shard_of))
         self.model = model.to(dtype).eval()
         pack_linears(self.model)  # bf16 on CPU: weights packed for oneDNN once, not per call
         self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32
         n_layers = model.end_layer - model.start_layer
-        shape = (n_layers, 2, num_blocks, model_config.num_kv_heads, block_size, model_config.head_dim)
+        shape = (n_layers, 2, num_blocks, model.heads.kv_count, block_size, model_config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     # -- input preparation ---------------------------------------------------------------------------
@@ -115,7 +118,8 @@ class ModelRunner:
 
     # -- compute -------------------------------------------------------------------------------------
     def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the slice. Returns hidden states [T, H], or on the last stage logits [S, V] of sampled rows."""
+        """Run the slice. Returns hidden states [T, H], or on the last stage logits of sampled rows: this
+        rank's vocabulary range [S, V_rank] (all of it with T = 1)."""
         if inp.step.block_copies:
             self.copy_blocks(inp.step.block_copies)
         x = inp.input_ids if self.model.is_first else hidden
@@ -124,3 +128,8 @@ class ModelRunner:
             return h
         return self.model.compute_logits(h[inp.sample_idx])
 
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy ids over the whole vocabulary from execute()'s logits (with T > 1 the group's collective:
+        every rank of the last stage calls it)."""
+        return self.model.greedy_ids(logits)

@@ -1,4 +1,5 @@
-"""A pipeline stage worker process (TD-Pipe §3.2 execution plane).
+"""A pipeline stage worker process (TD-Pipe §3.2 execution plane): one rank of a stage's tensor-parallel
+group (T = 1: the whole stage).
 
 Three threads, so a stage never waits on its own bookkeeping:
   prep    receives the engine's metadata, rebuilds block tables from deltas, prepares the input tensors
@@ -6,7 +7,11 @@ Three threads, so a stage never waits on its own bookkeeping:
           one micro-batch ahead of compute, into one of two alternating receive buffers (SiPipe §5.2);
   main    waits for the activations, runs the layer slice, hands the output to the sender;
   sender  sends hidden states to the next stage, or logits / argmax ids to the engine (SiPipe §5.1).
-Every micro-batch leaves a trace event: compute start/end, time waiting for input, send time, shape.
+Every micro-batch leaves a trace event: compute start/end, time waiting for input, send time, shape, and
+with T > 1 the time spent in the tensor-parallel all-reduces (TD-Pipe Fig. 6's split of TP time).
+Peers come from the layout (tdpipe/distributed/layout.py): activations from the same tp rank of the previous
+stage, to the same tp rank of the next; the last stage's ranks send the engine their logits shards, or tp
+rank 0 the greedy ids the group agreed on.
 
 Run as `python -m tdpipe.worker.stage --master HOST:PORT --rank R --world-size W --parent PID` (the
 engine spawns these), or by torchrun through tdpipe.executor.pipeline.run_stage_if_worker.
@@ -36,12 +41,12 @@ import torch
 
 from tdpipe.core.batch import StepInput
 from tdpipe.core.block_sync import BlockTableMirror
+from tdpipe.distributed.layout import ENGINE, Layout
 from tdpipe.executor import messages as m
 from tdpipe.executor.base import MAX_STAGE_EVENTS
 from tdpipe.executor.transport import (PeerLost, Rendezvous, Transport, join_rendezvous, report_failure,
                                        tensor_tag)
 
-ENGINE = 0
 _failure_store: Rendezvous | None = None  # where _fatal reports (set once the store is joined)
 _parent: int | None = None  # the engine's pid, for a stage the engine spawned
 
@@ -52,12 +57,24 @@ class StageWorker:
 
         self.t = transport
         self.init = init
+        self.layout = Layout(init.num_stages, init.tp_size)
+        self.rank = self.layout.rank(init.stage, init.tp_rank)
+        if self.rank != transport.rank:
+            raise RuntimeError(f"rank {transport.rank} was sent the INIT of rank {self.rank} ({self.layout})")
+        self.name = self.layout.name(self.rank)
         self.first = init.stage == 0
         self.last = init.stage == init.num_stages - 1
+        self.prev = self.layout.prev_peer(self.rank)
         torch.set_num_threads(init.threads)
         dtype = torch.bfloat16 if init.dtype == "bfloat16" else torch.float32
+        from tdpipe.model.tensor_parallel import SINGLE, GlooTPGroup
+
+        self.tp = SINGLE
+        if init.tp_size > 1:
+            pg = transport.stage_group(init.stage, init.tp_rank, init.tp_size)
+            self.tp = GlooTPGroup(pg, init.tp_rank, init.tp_size)
         self.runner = ModelRunner(init.model_config, init.model_path, dtype, init.num_blocks, init.block_size,
-                                  init.start_layer, init.end_layer, device=init.device)
+                                  init.start_layer, init.end_layer, device=init.device, tp=self.tp)
         self.dtype = dtype
         self.hidden = init.model_config.hidden_size
         # two alternating receive buffers: prep fills one while compute reads the other (SiPipe §5.2)
@@ -95,10 +112,10 @@ class StageWorker:
                     if self.buffers[slot].numel() < numel:
                         self.buffers[slot] = torch.empty(numel, dtype=self.dtype, device=self.buffers[slot].device)
                     buf = self.buffers[slot][:numel].view(step.num_tokens, self.hidden)
-                    work = self.t.irecv(buf, self.init.stage, tensor_tag(msg.batch_id))  # rank = stage + 1
+                    work = self.t.irecv(buf, self.prev, tensor_tag(msg.batch_id))
                 self.ready.put((m.STEP, (msg, inp, buf, work, t_meta, time.time())))
         except BaseException:  # noqa: BLE001
-            _fatal(f"stage {self.init.stage} (input preparation)")
+            _fatal(f"{self.name} (input preparation)")
 
     # -- sender thread ------------------------------------------------------------------------------------
     def send_loop(self) -> None:
@@ -113,7 +130,7 @@ class StageWorker:
                 event["send"] = time.time() - t0
                 self.outbox.task_done()
         except BaseException:  # noqa: BLE001
-            _fatal(f"stage {self.init.stage} (send)")
+            _fatal(f"{self.name} (send)")
 
     # -- main thread --------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -121,7 +138,7 @@ class StageWorker:
         sender = threading.Thread(target=self.send_loop, name="tdpipe-send", daemon=True)
         prep.start()
         sender.start()
-        dst = ENGINE if self.last else self.init.stage + 2
+        dst = self.layout.next_peer(self.rank)
         while True:
             t_wait = time.time()
             kind, payload = self.ready.get()
@@ -138,6 +155,7 @@ class StageWorker:
             if work is not None:
                 self.t.wait(work)
             start = time.time()
+            comm0 = self.tp.comm_seconds
             out = self.runner.execute(inp, buf)
             if buf is not None:
                 self.buffer_free.release()
@@ -147,15 +165,19 @@ class StageWorker:
             event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
                      "meta_latency": t_meta - msg.sent_at, "prep": t_prepared - t_meta,
                      "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1], "context_tokens": sum(msg.seq_lens)}
+            if self.tp.size > 1:
+                event["allreduce"] = self.tp.comm_seconds - comm0  # inside compute: TP's share (Fig. 6)
             self.events.append(event)
-            self.outbox.put((out, dst, tensor_tag(msg.batch_id), event))
+            if out is not None:
+                self.outbox.put((out, dst, tensor_tag(msg.batch_id), event))
 
-    def _result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """Sampling happens on the engine, off this stage (SiPipe §5.1): greedy batches need only ids."""
-        from tdpipe.model import cpu_ops as ops
-
+    def _result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor | None:
+        """Sampling happens on the engine, off this stage (SiPipe §5.1): greedy batches need only ids, which
+        the group agrees on (every rank takes part) and tp rank 0 sends; otherwise each rank sends its
+        vocabulary shard of the logits. None: nothing for this rank to send."""
         if greedy:
-            return ops.argmax(logits).to(torch.int64).cpu()
+            ids = self.runner.greedy(logits)
+            return ids.to(torch.int64).cpu() if self.init.tp_rank == 0 else None
         return logits.contiguous().cpu()
 
 
@@ -211,22 +233,23 @@ def serve(rv: Rendezvous, device: str = "cpu", abort: Callable[[], None] | None 
     kind, init = t.recv_obj(t.ctrl, ENGINE)
     if kind != m.INIT:
         raise RuntimeError(f"stage rank {rv.rank}: expected INIT from the engine, got message kind {kind}")
+    name = Layout(init.num_stages, init.tp_size).name(rv.rank)
     try:
         worker = StageWorker(t, init)
     except Exception as e:  # noqa: BLE001 - one clear line to the engine, no traceback here
-        reason = f"stage {init.stage} failed to start: {e!r}"
-        _tell(f"stage {init.stage} (start-up)", reason)  # first: the engine stops this process on FAILED
+        reason = f"{name} failed to start: {e!r}"
+        _tell(f"{name} (start-up)", reason)  # first: the engine stops this process on FAILED
         try:  # the engine may be waiting on another stage's reply first: the store carries the reason too
             for w in t.isend_packed(t.reply, t.pack(m.FAILED, reason), ENGINE):
                 w.wait(datetime.timedelta(seconds=2))
         except Exception:  # noqa: BLE001
             pass
         os._exit(1)
-    t.send_obj(t.reply, m.READY, {"pid": os.getpid(), "stage": init.stage}, ENGINE)
+    t.send_obj(t.reply, m.READY, {"pid": os.getpid(), "stage": init.stage, "tp_rank": init.tp_rank}, ENGINE)
     try:
         worker.run()
     except Exception:  # noqa: BLE001
-        _fatal(f"stage {init.stage} (compute)")
+        _fatal(f"{name} (compute)")
 
 
 def _watch_parent(parent: int) -> None:

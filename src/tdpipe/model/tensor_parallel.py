@@ -1,0 +1,134 @@
+"""Megatron-style tensor parallelism inside a pipeline stage: who holds which heads, rows and vocabulary
+entries, and the group's collectives.
+
+A stage of T ranks splits every decoder layer so that each layer needs exactly two all-reduces (Megatron-LM;
+TD-Pipe §2 Fig. 6 is the time they cost):
+  q/k/v and gate/up   column-parallel: rank t computes its own heads / its own slice of the MLP's rows
+  o_proj and down     row-parallel: each rank multiplies its slice, the partial sums are all-reduced
+  embedding, lm_head  vocabulary-parallel: rank t holds the rows of its vocabulary range; the embedding's
+                      lookups outside it are zero before the all-reduce, and the lm_head's logits stay sharded
+                      (the engine concatenates them, or the group agrees on the argmax with a [S, 2] gather)
+The KV cache is split by KV heads under the engine's one page table (same block ids on every rank).
+
+Uneven sizes split as evenly as possible (the first ranks take one more): SmolLM2's 3 KV heads over T = 2
+give 2 + 1 (its 9 query heads follow their KV groups: 6 + 3). A rank must hold at least one KV head:
+vLLM replicates KV heads when T exceeds them; tdpipe refuses at start with the sizes in the error, since
+on a CPU server such a T would mean more ranks than the model has KV heads, a layout that only adds
+all-reduces.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def shard_range(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's share of n items over tp ranks, the first n % tp ranks one larger."""
+    base, extra = divmod(n, tp)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_split(num_heads: int, num_kv_heads: int, tp: int) -> list[HeadShard]:
+    """Each rank's query and KV heads: KV heads split evenly, query heads follow their GQA group."""
+    if tp > num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} cannot split {num_kv_heads} KV heads ({num_heads} query heads): "
+                         f"each rank needs at least one KV head (vLLM would replicate them; tdpipe does not); "
+                         f"use a tensor_parallel_size of at most {num_kv_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a whole number of groups of {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    out = []
+    for t in range(tp):
+        a, b = shard_range(num_kv_heads, tp, t)
+        out.append(HeadShard(a * group, (b - a) * group, a, b - a))
+    return out
+
+
+class TPGroup:
+    """A stage's tensor-parallel group. This base class is the size-1 group: every collective a no-op."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __init__(self) -> None:
+        self.comm_seconds = 0.0  # wall time inside collectives, for the trace (TD-Pipe Fig. 6's split)
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum t over the group, in place."""
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's t concatenated along dim (sizes along dim may differ: uneven shards)."""
+        return t
+
+
+SINGLE = TPGroup()
+
+
+class GlooTPGroup(TPGroup):
+    """Collectives over a ProcessGroup object built for the stage's T ranks (executor/transport.py builds it
+    without a default group). bfloat16 is reduced in float32 and copied back: a bf16 ring sum rounds at every
+    hop, and float32 on T = 2 ranks gives the same sum as the unsharded matmul's float32 accumulation up to
+    one final rounding."""
+
+    def __init__(self, pg: torch.distributed.ProcessGroup, rank: int, size: int) -> None:
+        super().__init__()
+        self.pg, self.rank, self.size = pg, rank, size
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        buf = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+        self.pg.allreduce([buf]).wait()
+        if buf is not t:
+            t.copy_(buf)
+        self.comm_seconds += time.perf_counter() - t0
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        t0 = time.perf_counter()
+        dim = dim % t.dim()
+        n = torch.tensor([t.shape[dim]], dtype=torch.int64)
+        sizes = [torch.empty_like(n) for _ in range(self.size)]
+        self.pg.allgather([sizes], [n]).wait()
+        sizes = [int(s) for s in sizes]
+        m = max(sizes)
+        if t.shape[dim] < m:  # gloo gathers equal sizes: pad to the largest shard, trim after
+            pad = list(t.shape)
+            pad[dim] = m - t.shape[dim]
+            t = torch.cat([t, t.new_zeros(pad)], dim=dim)
+        t = t.contiguous()
+        outs = [torch.empty_like(t) for _ in range(self.size)]
+        self.pg.allgather([outs], [t]).wait()
+        res = torch.cat([o.narrow(dim, 0, s) for o, s in zip(outs, sizes)], dim=dim)
+        self.comm_seconds += time.perf_counter() - t0
+        return res
+
+
+def greedy_ids(local_logits: torch.Tensor, vocab_start: int, tp: TPGroup) -> torch.Tensor:
+    """The argmax over the whole vocabulary of vocabulary-sharded logits [S, V_rank], without gathering them:
+    each rank's (max, index) pair is gathered ([S, 2] per rank) and the best taken; on equal maxima the lower
+    id wins, as torch.argmax over the full row does (lower ranks hold lower ids)."""
+    from tdpipe.model import cpu_ops as ops
+
+    idx = ops.argmax(local_logits).to(torch.int64)
+    if tp.size == 1:
+        return idx + vocab_start
+    val = local_logits.gather(1, idx[:, None]).squeeze(1).to(torch.float64)
+    pairs = torch.stack([val, (idx + vocab_start).to(torch.float64)], dim=1)  # ids < 2^53: exact
+    allp = tp.all_gather(pairs, dim=1).view(len(idx), tp.size, 2)
+    best = allp[:, :, 0].argmax(dim=1)  # first maximum: the lowest rank, so the lowest id
+    return allp[torch.arange(len(idx)), best, 1].to(torch.int64)
+
+
+__all__ = ["SINGLE", "GlooTPGroup", "HeadShard", "TPGroup", "greedy_ids", "head_split", "shard_range"]

@@ -188,6 +188,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # T: ranks per stage, vLLM's --tensor-parallel-size
     layer_partition: list[int] | None = None  # layers per stage, e.g. [18, 12]; None: balance by cost
     threads_per_stage: int | None = None  # None: the cores split evenly between stages
+    # share of the lm_head's vocabulary computed on the first stage (T = 1, P > 1): the last stage sends it
+    # the normalised rows; 0 keeps the whole head on the last stage (ARCHITECTURE.md: balance by cost)
+    lm_head_split: float = 0.0
     device: str = "cpu"  # stages on CPU, activations over gloo (CUDA + NCCL: not built yet)
 
     def __post_init__(self) -> None:
@@ -203,6 +206,13 @@ class ParallelConfig:
                    f"layer_partition {lp}: every stage needs at least one layer")
         if self.threads_per_stage is not None:
             _check(self.threads_per_stage >= 1, f"threads_per_stage must be >= 1, got {self.threads_per_stage}")
+        f = self.lm_head_split
+        _check(isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0,
+               f"lm_head_split must be a fraction in [0, 1), got {f!r}")
+        if f > 0:
+            _check(pp > 1 and tp == 1, f"lm_head_split {f} needs pipeline_parallel_size > 1 and "
+                                       f"tensor_parallel_size 1 (got {pp} and {tp}); with tensor parallelism "
+                                       "the last stage's ranks split the head already")
         _check(self.device == "cpu", f"device must be 'cpu', got {self.device!r} (the CUDA pipeline, NCCL between "
                                      "stages, is not built yet)")
 

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -195,6 +195,7 @@ class LLMEngine:
             # balance by measured time (a decode micro-batch and a prefill), not by layer count or FLOPs
             batch = max(8, min(128, self.scheduler.config.max_num_seqs // self.pp))
             costs = StageCosts.measure(self.model_config, self.dtype, par.stage_threads(), batch=batch)
+            costs = replace(costs, head_first=par.lm_head_split)
         self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition, costs)
         if self.tp > 1:  # an unsplittable model fails here, naming its sizes, before any worker starts
             from tdpipe.model.tensor_parallel import head_split
@@ -218,7 +219,7 @@ class LLMEngine:
         stages = [StageSpec(a, b, threads) for a, b in self.partition]
         return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
                                 self.config.cache.block_size, stages,
-                                self._max_batch_tokens(), par.device, self.tp)
+                                self._max_batch_tokens(), par.device, self.tp, par.lm_head_split)
 
     def _max_batch_tokens(self) -> int:
         """Tokens the stages' receive buffers must hold: separate and td-pipe send a lone prompt longer

@@ -20,7 +20,7 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "block_size": (CacheConfig, "block_size"), "kv_cache_memory": (CacheConfig, "kv_cache_memory"),
     "num_kv_blocks": (CacheConfig, "num_blocks"), "enable_prefix_caching": (CacheConfig, "enable_prefix_caching"),
     "pp": (ParallelConfig, "pipeline_parallel_size"), "tp": (ParallelConfig, "tensor_parallel_size"),
-    "layer_partition": (ParallelConfig, "layer_partition"),
+    "layer_partition": (ParallelConfig, "layer_partition"), "lm_head_split": (ParallelConfig, "lm_head_split"),
     "threads_per_stage": (ParallelConfig, "threads_per_stage"),
     "scheduler": (SchedulerConfig, "policy"), "max_num_seqs": (SchedulerConfig, "max_num_seqs"),
     "max_num_batched_tokens": (SchedulerConfig, "max_num_batched_tokens"),
@@ -180,6 +180,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-partition", type=_partition, default=_d("layer_partition"),
                    help="layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, counting "
                         "the embedding on the first stage and norm + lm_head on the last")
+    g.add_argument("--lm-head-split", type=float, default=_d("lm_head_split"), metavar="F",
+                   help="with --pp > 1 and --tp 1: compute this share of the lm_head's vocabulary on the first "
+                        "stage (the last sends it the normalised rows), so a stage's load is the same in decode "
+                        "(heavy head) and prefill (light head); the layer split is balanced with it "
+                        "(default: %(default)s, the whole head on the last stage)")
     g.add_argument("--threads-per-stage", type=int, default=_d("threads_per_stage"),
                    help="torch threads in each worker process (default: the cores split evenly between the P x T "
                         "workers)")
@@ -197,7 +202,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 max_model_len=a.max_model_len, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
                 num_kv_blocks=a.num_kv_blocks, enable_prefix_caching=a.enable_prefix_caching,
                 num_threads=a.threads, pipeline_parallel_size=a.pp, tensor_parallel_size=a.tp,
-                layer_partition=a.layer_partition, threads_per_stage=a.threads_per_stage, trace=a.trace,
+                layer_partition=a.layer_partition, lm_head_split=a.lm_head_split,
+                threads_per_stage=a.threads_per_stage, trace=a.trace,
                 record_history=a.record_history) | scheduler_kwargs(a)
 
 

@@ -29,6 +29,10 @@ class StageInit:
     max_num_batched_tokens: int  # sizes the two alternating receive buffers (SiPipe §5.2)
     tp_rank: int = 0  # this worker's rank in its stage's tensor-parallel group
     tp_size: int = 1  # T: ranks per stage (tdpipe/distributed/layout.py)
+    # the lm_head split across stages (--lm-head-split): this stage's vocabulary rows of it and the rank at
+    # the other end (the first stage receives normalised rows from the last); None: not split
+    head_range: tuple[int, int] | None = None
+    head_peer: int | None = None
 
 
 @dataclass

@@ -117,7 +117,7 @@ class _Waiter:
 class _InFlight:
     step: StepInput
     pending: _Pending  # the result's receive(s)
-    bufs: list[torch.Tensor]  # greedy: one [n] of ids; else one [n, vocab shard] per last-stage tp rank
+    bufs: list[torch.Tensor]  # greedy: [n] ids, or [n, 2] (max, id) per head part; else [n, vocab part] each
     greedy: bool
     submitted: float
 
@@ -125,17 +125,26 @@ class _InFlight:
 class PipelineExecutor(Executor):
     def __init__(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
                  stages: list[StageSpec], max_num_batched_tokens: int, device: str = "cpu",
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, lm_head_split: float = 0.0) -> None:
         self.num_stages = len(stages)
         self.stages = stages
-        self.layout = Layout(self.num_stages, tensor_parallel_size)
-        # the vocabulary shard each last-stage rank returns (the engine concatenates them)
-        self.vocab_shards = [(0, model_config.vocab_size)]
-        if tensor_parallel_size > 1:
+        self.layout = lay = Layout(self.num_stages, tensor_parallel_size)
+        v = model_config.vocab_size
+        # who returns which vocabulary range of the logits (the engine concatenates them in this order):
+        # the last stage alone; its T ranks' shards; or the two parts of an lm_head split across stages
+        self.head_ranges: dict[int, tuple[int, int]] = {}
+        if lm_head_split > 0:
+            v0 = min(v - 1, max(1, round(lm_head_split * v)))
+            first, last = lay.rank(0), lay.rank(self.num_stages - 1)
+            self.head_ranges = {first: (0, v0), last: (v0, v)}
+            self.sources = [(first, (0, v0)), (last, (v0, v))]
+        elif tensor_parallel_size > 1:
             from tdpipe.model.tensor_parallel import shard_range
 
-            self.vocab_shards = [shard_range(model_config.vocab_size, tensor_parallel_size, t)
-                                 for t in range(tensor_parallel_size)]
+            self.sources = [(r, shard_range(v, tensor_parallel_size, t))
+                            for t, r in enumerate(lay.stage_ranks(self.num_stages - 1))]
+        else:
+            self.sources = [(lay.rank(self.num_stages - 1), (0, v))]
         self.vocab = model_config.vocab_size
         self.dtype = dtype
         self.procs: list[subprocess.Popen] = []
@@ -185,8 +194,10 @@ class PipelineExecutor(Executor):
         for r in lay.worker_ranks():
             k, t = lay.coords(r)
             s = self.stages[k]
+            peer = next((p for p in self.head_ranges if p != r), None) if r in self.head_ranges else None
             init = m.StageInit(k, self.num_stages, s.start_layer, s.end_layer, model_config, model_path, dname,
-                               num_blocks, block_size, s.threads, device, max_num_batched_tokens, t, lay.tp)
+                               num_blocks, block_size, s.threads, device, max_num_batched_tokens, t, lay.tp,
+                               self.head_ranges.get(r), peer)
             self._send_all([r], m.INIT, init)
         for r in lay.worker_ranks():
             kind, info = self._reply(r)
@@ -359,11 +370,13 @@ class PipelineExecutor(Executor):
             raise PipelineError(self._failure or "the pipeline was shut down")
         greedy = bool(step.greedy_rows) and all(step.greedy_rows)
         n = step.logit_rows()
-        lay = self.layout
-        if greedy:
-            bufs = [torch.empty(n, dtype=torch.int64)]
-        else:
-            bufs = [torch.empty(n, b - a, dtype=self.dtype) for a, b in self.vocab_shards]
+        if not greedy:
+            srcs = [(r, torch.empty(n, b - a, dtype=self.dtype)) for r, (a, b) in self.sources]
+        elif self.head_ranges:  # each part's (max, id) per row
+            srcs = [(r, torch.empty(n, 2, dtype=torch.float64)) for r, _ in self.sources]
+        else:  # ids: the last stage's, or its tp rank 0's for the group
+            srcs = [(self.sources[0][0], torch.empty(n, dtype=torch.int64))]
+        bufs = [b for _, b in srcs]
         # from the deltas on, all or nothing: the sender's record of what the stages hold, the posted
         # receive and the messages must agree
         with deferred_sigint():
@@ -374,12 +387,12 @@ class PipelineExecutor(Executor):
                                     step.shape(), time.time(), step.block_copies or None,
                                     step.all_logits if any(step.all_logits) else None)
                 try:
-                    works = [self.t.irecv(b, r, tensor_tag(step.batch_id))
-                             for b, r in zip(bufs, lay.result_ranks(greedy))]
+                    works = [self.t.irecv(b, r, tensor_tag(step.batch_id)) for r, b in srcs]
                 except RuntimeError as e:
                     self._fail(f"posting the result receive failed: {e}")
                 self._inflight.append(_InFlight(step, self._waiter.add(works, keep=bufs), bufs, greedy,
                                                 time.time()))
+                lay = self.layout
                 self._send_all(lay.stage_ranks(0), m.STEP, msg)  # the first stage needs the token ids
                 if self.num_stages > 1:
                     msg.token_ids = []
@@ -400,7 +413,11 @@ class PipelineExecutor(Executor):
         self._inflight.popleft()
         done = time.time()
         res = StepResult(f.step.batch_id, timings={"submit": f.submitted, "done": done})
-        if f.greedy:
+        if f.greedy and len(f.bufs) > 1:  # parts of a split head: the best (max, id); ties to the lower id
+            pairs = torch.stack(f.bufs, dim=1)  # [n, parts, 2]
+            best = pairs[:, :, 0].argmax(dim=1)
+            res.token_ids = pairs[torch.arange(len(best)), best, 1].to(torch.int64).tolist()
+        elif f.greedy:
             res.token_ids = f.bufs[0].tolist()
         else:
             logits = f.bufs[0] if len(f.bufs) == 1 else torch.cat(f.bufs, dim=1)

@@ -287,3 +287,8 @@ class Transport:
 def tensor_tag(batch_id: int) -> int:
     """One tag per micro-batch for activations and results, so nothing relies on posting order."""
     return 16 + batch_id % (1 << 30)
+
+
+def head_tag(batch_id: int) -> int:
+    """The normalised rows the last stage sends the first for its part of a split lm_head."""
+    return 16 + (1 << 30) + batch_id % (1 << 29)

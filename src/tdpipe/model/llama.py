@@ -123,7 +123,10 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, start_layer: int = 0, end_layer: int | None = None,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, head_range: tuple[int, int] | None = None) -> None:
+        """`head_range`: the vocabulary rows of the lm_head this slice computes when the head is split across
+        stages (--lm-head-split): the first stage then holds rows [0, V0) (no norm: it receives normalised
+        rows), the last [V0, V). None: the last slice holds the whole head (its TP shard)."""
         super().__init__()
         self.cfg = cfg
         self.tp = tp
@@ -137,9 +140,12 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if self.is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(self.end_layer - start_layer))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.head_range = head_range or self.vocab_range
+        self.has_head = self.is_last or head_range is not None
         if self.is_last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            a, b = self.vocab_range
+        if self.has_head:
+            a, b = self.head_range
             self.lm_head = nn.Linear(cfg.hidden_size, b - a, bias=False)
 
     @torch.inference_mode()
@@ -159,9 +165,18 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """This slice's part of the lm_head on already normalised rows (the head split across stages)."""
+        return self.lm_head(normed)
+
+    @torch.inference_mode()
     def greedy_ids(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Argmax ids over the whole vocabulary from this rank's logits (a collective with T > 1)."""
-        return greedy_ids(local_logits, self.vocab_range[0], self.tp)
+        return greedy_ids(local_logits, self.head_range[0], self.tp)
 
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, end) of the checkpoint tensor `name` that this rank holds; None: all of it. Rows of
@@ -193,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
         if m:
             return self.start_layer <= int(m.group(1)) < self.end_layer
         if name.startswith("model.embed_tokens"):
-            return self.is_first or (self.is_last and self.cfg.tie_word_embeddings)
-        return self.is_last and (name.startswith("model.norm") or name.startswith("lm_head"))
+            return self.is_first or (self.has_head and self.cfg.tie_word_embeddings)
+        if name.startswith("lm_head"):
+            return self.has_head
+        return self.is_last and name.startswith("model.norm")
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -211,14 +228,22 @@ class LlamaForCausalLM(nn.Module):
 
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        def head_rows(t: torch.Tensor) -> torch.Tensor:
+            """The head's vocabulary rows of a whole [V, H] matrix (a TP rank's read is sliced already)."""
+            a, b = self.head_range
+            return t[a:b] if t.shape[0] == self.cfg.vocab_size and b - a < t.shape[0] else t
+
         for name, t in tensors:
             if not self.wants(name) or "rotary_emb" in name:
                 continue
             if name.startswith("model.embed_tokens"):
                 if self.is_first:
                     put("embed_tokens.weight", t)
-                if self.is_last and self.cfg.tie_word_embeddings:
-                    put("lm_head.weight", t)
+                if self.has_head and self.cfg.tie_word_embeddings:
+                    put("lm_head.weight", head_rows(t))
+                continue
+            if name.startswith("lm_head"):
+                put("lm_head.weight", head_rows(t))
                 continue
             if name.startswith("lm_head") or name.startswith("model.norm"):
                 put(name.removeprefix("model."), t)

@@ -82,9 +82,9 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
-                 device: str = "cpu", tp: TPGroup = SINGLE) -> None:
+                 device: str = "cpu", tp: TPGroup = SINGLE, head_range: tuple[int, int] | None = None) -> None:
         """`tp`: this rank's tensor-parallel group; it then holds its shard of the slice and the KV cache of
-        its KV heads (model/tensor_parallel.py)."""
+        its KV heads (model/tensor_parallel.py). `head_range`: its part of an lm_head split across stages."""
         keep_freed_memory()
         self.cfg = model_config
         self.dtype = dtype
@@ -92,7 +92,7 @@ class ModelRunner:
         self.block_size = block_size
         torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
         with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, start_layer, end_layer, tp)
+            model = LlamaForCausalLM(model_config, start_layer, end_layer, tp, head_range)
         model = model.to_empty(device=self.device)
         model.rotary.__init__(model_config.head_dim, model_config.max_position_embeddings,
                               model_config.rope_theta, model_config.rope_scaling)  # buffers were on meta
@@ -117,7 +117,8 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # -- compute -------------------------------------------------------------------------------------
-    def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None,
+                normed_rows: bool = False) -> torch.Tensor:
         """Run the slice. Returns hidden states [T, H], or on the last stage logits of sampled rows: this
         rank's vocabulary range [S, V_rank] (all of it with T = 1)."""
         if inp.step.block_copies:
@@ -126,7 +127,13 @@ class ModelRunner:
         h = self.model(x, inp.meta, self.kv_cache)
         if not self.model.is_last:
             return h
+        if normed_rows:  # the head split across stages: the sampled rows, normalised, for both parts
+            return self.model.final_norm(h[inp.sample_idx])
         return self.model.compute_logits(h[inp.sample_idx])
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """This stage's part of a split lm_head on normalised rows: logits of its vocabulary range."""
+        return self.model.head_logits(normed)
 
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ class StageCosts:
     embed: float  # the token-embedding lookup (first stage)
     layer: float  # one decoder layer: q/k/v/o + SwiGLU matmuls and attention
     head: float  # final RMSNorm + lm_head on the sampled rows (last stage)
+    head_first: float = 0.0  # share of the head computed on the first stage (--lm-head-split)
 
     @classmethod
     def of(cls, cfg: ModelConfig, context: int = TYPICAL_CONTEXT) -> "StageCosts":
@@ -61,7 +62,8 @@ class StageCosts:
                    head=w * d_head / d_layer + (1 - w) * p_head / p_layer)
 
     def stage_cost(self, num_layers: int, first: bool, last: bool) -> float:
-        return num_layers * self.layer + (self.embed if first else 0.0) + (self.head if last else 0.0)
+        head = (self.head_first if first else 0.0) + (1.0 - self.head_first if last else 0.0)
+        return num_layers * self.layer + (self.embed if first else 0.0) + self.head * min(1.0, head)
 
 
 class LlamaLike:

@@ -13,6 +13,13 @@ Peers come from the layout (tdpipe/distributed/layout.py): activations from the 
 stage, to the same tp rank of the next; the last stage's ranks send the engine their logits shards, or tp
 rank 0 the greedy ids the group agreed on.
 
+The lm_head split across stages (--lm-head-split, T = 1): the last stage normalises the sampled rows,
+sends them to the first stage and computes its vocabulary rows [V0, V); the first stage computes rows
+[0, V0) when they arrive (a head waiter thread queues that work behind the micro-batch it is computing),
+and both send the engine their part: logits, or for greedy batches each row's (max, id) pair. With the head
+balanced across the two ends a decode step and a prefill step both split evenly (the policies issue's
+decode imbalance: the last stage carried the whole head).
+
 Run as `python -m tdpipe.worker.stage --master HOST:PORT --rank R --world-size W --parent PID` (the
 engine spawns these), or by torchrun through tdpipe.executor.pipeline.run_stage_if_worker.
 
@@ -44,8 +51,10 @@ from tdpipe.core.block_sync import BlockTableMirror
 from tdpipe.distributed.layout import ENGINE, Layout
 from tdpipe.executor import messages as m
 from tdpipe.executor.base import MAX_STAGE_EVENTS
-from tdpipe.executor.transport import (PeerLost, Rendezvous, Transport, join_rendezvous, report_failure,
-                                       tensor_tag)
+from tdpipe.executor.transport import (PeerLost, Rendezvous, Transport, head_tag, join_rendezvous,
+                                       report_failure, tensor_tag)
+
+HEAD = 20  # a ready-queue item: normalised rows arrived for this (first) stage's part of a split lm_head
 
 _failure_store: Rendezvous | None = None  # where _fatal reports (set once the store is joined)
 _parent: int | None = None  # the engine's pid, for a stage the engine spawned
@@ -74,7 +83,9 @@ class StageWorker:
             pg = transport.stage_group(init.stage, init.tp_rank, init.tp_size)
             self.tp = GlooTPGroup(pg, init.tp_rank, init.tp_size)
         self.runner = ModelRunner(init.model_config, init.model_path, dtype, init.num_blocks, init.block_size,
-                                  init.start_layer, init.end_layer, device=init.device, tp=self.tp)
+                                  init.start_layer, init.end_layer, device=init.device, tp=self.tp,
+                                  head_range=init.head_range)
+        self.head_peer = init.head_peer  # the lm_head split: the last stage's rank (first) / the first's (last)
         self.dtype = dtype
         self.hidden = init.model_config.hidden_size
         # two alternating receive buffers: prep fills one while compute reads the other (SiPipe §5.2)
@@ -82,7 +93,9 @@ class StageWorker:
         self.buffers = [torch.empty(cap, dtype=dtype, device=init.device) for _ in range(2)]
         self.buffer_free = threading.Semaphore(2)
         self.mirror = BlockTableMirror()
-        self.ready: queue.Queue = queue.Queue(maxsize=2)
+        # bounded by the engine's micro-batches in flight (P), and by the two receive buffers below
+        self.ready: queue.Queue = queue.Queue()
+        self.heads: queue.Queue = queue.Queue()  # receives of normalised rows, for the head waiter
         self.outbox: queue.Queue = queue.Queue()
         self.events: deque[dict] = deque(maxlen=MAX_STAGE_EVENTS)  # until the engine asks (bounded)
 
@@ -114,8 +127,23 @@ class StageWorker:
                     buf = self.buffers[slot][:numel].view(step.num_tokens, self.hidden)
                     work = self.t.irecv(buf, self.prev, tensor_tag(msg.batch_id))
                 self.ready.put((m.STEP, (msg, inp, buf, work, t_meta, time.time())))
+                if self.first and self.head_peer is not None and not self.last:
+                    rows = torch.empty(step.logit_rows(), self.hidden, dtype=self.dtype)
+                    self.heads.put((msg, rows, self.t.irecv(rows, self.head_peer, head_tag(msg.batch_id))))
         except BaseException:  # noqa: BLE001
             _fatal(f"{self.name} (input preparation)")
+
+    # -- head waiter thread (first stage of a split lm_head) -----------------------------------------------
+    def head_loop(self) -> None:
+        """Wait for each micro-batch's normalised rows in order and queue the head work behind whatever the
+        main thread is computing (a gloo receive reports completion only to a wait)."""
+        try:
+            while True:
+                msg, rows, work = self.heads.get()
+                self.t.wait(work)
+                self.ready.put((HEAD, (msg, rows, time.time())))
+        except BaseException:  # noqa: BLE001
+            _fatal(f"{self.name} (lm_head rows)")
 
     # -- sender thread ------------------------------------------------------------------------------------
     def send_loop(self) -> None:
@@ -138,6 +166,9 @@ class StageWorker:
         sender = threading.Thread(target=self.send_loop, name="tdpipe-send", daemon=True)
         prep.start()
         sender.start()
+        if self.first and self.head_peer is not None and not self.last:
+            threading.Thread(target=self.head_loop, name="tdpipe-head", daemon=True).start()
+        split_last = self.last and self.head_peer is not None
         dst = self.layout.next_peer(self.rank)
         while True:
             t_wait = time.time()
@@ -151,15 +182,21 @@ class StageWorker:
                 events, self.events = list(self.events), deque(maxlen=MAX_STAGE_EVENTS)
                 self.t.send_obj(self.t.reply, m.TRACE_DATA, events, ENGINE)
                 continue
+            if kind == HEAD:
+                self._head(*payload, t_wait)
+                continue
             msg, inp, buf, work, t_meta, t_prepared = payload
             if work is not None:
                 self.t.wait(work)
             start = time.time()
             comm0 = self.tp.comm_seconds
-            out = self.runner.execute(inp, buf)
+            out = self.runner.execute(inp, buf, normed_rows=split_last)
             if buf is not None:
                 self.buffer_free.release()
-            if self.last:
+            if split_last:  # the first stage's part of the head starts as soon as the rows reach it
+                self.outbox.put((out.contiguous(), self.head_peer, head_tag(msg.batch_id), {}))
+                out = self._split_result(self.runner.head(out), msg.greedy)
+            elif self.last:
                 out = self._result(out, msg.greedy)
             end = time.time()
             event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
@@ -170,6 +207,27 @@ class StageWorker:
             self.events.append(event)
             if out is not None:
                 self.outbox.put((out, dst, tensor_tag(msg.batch_id), event))
+
+    def _head(self, msg: m.StepMessage, rows: torch.Tensor, arrived: float, t_wait: float) -> None:
+        """The first stage's part of a split lm_head for one micro-batch, sent straight to the engine."""
+        start = time.time()
+        out = self._split_result(self.runner.head(rows), msg.greedy)
+        event = {"batch_id": msg.batch_id, "start": start, "end": time.time(), "wait": start - t_wait,
+                 "send": 0.0, "head": True, "rows_latency": start - arrived, "prefill_tokens": 0,
+                 "decode_seqs": 0, "context_tokens": 0}
+        self.events.append(event)
+        self.outbox.put((out, ENGINE, tensor_tag(msg.batch_id), event))
+
+    def _split_result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """A part of a split lm_head: its logits, or for greedy batches each row's (max, id) over this part
+        as float64 pairs (ids < 2^53 are exact) for the engine to pick from."""
+        if not greedy:
+            return logits.contiguous().cpu()
+        from tdpipe.model import cpu_ops as ops
+
+        idx = ops.argmax(logits).to(torch.int64)
+        val = logits.gather(1, idx[:, None]).squeeze(1).to(torch.float64)
+        return torch.stack([val, (idx + self.runner.model.head_range[0]).to(torch.float64)], dim=1).cpu()
 
     def _result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor | None:
         """Sampling happens on the engine, off this stage (SiPipe §5.1): greedy batches need only ids, which

@@ -1,0 +1,167 @@
+"""Random-weight models of real published configs (`--model random:qwen2.5-0.5b`), for throughput benchmarks.
+
+Nothing may download weights at run time, yet tensor vs pipeline parallelism must be measured on a model of
+a realistic size and shape (TD-Pipe §4 compares layouts, not answers). Throughput does not depend on the
+weights' values, only on their shapes, so the bench generates them: normal(0, 0.02) linears and embeddings,
+unit norms, zero biases (finite activations in bf16), from a fixed seed. The folder is a complete Hugging
+Face model: config.json, one model.safetensors (bf16), and a self-contained word-level tokenizer covering
+exactly the vocabulary (tokens `<t17>`...; text in, gibberish out). It is built once into
+$TDPIPE_CACHE/models/random-<name>-seed<seed> (in a temporary folder, renamed into place with a manifest,
+like the GGUF conversions), and reused after.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import shutil
+import struct
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tdpipe.model.bundled import cache_dir, check_entry, notice, write_manifest
+
+PREFIX = "random:"
+EOS = "</s>"
+UNK = "<unk>"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def known_configs() -> list[str]:
+    return sorted(p.name.removesuffix(".json") for p in resources.files("tdpipe.model").joinpath("configs").iterdir()
+                  if p.name.endswith(".json"))
+
+
+def published_config(name: str) -> dict[str, Any]:
+    """The shipped shape fields of a published model (src/tdpipe/model/configs/<name>.json)."""
+    if name not in known_configs():
+        raise ValueError(f"unknown random model {name!r}: known configs are {', '.join(known_configs())} "
+                         f"(use --model random:NAME)")
+    return json.loads(resources.files("tdpipe.model").joinpath("configs", f"{name}.json").read_text())
+
+
+def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, init) of every tensor of a Llama/Qwen2 checkpoint with this config, in HF names."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    bias = cfg["architectures"][0] == "Qwen2ForCausalLM"
+    out = [("model.embed_tokens.weight", (v, h), "normal")]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,), "ones"), (p + "post_attention_layernorm.weight", (h,), "ones"),
+                (p + "self_attn.q_proj.weight", (nh * hd, h), "normal"),
+                (p + "self_attn.k_proj.weight", (nkv * hd, h), "normal"),
+                (p + "self_attn.v_proj.weight", (nkv * hd, h), "normal"),
+                (p + "self_attn.o_proj.weight", (h, nh * hd), "normal"),
+                (p + "mlp.gate_proj.weight", (inter, h), "normal"), (p + "mlp.up_proj.weight", (inter, h), "normal"),
+                (p + "mlp.down_proj.weight", (h, inter), "normal")]
+        if bias:
+            out += [(p + f"self_attn.{k}_proj.bias", (n * hd,), "zeros") for k, n in (("q", nh), ("k", nkv), ("v", nkv))]
+    out.append(("model.norm.weight", (h,), "ones"))
+    if not cfg.get("tie_word_embeddings", False):
+        out.append(("lm_head.weight", (v, h), "normal"))
+    return out
+
+
+def _write_tokenizer(folder: Path, cfg: dict[str, Any]) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    v = cfg["vocab_size"]
+    eos = cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    vocab = {f"<t{i}>": i for i in range(v)}
+    vocab[UNK] = 0
+    del vocab["<t0>"]
+    if eos is not None and 0 < eos < v:
+        del vocab[f"<t{eos}>"]
+        vocab[EOS] = eos
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # `<t5> <t9>` -> ids 5, 9
+    tok.add_special_tokens([UNK] + ([EOS] if EOS in vocab else []))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": UNK, "eos_token": EOS if EOS in vocab else None,
+        "model_max_length": cfg.get("max_position_embeddings", 2048), "chat_template": CHAT_TEMPLATE}, indent=1))
+
+
+def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]], seed: int, what: str) -> None:
+    """Stream a bf16 safetensors file tensor by tensor: the header is known from the shapes alone, so peak
+    memory is one tensor (in float32 while drawn), not the model (safetensors' save_file holds it all)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "tdpipe": f"random weights, seed {seed}"}}
+    offset = 0
+    for name, shape, _ in shapes:
+        n = 2 * torch.Size(shape).numel()
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
+    total = sum(torch.Size(s).numel() for _, s, _ in shapes)
+    g = torch.Generator().manual_seed(seed)
+    done, last = 0, time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for name, shape, init in shapes:
+            if init == "normal":  # normal(0, 0.02): the HF initializer_range, finite activations in bf16
+                t = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+            else:
+                t = (torch.ones if init == "ones" else torch.zeros)(shape, dtype=torch.bfloat16)
+            f.write(t.view(torch.int16).numpy().tobytes())  # little-endian, as the format requires
+            done += t.numel()
+            del t
+            if time.perf_counter() - last > 5:
+                last = time.perf_counter()
+                notice(f"{what}: drawing random weights, {100 * done / total:.0f}% of {total / 1e6:.0f}M parameters")
+
+
+def _generate(folder: Path, cfg: dict[str, Any], seed: int, what: str) -> None:
+    _write_safetensors(folder / "model.safetensors", tensor_shapes(cfg), seed, what)
+    config = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(folder, cfg)
+    (folder / "README.md").write_text(f"Random weights (seed {seed}) of {cfg.get('_source', 'a custom config')}. "
+                                      "For throughput benchmarks only: the outputs are meaningless.\n")
+
+
+def random_model_folder(spec: str | dict[str, Any], seed: int = 0) -> str:
+    """The cache folder of a random-weight model: a shipped config's name (qwen2.5-0.5b, llama-3.2-1b) or a
+    config dict (tests); generated on first use, under a lock (one writer per entry across processes)."""
+    cfg = published_config(spec) if isinstance(spec, str) else dict(spec)
+    key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+    name = spec if isinstance(spec, str) else f"custom-{key}"
+    out = cache_dir() / "models" / f"random-{name}-seed{seed}"
+    source = {"random": name, "seed": seed, "config": key}
+    if check_entry(out, source) is None:
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        why = check_entry(out, source)
+        if why is None:
+            return str(out)
+        what = f"random:{name}"
+        notice(f"{what}: generating random weights of {cfg.get('_source', 'a custom config')} under {out} "
+               "(once; for throughput benchmarks, the outputs are meaningless)")
+        t = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            built = tmp / out.name
+            built.mkdir()
+            _generate(built, cfg, seed, what)
+            write_manifest(built, source)
+            if out.exists():
+                shutil.rmtree(out)
+            built.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        notice(f"{what}: done in {time.perf_counter() - t:.1f} s")
+    return str(out)
+
+
+__all__ = ["PREFIX", "known_configs", "published_config", "random_model_folder", "tensor_shapes"]

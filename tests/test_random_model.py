@@ -1,0 +1,89 @@
+"""Random-weight models of published configs (`--model random:NAME`): the shipped configs have the published
+sizes, a generated folder loads in the real engine (bf16, finite outputs), is cached and reused, and an
+unknown name fails listing the known ones."""
+import os
+
+import pytest
+
+from tdpipe.config import ModelConfig
+from tdpipe.model import random_model as rm
+
+TINY = {"_source": "test", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "intermediate_size": 48,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 500,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "eos_token_id": 7}
+
+
+def _params(cfg: dict) -> int:
+    import torch
+
+    return sum(torch.Size(s).numel() for _, s, _ in rm.tensor_shapes(cfg))
+
+
+def test_shipped_configs_have_the_published_sizes():
+    assert {"qwen2.5-0.5b", "llama-3.2-1b"} <= set(rm.known_configs())
+    q = rm.published_config("qwen2.5-0.5b")
+    mc = ModelConfig.from_hf(q)
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.vocab_size) == (896, 24, 14, 2, 151936)
+    assert mc.qkv_bias and mc.tie_word_embeddings
+    assert abs(_params(q) - 494.0e6) < 1.5e6  # Qwen2.5-0.5B: 0.49B parameters
+    assert abs(_params(rm.published_config("llama-3.2-1b")) - 1.236e9) < 0.01e9  # Llama 3.2 1B: 1.24B
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown random model 'gpt-5'.*qwen2.5-0.5b"):
+        rm.published_config("gpt-5")
+    from tdpipe.model.bundled import resolve_model
+
+    with pytest.raises(ValueError, match="unknown random model 'nope'"):
+        resolve_model("random:nope")
+
+
+@pytest.mark.slow
+def test_generated_folder_runs_in_the_engine_and_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path))
+    folder = rm.random_model_folder(TINY, seed=3)
+    files = set(os.listdir(folder))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    mtime = os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns
+    assert rm.random_model_folder(TINY, seed=3) == folder  # cached: not generated again
+    assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == mtime
+    assert rm.random_model_folder(TINY, seed=4) != folder
+
+    from tdpipe import LLM, SamplingParams
+
+    with LLM(folder, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
+        outs = llm.generate(["<t5> <t9> <t11>", {"prompt_token_ids": [1, 2, 3]}],
+                            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1),
+                            use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 6 and all(0 <= t < 500 for t in c.token_ids)
+        assert all(abs(lp[t].logprob) < 1e9 for lp, t in zip(c.logprobs, c.token_ids))  # finite
+    assert outs[0].prompt_token_ids == [5, 9, 11]
+
+
+def test_weights_and_tokenizer_match_the_config(tmp_path, monkeypatch):
+    """Oracle: the streamed safetensors against safetensors' own reader and the same draws made in memory."""
+    import torch
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
+
+    monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path))
+    folder = rm.random_model_folder(TINY, seed=1)
+    shapes = rm.tensor_shapes(TINY)
+    g = torch.Generator().manual_seed(1)
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(n for n, _, _ in shapes)
+        for name, shape, init in shapes:
+            t = f.get_tensor(name)
+            assert t.dtype == torch.bfloat16 and tuple(t.shape) == shape
+            if init == "normal":
+                want = torch.empty(shape).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+                assert torch.equal(t, want), name
+            else:
+                assert torch.equal(t, torch.full(shape, 1.0 if init == "ones" else 0.0, dtype=torch.bfloat16)), name
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    assert tok.get_vocab_size() == TINY["vocab_size"]
+    assert sorted(tok.get_vocab().values()) == list(range(TINY["vocab_size"]))
+    assert tok.token_to_id("</s>") == TINY["eos_token_id"]

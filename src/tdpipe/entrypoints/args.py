@@ -146,7 +146,9 @@ def scheduler_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_d("model"),
-                   help="HF folder (config.json + safetensors) or .gguf file; default: bundled SmolLM2-135M-Instruct")
+                   help="HF folder (config.json + safetensors), .gguf file, or random:NAME (random weights of a "
+                        "published config for throughput benchmarks: qwen2.5-0.5b, llama-3.2-1b); default: bundled "
+                        "SmolLM2-135M-Instruct")
     g.add_argument("--dtype", default=_d("dtype"), choices=["auto", "bfloat16", "float32"],
                    help="auto = bfloat16 where the CPU has bf16 instructions, else float32 (default: %(default)s)")
     g.add_argument("--seed", type=int, default=_d("seed"),

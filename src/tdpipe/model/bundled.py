@@ -262,11 +262,16 @@ def _gguf_cache_folder(path: Path) -> Path:
 def resolve_model(model: str | None) -> str:
     """Turn a user's ``--model`` into a local HF folder path.
 
-    Accepts None (the bundled model), a folder containing config.json, or a
-    ``.gguf`` file (converted once into the cache).
+    Accepts None (the bundled model), a folder containing config.json, a
+    ``.gguf`` file (converted once into the cache), or ``random:NAME`` (random weights of a published
+    config, generated once into the cache: model/random_model.py).
     """
     if model is None:
         return bundled_model_path()
+    if model.startswith("random:"):  # random weights of a published config, for benchmarks (random_model.py)
+        from tdpipe.model.random_model import random_model_folder
+
+        return random_model_folder(model.removeprefix("random:"))
     path = Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():

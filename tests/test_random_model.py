@@ -40,15 +40,14 @@ def test_unknown_name_lists_the_known_ones():
 
 
 @pytest.mark.slow
-def test_generated_folder_runs_in_the_engine_and_is_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path))
-    folder = rm.random_model_folder(TINY, seed=3)
+def test_generated_folder_runs_in_the_engine_and_is_reused(tmp_path):
+    folder = rm.random_model_folder(TINY, seed=3, root=tmp_path)
     files = set(os.listdir(folder))
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
     mtime = os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns
-    assert rm.random_model_folder(TINY, seed=3) == folder  # cached: not generated again
+    assert rm.random_model_folder(TINY, seed=3, root=tmp_path) == folder  # cached: not generated again
     assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == mtime
-    assert rm.random_model_folder(TINY, seed=4) != folder
+    assert rm.random_model_folder(TINY, seed=4, root=tmp_path) != folder
 
     from tdpipe import LLM, SamplingParams
 

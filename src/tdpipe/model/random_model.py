@@ -129,13 +129,14 @@ def _generate(folder: Path, cfg: dict[str, Any], seed: int, what: str) -> None:
                                       "For throughput benchmarks only: the outputs are meaningless.\n")
 
 
-def random_model_folder(spec: str | dict[str, Any], seed: int = 0) -> str:
+def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | None = None) -> str:
     """The cache folder of a random-weight model: a shipped config's name (qwen2.5-0.5b, llama-3.2-1b) or a
-    config dict (tests); generated on first use, under a lock (one writer per entry across processes)."""
+    config dict (tests); generated on first use, under a lock (one writer per entry across processes).
+    `root`: where the models folder lives (default: the tdpipe cache)."""
     cfg = published_config(spec) if isinstance(spec, str) else dict(spec)
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
     name = spec if isinstance(spec, str) else f"custom-{key}"
-    out = cache_dir() / "models" / f"random-{name}-seed{seed}"
+    out = (root or cache_dir()) / "models" / f"random-{name}-seed{seed}"
     source = {"random": name, "seed": seed, "config": key}
     if check_entry(out, source) is None:
         return str(out)

@@ -8,10 +8,12 @@ import pytest
 from tdpipe.config import ModelConfig
 from tdpipe.model import random_model as rm
 
-TINY = {"_source": "test", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 32, "intermediate_size": 48,
+TINY = {"_source": "test", "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 48,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 500,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
         "eos_token_id": 7}
+TINY_LLAMA = {**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 70000,
+              "eos_token_id": 69999, "head_dim": 16}
 
 
 def _params(cfg: dict) -> int:
@@ -52,14 +54,16 @@ def test_generated_folder_runs_in_the_engine_and_is_reused(tmp_path):
     from tdpipe import LLM, SamplingParams
 
     with LLM(folder, dtype="bfloat16", kv_cache_memory=16 << 20) as llm:
-        outs = llm.generate(["<t5> <t9> <t11>", {"prompt_token_ids": [1, 2, 3]}],
+        outs = llm.generate(["Hello, world!", {"prompt_token_ids": [1, 2, 3]}],
                             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1),
                             use_tqdm=False)
     for o in outs:
         c = o.outputs[0]
         assert len(c.token_ids) == 6 and all(0 <= t < 500 for t in c.token_ids)
         assert all(abs(lp[t].logprob) < 1e9 for lp, t in zip(c.logprobs, c.token_ids))  # finite
-    assert outs[0].prompt_token_ids == [5, 9, 11]
+    from tdpipe.tokenizer import load_tokenizer
+
+    assert outs[0].prompt_token_ids == load_tokenizer(folder).encode("Hello, world!") != []
 
 
 def test_weights_and_tokenizer_match_the_config(tmp_path, monkeypatch):
@@ -85,4 +89,22 @@ def test_weights_and_tokenizer_match_the_config(tmp_path, monkeypatch):
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     assert tok.get_vocab_size() == TINY["vocab_size"]
     assert sorted(tok.get_vocab().values()) == list(range(TINY["vocab_size"]))
-    assert tok.token_to_id("</s>") == TINY["eos_token_id"]
+
+
+@pytest.mark.parametrize("cfg", [TINY, TINY_LLAMA], ids=["qwen2", "llama"])
+def test_transformers_tokenizer_round_trips_over_the_whole_vocabulary(cfg, tmp_path, monkeypatch):
+    """transformers picks the tokenizer class by model_type (qwen2: rebuilt as byte-level BPE from the vocab
+    and merges): whichever it picks must cover exactly the config's ids, end with the config's eos id, and
+    decode what it encodes (byte-level: lossless)."""
+    from tdpipe.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path))
+    tok = load_tokenizer(rm.random_model_folder(cfg))
+    assert len(tok) == cfg["vocab_size"] and tok.eos_token_id == cfg["eos_token_id"]
+    text = "Random weights, déjà vu 123 — \u4f60\u597d\n\ttabs"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids and all(0 <= i < cfg["vocab_size"] for i in ids) and tok.decode(ids) == text
+    if cfg["vocab_size"] > 256 + 256 ** 2:  # every byte pair is a token: the merges apply
+        assert len(ids) < len(text.encode())
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "user: hi\nassistant: "

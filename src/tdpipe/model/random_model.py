@@ -4,8 +4,8 @@ Nothing may download weights at run time, yet tensor vs pipeline parallelism mus
 a realistic size and shape (TD-Pipe §4 compares layouts, not answers). Throughput does not depend on the
 weights' values, only on their shapes, so the bench generates them: normal(0, 0.02) linears and embeddings,
 unit norms, zero biases (finite activations in bf16), from a fixed seed. The folder is a complete Hugging
-Face model: config.json, one model.safetensors (bf16), and a self-contained word-level tokenizer covering
-exactly the vocabulary (tokens `<t17>`...; text in, gibberish out). It is built once into
+Face model: config.json, one model.safetensors (bf16), and a self-contained tokenizer covering exactly
+the vocabulary (byte-level BPE: any text in, gibberish out). It is built once into
 $TDPIPE_CACHE/models/random-<name>-seed<seed> (in a temporary folder, renamed into place with a manifest,
 like the GGUF conversions), and reused after.
 """
@@ -27,8 +27,8 @@ import torch
 from tdpipe.model.bundled import cache_dir, check_entry, notice, write_manifest
 
 PREFIX = "random:"
-EOS = "</s>"
-UNK = "<unk>"
+FORMAT = 2  # bumped when the folder's contents change (2: byte-level BPE tokenizer): older entries are rebuilt
+EOS = "<|endoftext|>"  # the one special token (transformers' Qwen2 tokenizer default)
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
@@ -70,25 +70,49 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]
     return out
 
 
+def byte_level_bpe(vocab_size: int, special: dict[int, str]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary of exactly `vocab_size` ids: the 256 byte symbols, then every 2-symbol
+    merge, then 3-symbol ones (a 2-symbol token + a byte) until full; `special` ids are kept for the special
+    tokens. Byte-level, because transformers rebuilds the tokenizer of some model types (qwen2) as a
+    byte-level BPE from tokenizer.json's vocab and merges, whatever tokenizer.json says its model is."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    n = vocab_size - len(special)
+    if n < len(alphabet):
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer (at least "
+                         f"{len(alphabet) + len(special)})")
+    tokens: list[str] = list(alphabet)
+    merges: list[tuple[str, str]] = []
+    pairs = [(x, y) for x in alphabet for y in alphabet]
+    pairs += [(x + y, z) for x, y in pairs for z in alphabet]
+    for x, y in pairs[:n - len(alphabet)]:
+        tokens.append(x + y)
+        merges.append((x, y))
+    ids = iter(i for i in range(vocab_size) if i not in special)
+    vocab = {t: next(ids) for t in tokens}
+    vocab.update({t: i for i, t in special.items()})
+    return vocab, merges
+
+
 def _write_tokenizer(folder: Path, cfg: dict[str, Any]) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A self-contained tokenizer over exactly the config's vocabulary: text in (any bytes), gibberish out."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     v = cfg["vocab_size"]
     eos = cfg.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
-    vocab = {f"<t{i}>": i for i in range(v)}
-    vocab[UNK] = 0
-    del vocab["<t0>"]
-    if eos is not None and 0 < eos < v:
-        del vocab[f"<t{eos}>"]
-        vocab[EOS] = eos
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # `<t5> <t9>` -> ids 5, 9
-    tok.add_special_tokens([UNK] + ([EOS] if EOS in vocab else []))
+    eos = eos if isinstance(eos, int) and 0 <= eos < v else v - 1
+    vocab, merges = byte_level_bpe(v, {eos: EOS})
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": UNK, "eos_token": EOS if EOS in vocab else None,
-        "model_max_length": cfg.get("max_position_embeddings", 2048), "chat_template": CHAT_TEMPLATE}, indent=1))
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS, "unk_token": EOS,
+        "bos_token": None, "model_max_length": cfg.get("max_position_embeddings", 2048),
+        "chat_template": CHAT_TEMPLATE}, indent=1))
 
 
 def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]], seed: int, what: str) -> None:
@@ -112,7 +136,7 @@ def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]
                 t = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
             else:
                 t = (torch.ones if init == "ones" else torch.zeros)(shape, dtype=torch.bfloat16)
-            f.write(t.view(torch.int16).numpy().tobytes())  # little-endian, as the format requires
+            f.write(t.view(torch.int16).numpy().data)  # no copy; little-endian, as the format requires
             done += t.numel()
             del t
             if time.perf_counter() - last > 5:
@@ -137,7 +161,7 @@ def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | 
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
     name = spec if isinstance(spec, str) else f"custom-{key}"
     out = (root or cache_dir()) / "models" / f"random-{name}-seed{seed}"
-    source = {"random": name, "seed": seed, "config": key}
+    source = {"random": name, "seed": seed, "config": key, "format": FORMAT}
     if check_entry(out, source) is None:
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -215,3 +215,18 @@ def test_history_replay_uses_the_predictor_split(tmp_path):
         build_workload(ns(history=path, history_split="all", dataset=path), 1000, 64, ChatTok())
     with pytest.raises(ValueError, match="history split"):
         wl.from_history(path, ChatTok(), "dev")
+
+
+def test_compare_pp1_drops_layout_only_settings():
+    """--compare-pp1 with --lm-head-split used to pass the split to the pp = 1 engine, which refused it
+    after the whole pipeline run had been spent."""
+    from tdpipe.bench.throughput import pp1_kwargs
+    from tdpipe.entrypoints.cli import build_parser
+    from tdpipe.entrypoints.llm import engine_config
+
+    a = build_parser().parse_args(["bench", "throughput", "--pp", "2", "--lm-head-split", "0.5",
+                                   "--layer-partition", "16,14", "--compare-pp1"])
+    kw = pp1_kwargs(a, 2)
+    assert kw["pipeline_parallel_size"] == 1 and kw["lm_head_split"] == 0.0 and kw["layer_partition"] is None
+    assert kw["num_threads"] == 2
+    assert engine_config(kw).parallel.pipeline_parallel_size == 1  # a config that validates

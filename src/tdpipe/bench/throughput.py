@@ -263,10 +263,7 @@ def run(a: argparse.Namespace) -> int:
 
     llm.shutdown()
     if a.compare_pp1:
-        kw = engine_kwargs(a) | {"pipeline_parallel_size": 1, "tensor_parallel_size": 1,
-                                 "layer_partition": None, "trace": None,
-                                 "num_threads": threads, "collect_trace": True}
-        with LLM(**kw) as base:
+        with LLM(**pp1_kwargs(a, threads)) as base:
             t1 = _timed_run(base, reqs)
         res["pp1_output_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in t1["outs"]) / t1["elapsed"]
         res["pp1_elapsed_s"] = t1["elapsed"]
@@ -278,6 +275,13 @@ def run(a: argparse.Namespace) -> int:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
     return 0
+
+
+def pp1_kwargs(a: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """--compare-pp1's engine: the same engine settings in one process; layout-only settings (partition,
+    lm_head split across stages) dropped, since they do not exist at pp = 1."""
+    return engine_kwargs(a) | {"pipeline_parallel_size": 1, "tensor_parallel_size": 1, "layer_partition": None,
+                               "lm_head_split": 0.0, "trace": None, "num_threads": threads, "collect_trace": True}
 
 
 def _predictor_cost(engine: Any, s: dict[str, Any], elapsed: float, n: int) -> dict[str, Any] | None:

@@ -108,3 +108,14 @@ def test_transformers_tokenizer_round_trips_over_the_whole_vocabulary(cfg, tmp_p
         assert len(ids) < len(text.encode())
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "user: hi\nassistant: "
+
+
+def test_preflight_accepts_known_random_models_and_names_unknown_ones():
+    """`tdpipe bench throughput --model random:qwen2.5-0.5b` used to be refused as a missing file."""
+    from tdpipe.entrypoints.preflight import PreflightError, check_model
+
+    check_model("random:qwen2.5-0.5b")
+    with pytest.raises(PreflightError, match="random:nope: unknown random model; known: random:llama-3.2-1b"):
+        check_model("random:nope")
+    with pytest.raises(PreflightError, match="--model /no/such: no such file or directory"):
+        check_model("/no/such")

@@ -210,7 +210,7 @@ def test_refuses_an_output_from_another_batch(tmp_path, capsys):
     assert "line 1 is not a batch output line" in _refused(capsys, ["-i", str(inp), "-o", str(out)])
     assert "is the input file" in _refused(capsys, ["-i", str(inp), "-o", str(inp)])
     assert "no such file" in _refused(capsys, ["-i", str(tmp_path / "missing"), "-o", str(out)])
-    assert "no such file or folder" in _refused(capsys, ["-i", str(inp), "-o", str(tmp_path / "new.jsonl"),
+    assert "no such file or directory" in _refused(capsys, ["-i", str(inp), "-o", str(tmp_path / "new.jsonl"),
                                                          "--model", str(tmp_path / "no-model")])
     assert "--max-concurrency" in _refused(capsys, ["-i", str(inp), "-o", str(tmp_path / "new.jsonl"),
                                                     "--max-concurrency", "0"])

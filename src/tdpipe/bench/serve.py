@@ -535,7 +535,7 @@ def _serve_args(a: argparse.Namespace) -> list[str]:
 def preflight(a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every flag and path checked before a server starts or a request goes out. Returns the runs already in
     --json that --append keeps."""
-    from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
+    from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable, check_writable
 
     parse_rates(a.request_rate)
     host_port(a.base_url)
@@ -560,8 +560,7 @@ def preflight(a: argparse.Namespace) -> list[dict[str, Any]]:
     if a.append and not a.json:
         raise ValueError("--append needs --json FILE")
     model = a.model or _flag_value(serve_args, "--model")
-    if model and not os.path.exists(os.path.expanduser(model)):
-        raise PreflightError(f"--model {model}: no such file or directory")
+    check_model(model)
     check_readable(a.dataset, "--dataset")
     check_readable(a.history, "--history")
     check_writable(a.json, "--json")

@@ -159,12 +159,9 @@ def _params(output_len: int) -> Any:
 def preflight(a: argparse.Namespace) -> None:
     """Every path the run reads or writes, checked before the model loads: a missing --dataset fails in a
     second, and a --json in a missing directory no longer loses a whole benchmark's results at the end."""
-    from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
+    from tdpipe.entrypoints.preflight import check_model, check_readable, check_writable
 
-    model = getattr(a, "model", None)
-    if model and not os.path.exists(os.path.expanduser(model)):
-        raise PreflightError(f"--model {model}: no such file or directory (tdpipe reads a local model folder or "
-                             ".gguf file; it never downloads from a hub)")
+    check_model(getattr(a, "model", None))
     check_readable(getattr(a, "dataset", None), "--dataset")
     check_readable(getattr(a, "history", None), "--history")
     check_writable(getattr(a, "json", None), "--json")

@@ -33,6 +33,22 @@ def check_writable(path: str | None, flag: str) -> None:
         raise PreflightError(f"{flag} {path}: cannot create a file in {parent}")
 
 
+def check_model(model: str | None, flag: str = "--model") -> None:
+    """Fail now if `model` names neither a local folder / .gguf file nor a known `random:NAME` config."""
+    if not model:
+        return
+    if model.startswith("random:"):
+        from tdpipe.model.random_model import PREFIX, known_configs
+
+        if model.removeprefix(PREFIX) not in known_configs():
+            raise PreflightError(f"{flag} {model}: unknown random model; known: "
+                                 f"{', '.join(PREFIX + n for n in known_configs())}")
+        return
+    if not os.path.exists(os.path.expanduser(model)):
+        raise PreflightError(f"{flag} {model}: no such file or directory (tdpipe reads a local model folder, a "
+                             ".gguf file or random:NAME; it never downloads from a hub)")
+
+
 def check_readable(path: str | None, flag: str) -> None:
     """Fail now if an input file named by `flag` is missing or unreadable."""
     if not path or path == "-":

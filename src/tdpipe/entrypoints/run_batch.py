@@ -21,7 +21,7 @@ from typing import Any
 from tdpipe import aio
 from tdpipe.entrypoints.args import add_engine_args
 from tdpipe.entrypoints.batch_file import BatchLine, BatchSink, error_record, parse_batch, response_record
-from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
+from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable, check_writable
 
 CONCURRENCY_PER_SEQ = 2  # default --max-concurrency = this x max_num_seqs: a full batch and as many queued
 BUSY_RETRY_S = 0.5  # a 503 "server busy" (admission) is retried after this long
@@ -64,8 +64,7 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     check_writable(a.record_history, "--record-history")
     if os.path.exists(a.output_file) and os.path.samefile(a.input_file, a.output_file):
         raise PreflightError("--output-file is the input file; give the results their own file")
-    if a.model is not None and not os.path.exists(os.path.expanduser(a.model)):  # before a line is written
-        raise PreflightError(f"--model {a.model}: no such file or folder (tdpipe never downloads from a hub)")
+    check_model(a.model)  # before a line is written
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise PreflightError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
     ecfg = engine_config(a)  # bad engine flags fail here, before anything is written or loaded

@@ -156,6 +156,14 @@ def test_peak_positive():
     assert measure_matmul_peak(torch.float32, n=64, seconds=0.05) > 0
 
 
+def test_peak_in_a_fresh_process():
+    import torch
+
+    from tdpipe.bench.peak import measure_matmul_peak_fresh
+
+    assert measure_matmul_peak_fresh(torch.bfloat16, 1) > 0
+
+
 # -- end to end (tiny random model) ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_bench_throughput_end_to_end(tmp_path):

@@ -6,6 +6,9 @@ demonstrably does are we using".
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -33,3 +36,16 @@ def measure_matmul_peak(dtype: torch.dtype = torch.bfloat16, n: int = 2048, seco
         dt = time.perf_counter() - t0
         best = max(best, flops * iters / dt)
     return best / 1e9
+
+
+def measure_matmul_peak_fresh(dtype: torch.dtype, threads: int) -> float:
+    """measure_matmul_peak in a new Python process with `threads` threads. The bench's own process is not a
+    clean place for it once an engine with worker processes exists: there a 2-thread matmul measured 737
+    GFLOP/s against 2394 before the engine started and 2711 in a pp = 1 engine (Xeon with AMX, 2 cores),
+    which made pp > 1 rows' MFU three times too high."""
+    code = ("import sys, torch\nfrom tdpipe.bench.peak import measure_matmul_peak\n"
+            f"torch.set_num_threads({int(threads)})\n"
+            f"print(measure_matmul_peak(getattr(torch, {str(dtype).removeprefix('torch.')!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(int(threads))})
+    return float(out.stdout.strip().splitlines()[-1])

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tdpipe.bench import workload as wl
-from tdpipe.bench.peak import measure_matmul_peak
+from tdpipe.bench.peak import measure_matmul_peak_fresh
 from tdpipe.config import ModelConfig, cpu_name
 from tdpipe.core.scheduler.registry import get_policy
 from tdpipe.entrypoints.args import add_engine_args, engine_kwargs
@@ -185,10 +185,7 @@ def run(a: argparse.Namespace) -> int:
     threads = sum(engine.stage_threads) * engine.tp  # compute threads over all P x T workers
     dtype_name = str(engine.dtype).replace("torch.", "")
 
-    own = torch.get_num_threads()
-    torch.set_num_threads(threads)  # the peak of every core the stages use
-    peak = measure_matmul_peak(engine.dtype)
-    torch.set_num_threads(own)
+    peak = measure_matmul_peak_fresh(engine.dtype, threads)  # the peak of every core the stages use
     print(f"matmul peak ({dtype_name}, {threads} threads): {peak:.1f} GFLOP/s", file=sys.stderr, flush=True)
 
     timed = _timed_run(llm, reqs)

@@ -1,6 +1,12 @@
 """Finding tdpipe's stage worker processes through /proc (no psutil, no pgrep): for the tests that kill
-engines and stages and then check that nothing is left."""
+engines and stages and then check that nothing is left; and two torchrun "nodes" on loopback."""
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 
 def alive(pid: int) -> bool:
@@ -42,3 +48,40 @@ def descendants(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+def torchrun_two_nodes(script, cwd, nprocs: tuple[int, int] = (2, 1), timeout: float = 180) -> tuple[dict, str]:
+    """Run `script` under torchrun as two loopback "nodes" with `nprocs` processes each (static rendezvous
+    accepts a different --nproc-per-node per node); both must exit 0. Returns the JSON that node 0 printed
+    on its one `TOKENS ` line, and node 1's stdout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+
+    def node(rank: int, nproc: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
+               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--max-restarts", "0", str(script)]
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+
+    nodes = [node(0, nprocs[0]), node(1, nprocs[1])]
+    outs = []
+    try:
+        deadline = time.time() + timeout
+        for p in nodes:
+            outs.append(p.communicate(timeout=max(1, deadline - time.time())))
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher and its workers (own session)
+                p.wait()
+    (out0, err0), (out1, err1) = outs
+    assert nodes[0].returncode == 0, err0[-3000:]
+    assert nodes[1].returncode == 0, err1[-3000:]
+    lines = [ln for ln in out0.splitlines() if ln.startswith("TOKENS ")]
+    assert len(lines) == 1, (out0, err0[-3000:])
+    return json.loads(lines[0][len("TOKENS "):]), out1

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ import time
 import pytest
 import torch
 from conftest import hf_greedy, save_random_qwen2
-from procs import alive, stage_pids_of
+from procs import alive, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.executor.pipeline import PipelineError
@@ -411,46 +410,12 @@ llm.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_two_nodes_loopback(tmp_path, pp1_tokens):
     """Engine + stage 0 on "node" 0 (2 processes), stage 1 on "node" 1 (1 process): world size 3 = pp + 1.
     torchrun's static rendezvous accepts a different --nproc-per-node on each node."""
     script = tmp_path / "run_pp.py"
     script.write_text(TORCHRUN_SCRIPT.format(prompts=PROMPTS[:3], n=N_OUT))
-    port = _free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-
-    def node(rank: int, nproc: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "--max-restarts", "0", str(script)]
-        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-
-    nodes = [node(0, 2), node(1, 1)]
-    outs = []
-    try:
-        deadline = time.time() + 180
-        for p in nodes:
-            outs.append(p.communicate(timeout=max(1, deadline - time.time())))
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the launcher and its workers (own session)
-                p.wait()
-    (out0, err0), (out1, err1) = outs
-    assert nodes[0].returncode == 0, err0[-3000:]
-    assert nodes[1].returncode == 0, err1[-3000:]
-    lines = [ln for ln in out0.splitlines() if ln.startswith("TOKENS ")]
-    assert len(lines) == 1, (out0, err0[-3000:])
-    res = json.loads(lines[0][len("TOKENS "):])
+    res, out1 = torchrun_two_nodes(script, tmp_path)
     assert res["rank"] == 0 and res["world"] == 3 and res["launcher"] == "torchrun"
     assert len(res["stage_pids"]) == 2
     assert res["tokens"] == pp1_tokens[:3]

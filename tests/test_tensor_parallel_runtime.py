@@ -4,19 +4,15 @@ model, a killed tensor-parallel rank, and torchrun with T = 2.
 
 The model-side sharding is tested without processes in test_tensor_parallel.py.
 """
-import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 from conftest import hf_greedy, save_random_qwen2
-from procs import alive, stage_pids_of
+from procs import alive, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.distributed.layout import ENGINE, Layout
@@ -214,12 +210,6 @@ llm.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_tensor_parallel_two_nodes(tmp_path, qwen2_folder):
     """Engine + tp rank 0 on "node" 0, tp rank 1 on "node" 1 (loopback): world size 3 = 1 + P x T; the
     tensor-parallel group spans the two nodes."""
@@ -227,35 +217,7 @@ def test_torchrun_tensor_parallel_two_nodes(tmp_path, qwen2_folder):
     ref = _oracle(model)[:2]
     script = tmp_path / "run_tp.py"
     script.write_text(TORCHRUN_SCRIPT.format(folder=folder, prompts=PROMPT_IDS[:2], n=N_OUT))
-    port = _free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-
-    def node(rank: int, nproc: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "--max-restarts", "0", str(script)]
-        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-
-    nodes = [node(0, 2), node(1, 1)]
-    outs = []
-    try:
-        deadline = time.time() + 180
-        for p in nodes:
-            outs.append(p.communicate(timeout=max(1, deadline - time.time())))
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    (out0, err0), (out1, err1) = outs
-    assert nodes[0].returncode == 0, err0[-3000:]
-    assert nodes[1].returncode == 0, err1[-3000:]
-    lines = [ln for ln in out0.splitlines() if ln.startswith("TOKENS ")]
-    assert len(lines) == 1, (out0, err0[-3000:])
-    res = json.loads(lines[0][len("TOKENS "):])
+    res, out1 = torchrun_two_nodes(script, tmp_path)
     assert res["rank"] == 0 and res["world"] == 3 and res["launcher"] == "torchrun"
     assert len(res["stage_pids"]) == 2
     assert res["tokens"] == ref

@@ -62,7 +62,7 @@ def test_stage_times_put_embedding_first_and_head_last():
     s = StepShape.of([1] * 64, [300] * 64)
     t0, t1 = cm.stage_times(s)
     assert t1 - t0 == pytest.approx(cm.head_time(s) - s.tokens * mc.hidden_size * 2 / (hw.mem_bw * hw.bw_eff))
-    assert cm.send_time(s) == pytest.approx(hw.link_latency + 64 * mc.hidden_size * 2 / hw.link_bw)
+    assert cm.send_times(s) == [pytest.approx(hw.link_latency + 64 * mc.hidden_size * 2 / hw.link_bw)]
 
 
 # -- hardware and KV capacity ----------------------------------------------------------------------------
@@ -107,8 +107,11 @@ class _FixedCost:
     def stage_times(self, s):
         return [1.0, 2.0]
 
-    def send_time(self, s):
-        return 0.5
+    def stage_allreduce(self, s):
+        return [0.0, 0.0]
+
+    def send_times(self, s):
+        return [0.5]
 
 
 def _step(i: int) -> StepInput:

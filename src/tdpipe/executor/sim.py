@@ -45,19 +45,20 @@ class SimExecutor(Executor):
         self._engine_time()
         shape = StepShape.of(step.query_lens, step.seq_lens)
         times = self.cost.stage_times(shape)
-        send = self.cost.send_time(shape)
+        allreduce = self.cost.stage_allreduce(shape)
+        sends = self.cost.send_times(shape) + [0.0]
         prefill, decode = step.shape()
         ready = self.clock
-        last = self.num_stages - 1
         for k, dt in enumerate(times):
             start = max(ready, self._free[k])
             end = start + dt
             self._events[k].append({"batch_id": step.batch_id, "start": start, "end": end,
-                                    "wait": max(0.0, ready - self._free[k]), "send": send if k < last else 0.0,
+                                    "wait": max(0.0, ready - self._free[k]), "send": sends[k],
+                                    "allreduce": allreduce[k],
                                     "prefill_tokens": prefill, "decode_seqs": decode,
                                     "context_tokens": shape.kv_tokens})
             self._free[k] = end
-            ready = end + (send if k < last else 0.0)
+            ready = end + sends[k]
         self._pending.append((step.batch_id, ready, len(step.query_lens)))
         self._left = time.perf_counter()
 

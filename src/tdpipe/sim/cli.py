@@ -21,16 +21,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                     "--figure11 runs TD-Pipe's Figure 11 grid; --compare replays real bench runs on the calibrated "
                     "CPU model.")
     g = p.add_argument_group("deployment")
-    g.add_argument("--hardware", default="a100-80g",
+    g.add_argument("--hardware", default=None,
                    help=f"device kind: {', '.join(NAMES)} (this machine, calibrated on first use and cached), or a "
-                        "JSON file with tdpipe.sim.hardware.Hardware's fields")
-    g.add_argument("--num-devices", type=int, default=4, help="devices (GPUs; for cpu: groups of threads)")
-    g.add_argument("--parallel", choices=["pp", "tp"], default="pp",
-                   help="pp: one pipeline stage per device (TD-Pipe, PP+SB, PP+HB); tp: tensor parallel over all "
-                        "devices, two all-reduces per layer (TP+SB, TP+HB)")
-    g.add_argument("--model", default="llama-2-70b",
+                        "JSON file with tdpipe.sim.hardware.Hardware's fields (default a100-80g; the studies: their "
+                        "papers' own)")
+    g.add_argument("--pp", type=int, default=None, metavar="P",
+                   help="pipeline stages, each a group of --tp devices (the runtime's --pp); devices = P x T")
+    g.add_argument("--tp", type=int, default=None, metavar="T",
+                   help="tensor-parallel devices per stage, two all-reduces per layer (the runtime's --tp)")
+    g.add_argument("--num-devices", type=int, default=None,
+                   help="devices (GPUs; for cpu: groups of threads); with --parallel, a shorthand for --pp N "
+                        "(pp) or --tp N (tp); default 4")
+    g.add_argument("--parallel", choices=["pp", "tp"], default=None,
+                   help="shorthand: pp = one pipeline stage per device (TD-Pipe, PP+SB, PP+HB); tp = tensor parallel "
+                        "over all devices (TP+SB, TP+HB); default pp")
+    g.add_argument("--model", default=None,
                    help=f"shipped config ({', '.join(model_names())}; or 13b/32b/70b), 'bundled' (SmolLM2), a folder "
-                        "with config.json or a config .json file; no weights are read")
+                        "with config.json or a config .json file; no weights are read (default llama-2-70b; the "
+                        "studies: their papers' own)")
     g.add_argument("--threads-per-device", type=int, default=None,
                    help="cpu: threads of one device (default: the cores split evenly over the devices)")
     g.add_argument("--allreduce-bw", type=float, default=None, metavar="GB/s",
@@ -58,7 +66,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "--output-len")
     g.add_argument("--input-len", type=int, default=None)
     g.add_argument("--output-len", type=int, default=None)
-    g.add_argument("--num-prompts", type=int, default=5000, help="requests, all submitted at once (TD-Pipe: 5000)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="requests, all submitted at once (default 5000 as TD-Pipe; --sweep-layouts: 2000)")
     g.add_argument("--dataset", default=None, help="JSONL with prompt_token_ids and output_len per line")
     g.add_argument("--workload-seed", type=int, default=0)
     g = p.add_argument_group("output")
@@ -70,6 +79,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--figure11", action="store_true",
                    help="TD-Pipe's Figure 11 grid: L20+13B, L20+32B, A100+32B, A100+70B x 1/2/4 devices x TP+SB, "
                         "TP+HB, PP+SB, PP+HB, TD-Pipe, with the paper's stated ratios beside")
+    g.add_argument("--sweep-layouts", type=int, default=None, metavar="N",
+                   help="SiPipe Fig. 1 (§1, §7.1): every P x T = N layout (N x 1 ... 1 x N) under --policies; "
+                        "defaults to its testbed: --hardware h100-nvl (8 per node), --model llama-3.1-405b, "
+                        "batch 1024 (--max-num-seqs), --num-prompts 2000")
+    g.add_argument("--policies", default="hybrid,td-pipe", metavar="P,Q",
+                   help="--sweep-layouts: the policies of each layout (default: %(default)s)")
+    g.add_argument("--figure6", action="store_true",
+                   help="TD-Pipe Fig. 6 (§2.2.3): one prefill step of Llama-30B under tensor parallelism on 1 to 4 "
+                        "devices of L20 and A100 nodes, time split into compute and all-reduce (--input-len tokens, "
+                        "default 2048 per step); --plot draws it")
+    g.add_argument("--plot", default=None, metavar="PNG", help="--sweep-layouts/--figure6: also draw it")
     g.add_argument("--jobs", type=int, default=1, help="--figure11: cells simulated in parallel processes")
     g.add_argument("--compare", nargs="+", default=None, metavar="BENCH_JSON",
                    help="replay real `tdpipe bench throughput --json` runs of the bundled model on the calibrated "
@@ -94,6 +114,7 @@ def preflight(a: argparse.Namespace) -> None:
     check_writable(a.json, "--json")
     check_writable(a.trace, "--trace")
     check_writable(a.markdown, "--markdown")
+    check_writable(getattr(a, "plot", None), "--plot")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -102,32 +123,54 @@ def run(a: argparse.Namespace) -> int:
         return _compare(a)
     if a.figure11:
         return _figure11(a)
+    if a.figure6 or a.sweep_layouts:
+        from tdpipe.sim import layouts
+
+        return layouts.run_study(a)
     from tdpipe.bench.throughput import build_workload
     from tdpipe.config import ModelConfig, default_threads
     from tdpipe.sim.cost import check_tensor_parallel, model_bytes
     from tdpipe.sim.hardware import GB, load_hardware, with_links
     from tdpipe.sim.runner import SimConfig, sim_model_config, simulate
 
-    if a.num_devices < 1:
-        raise ValueError(f"--num-devices must be >= 1, got {a.num_devices}")
-    stages = a.num_devices if a.parallel == "pp" else 1
-    threads = a.threads_per_device or max(1, default_threads() // a.num_devices)
+    a.hardware, a.model, a.num_prompts = a.hardware or "a100-80g", a.model or "llama-2-70b", a.num_prompts or 5000
+    pp, tp = resolve_layout(a)
+    devices = pp * tp
+    threads = a.threads_per_device or max(1, default_threads() // devices)
     hw = load_hardware(a.hardware, threads=threads if a.hardware == "cpu" else None, recalibrate=a.recalibrate)
     hw = with_links(hw, a.allreduce_bw and a.allreduce_bw * GB, a.link_bw and a.link_bw * GB)
     _, hf = sim_model_config(a.model)
-    check_tensor_parallel(ModelConfig.from_hf(hf), a.num_devices if a.parallel == "tp" else 1, a.model)
-    cfg = SimConfig(hw, a.num_devices, a.parallel, a.model, num_kv_blocks=a.num_kv_blocks,
-                    kv_cache_memory=a.kv_cache_memory, engine=_engine_kwargs(a))
+    check_tensor_parallel(ModelConfig.from_hf(hf), tp, a.model)
+    cfg = SimConfig(hw, devices, "pp", a.model, num_kv_blocks=a.num_kv_blocks, kv_cache_memory=a.kv_cache_memory,
+                    engine=_engine_kwargs(a), tensor_parallel=tp)
     max_len = min(a.max_model_len or hf.get("max_position_embeddings", 4096), hf.get("max_position_embeddings", 4096))
     name, reqs = build_workload(argparse.Namespace(**vars(a), history=None), hf["vocab_size"], max_len, _NoTokenizer())
     res = simulate(cfg, reqs, trace_path=a.trace)
     res["workload"] = {"name": name, "seed": a.workload_seed}
     res["model_weights_gb"] = model_bytes(ModelConfig.from_hf(hf)) / GB
-    print(format_table(res, stages))
+    print(format_table(res, pp))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def resolve_layout(a: argparse.Namespace) -> tuple[int, int]:
+    """(P, T) from --pp/--tp, or from the --num-devices/--parallel shorthand; a mix must agree."""
+    for flag in ("pp", "tp", "num_devices"):
+        v = getattr(a, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    if a.pp is None and a.tp is None:
+        n = a.num_devices or 4
+        return (n, 1) if (a.parallel or "pp") == "pp" else (1, n)
+    pp = a.pp or (a.num_devices // a.tp if a.num_devices and a.tp and a.num_devices % a.tp == 0 else 1)
+    tp = a.tp or (a.num_devices // pp if a.num_devices and a.num_devices % pp == 0 else 1)
+    if a.num_devices is not None and a.num_devices != pp * tp:
+        raise ValueError(f"--num-devices {a.num_devices} is not --pp {pp} x --tp {tp} = {pp * tp}")
+    if a.parallel == "pp" and tp > 1 or a.parallel == "tp" and pp > 1:
+        raise ValueError(f"--parallel {a.parallel} contradicts --pp {pp} --tp {tp}; give --pp and --tp alone")
+    return pp, tp
 
 
 class _NoTokenizer:
@@ -140,8 +183,8 @@ def format_table(r: dict[str, Any], stages: int) -> str:
 
     hw = r["hardware"]
     rows = [
-        ("deployment", f"{r['num_devices']}x {hw['name']} ({r['parallel']}: {stages} stage(s), tp {r['tp']}), "
-                       f"model {r['model']} ({r['model_weights_gb']:.1f} GB of weights)"),
+        ("deployment", f"{r['num_devices']}x {hw['name']} (pp {r['pp']} x tp {r['tp']}: {stages} stage(s) of "
+                       f"{r['tp']} device(s)), model {r['model']} ({r['model_weights_gb']:.1f} GB of weights)"),
         ("policy", f"{r['policy']}, max_num_seqs {r['max_num_seqs']}, budget {r['max_num_batched_tokens']} tokens"),
         ("workload", f"{r['workload']['name']} (seed {r['workload']['seed']}): {r['num_requests']} requests, "
                      f"{r['total_input_tokens']} in / {r['total_output_tokens']} out tokens"),
@@ -150,6 +193,9 @@ def format_table(r: dict[str, Any], stages: int) -> str:
         ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
         ("bubble ratio", f"{r['bubble_ratio']:.3f} mean (per stage: "
                          f"{', '.join(f'{b:.3f}' for b in r['bubble_ratio_per_stage'])})"),
+        *([("all-reduce", f"{sum(r['allreduce_s_per_stage']):.2f} s of {sum(r['busy_s_per_stage']):.2f} s charged "
+                          f"stage time ({100 * r['allreduce_share']:.1f}%; TD-Pipe Fig. 6's communication share)")]
+          if r["tp"] > 1 else []),
         ("KV cache", f"{r['kv_blocks']} blocks = {r['kv_capacity_tokens']} tokens, time-mean usage "
                      f"{100 * r['kv_usage_mean']:.1f}%"),
         ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
@@ -171,6 +217,7 @@ def _figure11(a: argparse.Namespace) -> int:
     engine = {k: v for k, v in kw.items() if v is not None} | {"block_size": a.block_size}
     if a.max_num_seqs:
         engine["max_num_seqs"] = a.max_num_seqs
+    a.num_prompts = a.num_prompts or 5000
     results = grid.run_grid(a.num_prompts, a.workload_seed, engine, jobs=a.jobs)
     meta = {"num_prompts": a.num_prompts, "seed": a.workload_seed, "wall_s": time.perf_counter() - t,
             "engine": {k: (list(v) if isinstance(v, tuple) else v) for k, v in engine.items()}}
@@ -193,4 +240,4 @@ def _compare(a: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "resolve_layout", "run"]

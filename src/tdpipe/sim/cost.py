@@ -24,20 +24,26 @@ from tdpipe.sim.hardware import Hardware
 
 def check_tensor_parallel(mc: ModelConfig, tp: int, model: str | None = None) -> None:
     """Fail when `tp` devices cannot split the model Megatron-style: every rank needs a whole number of
-    query heads, of KV heads (replicating KV heads over ranks, as vLLM does when tp > KV heads, is not
-    modelled) and of MLP columns. Otherwise the cost model would price a deployment that cannot exist."""
+    query heads and of MLP columns, and KV heads must either divide evenly or be replicated evenly (tp a
+    multiple of the KV heads: each rank keeps one, as vLLM does). Otherwise the cost model would price a
+    deployment that cannot exist."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tensor parallel size must be an integer >= 1, got {tp!r}")
     name = f"{model}: " if model else ""
-    parts = [("attention heads", mc.num_heads), ("KV heads", mc.num_kv_heads),
-             ("intermediate_size (MLP columns)", mc.intermediate_size)]
+    parts = [("attention heads", mc.num_heads), ("intermediate_size (MLP columns)", mc.intermediate_size)]
     bad = [f"{n} {what}" for what, n in parts if n % tp]
+    if mc.num_kv_heads % tp and tp % mc.num_kv_heads:
+        bad.append(f"{mc.num_kv_heads} KV heads")
     if bad:
         raise ValueError(f"{name}tensor parallel size {tp} cannot split the model: its {' and '.join(bad)} "
-                         f"are not divisible by {tp}; use a tp that divides heads {mc.num_heads}, KV heads "
-                         f"{mc.num_kv_heads} and intermediate_size {mc.intermediate_size}, or --parallel pp"
-                         + (" (KV heads replicated over ranks, as vLLM does for tp > KV heads, are not modelled)"
-                            if tp > mc.num_kv_heads else ""))
+                         f"are not divisible by {tp}; use a tp that divides heads {mc.num_heads} and "
+                         f"intermediate_size {mc.intermediate_size}, and divides or is a multiple of KV heads "
+                         f"{mc.num_kv_heads}, or --pp")
+
+
+def kv_heads_per_device(mc: ModelConfig, tp: int) -> float:
+    """KV heads one rank stores: split when tp <= KV heads, else one (replicated tp / KV heads times)."""
+    return mc.num_kv_heads / tp if tp <= mc.num_kv_heads else 1
 
 
 def layer_params(mc: ModelConfig) -> int:
@@ -95,19 +101,24 @@ class CostModel:
         self.layer_w = layer_params(mc) / tp  # weights per layer per device
         self.head_w = mc.vocab_size * mc.hidden_size / tp
         self.attn_per_pair = 4 * mc.num_heads * mc.head_dim / tp  # FLOPs per (query, key) pair per layer
-        self.kv_per_token = 2 * mc.num_kv_heads * mc.head_dim * dtype_bytes / tp  # bytes per layer
+        self.kv_per_token = 2 * kv_heads_per_device(mc, tp) * mc.head_dim * dtype_bytes  # bytes per layer
+        spans_nodes = hw.node_size and tp > hw.node_size and hw.internode_bw
+        self.allreduce_bw = hw.internode_bw if spans_nodes else hw.allreduce_bw  # a ring is as slow as its slowest hop
 
     def roofline(self, flops: float, nbytes: float, flops_rate: float | None = None) -> float:
         return max(flops / (flops_rate or self._flops), nbytes / self._bw)
 
+    def allreduce_time(self, s: StepShape) -> float:
+        """The two all-reduces of one layer (after attention, after the MLP) over the tp ranks (ring)."""
+        if self.tp == 1:
+            return 0.0
+        ring = 2 * (self.tp - 1) / self.tp * s.tokens * self.mc.hidden_size * self.b
+        return 2 * (self.hw.allreduce_latency + ring / self.allreduce_bw)
+
     def layer_time(self, s: StepShape) -> float:
-        hw = self.hw
         t = self.roofline(2 * s.tokens * self.layer_w, self.layer_w * self.b)
         t += self.roofline(s.attn_qk * self.attn_per_pair, s.kv_tokens * self.kv_per_token, self._attn_flops)
-        if self.tp > 1:
-            ring = 2 * (self.tp - 1) / self.tp * s.tokens * self.mc.hidden_size * self.b
-            t += 2 * (hw.allreduce_latency + ring / hw.allreduce_bw)
-        return t + hw.layer_overhead
+        return t + self.allreduce_time(s) + self.hw.layer_overhead
 
     def head_time(self, s: StepShape) -> float:
         return self.roofline(2 * s.rows * self.head_w, self.head_w * self.b)
@@ -122,9 +133,23 @@ class CostModel:
             out = [t * self.hw.slowdown for t in out]
         return out
 
-    def send_time(self, s: StepShape) -> float:
-        """One activation transfer between neighbouring stages (hidden states of every query token)."""
-        return self.hw.link_latency + s.tokens * self.mc.hidden_size * self.b / self.hw.link_bw
+    def stage_allreduce(self, s: StepShape) -> list[float]:
+        """The all-reduce part of stage_times (TD-Pipe Fig. 6's communication share)."""
+        per_layer = self.allreduce_time(s) * self.hw.slowdown
+        return [n * per_layer for n in self.layers]
+
+    def send_times(self, s: StepShape) -> list[float]:
+        """Activation transfer from stage k to k + 1 (hidden states of every query token): tp rank t sends to
+        tp rank t of the next stage, over the node's link or, when that pair sits on two nodes, the NIC."""
+        nbytes = s.tokens * self.mc.hidden_size * self.b
+        out = []
+        for k in range(self.num_stages - 1):
+            crosses = self.hw.node_size and self.hw.internode_bw and any(
+                (k * self.tp + t) // self.hw.node_size != ((k + 1) * self.tp + t) // self.hw.node_size
+                for t in range(self.tp))
+            out.append(self.hw.link_latency + nbytes / (self.hw.internode_bw if crosses else self.hw.link_bw))
+        return out
 
 
-__all__ = ["CostModel", "StepShape", "check_tensor_parallel", "layer_params", "model_bytes", "stage_weight_bytes"]
+__all__ = ["CostModel", "StepShape", "check_tensor_parallel", "kv_heads_per_device", "layer_params", "model_bytes",
+           "stage_weight_bytes"]

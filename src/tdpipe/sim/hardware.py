@@ -42,6 +42,9 @@ class Hardware:
     slowdown: float = 1.0  # stage compute time in a running pipeline / the same step timed alone (CPU rows:
     # stages, their helper threads and the engine share the cores; measured by sim/calibrate.py)
     threads: int = 0  # CPU rows: compute threads of one device; 0 for GPUs
+    node_size: int = 0  # devices per node (0: every device in one node); beyond it links are internode_bw
+    internode_bw: float = 0.0  # per device between nodes (NIC): all-reduces of a TP group spanning nodes,
+    # stage-to-stage sends that cross a node boundary
     measured_engine: bool = False  # charge the engine's real Python time (CPU rows) instead of engine_*
     source: str = ""
 
@@ -87,6 +90,8 @@ def _finite_number(v: object) -> bool:
 # switch nodes. Stage-to-stage sends are assumed to reach the same figure (they are small either way).
 PCIE4_AR = 14.82 * GB
 PCIE5_AR = 2 * PCIE4_AR  # assumption: a Gen5 switch doubles the Gen4 node's all-reduce bandwidth
+NVLINK4_AR = 360 * GB  # assumption: NCCL all-reduce bus bandwidth inside an 8x H100 NVLink4 node (of 450 per way)
+CX7_NIC = 50 * GB  # 400 Gbps
 
 TABLE: dict[str, Hardware] = {
     "l20": Hardware("l20", 119.5 * TFLOPS, 864 * GB, 48 * GB, 14.65 * GB, 14.65 * GB,
@@ -97,6 +102,10 @@ TABLE: dict[str, Hardware] = {
                          source="NVIDIA A100 40GB datasheet; PCIe Gen4 links as TD-Pipe's A100 node"),
     "h100": Hardware("h100", 989.4 * TFLOPS, 3350 * GB, 80 * GB, PCIE5_AR, PCIE5_AR,
                      source="NVIDIA H100 SXM5 80GB datasheet (dense BF16); PCIe Gen5 links assumed, no NVLink"),
+    "h100-nvl": Hardware("h100-nvl", 989.4 * TFLOPS, 3350 * GB, 80 * GB, NVLINK4_AR, NVLINK4_AR, node_size=8,
+                         internode_bw=CX7_NIC,
+                         source="SiPipe §7.1 H100-NVL testbed: 8x H100 SXM5 80GB per node over NVLink, nodes over "
+                                "400 Gbps ConnectX-7 NICs (one per GPU assumed); all-reduce bus bandwidth assumed"),
     "h200": Hardware("h200", 989.4 * TFLOPS, 4800 * GB, 141 * GB, PCIE5_AR, PCIE5_AR,
                      source="NVIDIA H200 141GB datasheet (dense BF16); PCIe Gen5 links assumed, no NVLink"),
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tdpipe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tdpipe.sim.cost import CostModel, model_bytes, stage_weight_bytes
+from tdpipe.sim.cost import CostModel, kv_heads_per_device, model_bytes, stage_weight_bytes
 from tdpipe.sim.hardware import Hardware
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -75,20 +75,32 @@ class SimConfig:
     # budget (CPU rows, whose memory is the host's)
     kv_cache_memory: int | float | None = None
     engine: dict[str, Any] = field(default_factory=dict)  # LLM-style scheduler kwargs
+    tensor_parallel: int | None = None  # a P x T layout: T devices per stage, P = num_devices / T (overrides
+    # `parallel`, which then only names the extremes)
 
     def __post_init__(self) -> None:
         if self.parallel not in ("pp", "tp"):
             raise ValueError(f"parallel must be 'pp' or 'tp', got {self.parallel!r}")
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
             raise ValueError(f"num_devices must be an integer >= 1, got {self.num_devices!r}")
-
-    @property
-    def pp(self) -> int:
-        return self.num_devices if self.parallel == "pp" else 1
+        t = self.tensor_parallel
+        if t is not None and (not isinstance(t, int) or t < 1 or self.num_devices % t):
+            raise ValueError(f"tensor_parallel {t!r} must be an integer >= 1 dividing num_devices {self.num_devices}")
 
     @property
     def tp(self) -> int:
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel
         return self.num_devices if self.parallel == "tp" else 1
+
+    @property
+    def pp(self) -> int:
+        return self.num_devices // self.tp
+
+    @property
+    def layout(self) -> str:
+        """P x T, as the runtime's `--pp P --tp T`."""
+        return f"{self.pp}x{self.tp}"
 
 
 class DoesNotFit(ValueError):
@@ -99,7 +111,7 @@ def kv_blocks_from_memory(mc: ModelConfig, hw: Hardware, partition: list[tuple[i
                           block_size: int, dtype_bytes: int = 2) -> int:
     """Blocks every stage can hold: per device, usable memory minus its share of the stage's weights and the
     reserve, divided by the KV one token needs on that stage's layers (split over tp)."""
-    per_layer = 2 * mc.num_kv_heads * mc.head_dim * dtype_bytes
+    per_layer = 2 * kv_heads_per_device(mc, tp) * mc.head_dim * dtype_bytes  # one device's share
     tokens = []
     n = len(partition)
     for k, (a, b) in enumerate(partition):
@@ -110,7 +122,7 @@ def kv_blocks_from_memory(mc: ModelConfig, hw: Hardware, partition: list[tuple[i
             raise DoesNotFit(f"the weights do not fit: stage {k} needs {weights / 1e9:.1f} GB of weights per device, "
                              f"{hw.name} has {hw.memory * hw.mem_util / 1e9:.1f} GB usable "
                              f"(about {need:.0f} GB per device needed over {n * tp} devices)")
-        tokens.append(int(free // (per_layer * (b - a) / tp)))
+        tokens.append(int(free // (per_layer * (b - a))))
     return min(tokens) // block_size
 
 
@@ -180,7 +192,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
     elapsed = engine.clock() - t0
     trace = engine.trace()
     hw = cfg.hardware
-    trace["machine"] = f"simulated: {cfg.num_devices}x {hw.name} ({cfg.parallel}, tp={cfg.tp})"
+    trace["machine"] = f"simulated: {cfg.num_devices}x {hw.name} (pp {cfg.pp} x tp {cfg.tp})"
     summary = summarize(trace)
     in_tok = sum(r.input_len for r in reqs)
     out_tok = sum(r.output_len for r in reqs)
@@ -190,7 +202,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
     res = {
         "simulated": True,
         "hardware": hw.to_json(),
-        "num_devices": cfg.num_devices, "parallel": cfg.parallel, "pp": cfg.pp, "tp": cfg.tp,
+        "num_devices": cfg.num_devices, "parallel": cfg.layout, "pp": cfg.pp, "tp": cfg.tp,
         "model": Path(engine.model_path).name,
         "policy": sched.config.policy,
         "num_requests": len(reqs), "finished": finished,
@@ -200,6 +212,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
         "total_tokens_per_s": (in_tok + out_tok) / elapsed,
         "total_input_tokens": in_tok, "total_output_tokens": out_tok,
         "bubble_ratio": summary["bubble_ratio"],
+        **_breakdown(trace),
         "bubble_ratio_per_stage": summary["bubble_ratio_per_stage"],
         "decode_bubble_ratio": summary["decode_bubble_ratio"],
         **{k: v - before[k] for k, v in spec.read_stats(sched).items()},  # the policy's counters (registry.py)
@@ -221,6 +234,15 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
             json.dump(trace, f)
     engine.shutdown()
     return res
+
+
+def _breakdown(trace: dict[str, Any]) -> dict[str, Any]:
+    """Charged time per stage split into compute and all-reduce (TD-Pipe Fig. 6), from the trace's events."""
+    busy = [sum(e["end"] - e["start"] for e in st["events"]) for st in trace["stages"]]
+    ar = [sum(e.get("allreduce", 0.0) for e in st["events"]) for st in trace["stages"]]
+    return {"busy_s_per_stage": busy, "allreduce_s_per_stage": ar,
+            "compute_s_per_stage": [b - a for b, a in zip(busy, ar)],
+            "allreduce_share": sum(ar) / sum(busy) if sum(busy) else 0.0}
 
 
 def _time_mean(kv: list[list[float]]) -> float:

@@ -1,5 +1,5 @@
 """Why pp = 2 (one thread per stage) stays below pp = 1 (two threads) on this machine: one decoder layer's
-four bf16 linears (Qwen2.5-0.5B or SmolLM2 shapes) timed per micro-batch size M, on 1 and 2 threads, in
+four bf16 linears (Qwen2.5-0.5B or SmolLM2 shapes; the engine's packed oneDNN linear) timed per micro-batch size M, on 1 and 2 threads, in
 fresh processes. pp = 2 splits a running batch of B rows into two micro-batches of B / 2, each stage one
 thread over half the layers, so its ceiling (no bubble at all) is 2 * r1(B / 2) / r2(B), r_t(M) = rows/s of
 one layer on t threads at M rows.
@@ -8,6 +8,7 @@ one layer on t threads at M rows.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,25 +21,34 @@ SIZES = [16, 32, 64, 128, 256, 512]
 
 
 def child(model: str, threads: int) -> dict:
+    """rows/s per M through the engine's own bf16 linear (tdpipe.model.packed_linear: weights packed once)."""
     import torch
+
+    from tdpipe.model.packed_linear import PackedLinear
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(o, i, generator=g).bfloat16() for o, i in SHAPES[model]]
+    layers = []
+    for o, i in SHAPES[model]:
+        lin = torch.nn.Linear(i, o, bias=False).bfloat16()
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(o, i, generator=g))
+        layers.append((i, PackedLinear(lin)))
     out = {}
-    for m in SIZES:
-        xs = {w.shape[1]: torch.randn(m, w.shape[1], generator=g).bfloat16() for w in ws}
-        for _ in range(3):
-            for w in ws:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(10):
-                for w in ws:
-                    torch.nn.functional.linear(xs[w.shape[1]], w)
-            best = min(best, (time.perf_counter() - t) / 10)
-        out[m] = m / best
+    with torch.inference_mode():
+        for m in SIZES:
+            xs = {i: torch.randn(m, i, generator=g).bfloat16() for i, _ in layers}
+            for _ in range(3):
+                for i, lin in layers:
+                    lin(xs[i])
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(10):
+                    for i, lin in layers:
+                        lin(xs[i])
+                best = min(best, (time.perf_counter() - t) / 10)
+            out[m] = m / best
     return out
 
 
@@ -61,7 +71,7 @@ def main() -> None:
         r = {}
         for t in (1, 2):
             out = subprocess.run([sys.executable, __file__, "--child", model, str(t)], capture_output=True, text=True,
-                                 check=True, env={"OMP_NUM_THREADS": str(t), "PATH": ""}).stdout
+                                 check=True, env={**os.environ, "OMP_NUM_THREADS": str(t)}).stdout
             r[t] = {int(k): v for k, v in json.loads(out).items()}
         res["rows_per_s"][model] = {f"{t} threads": r[t] for t in r}
         res["pp2_ceiling"][model] = {b: 2 * r[1][b // 2] / r[2][b] for b in SIZES if b // 2 in r[1]}

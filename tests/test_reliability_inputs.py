@@ -346,7 +346,7 @@ def test_cli_simulate_missing_inputs(tmp_path, capsys):
 
 @pytest.mark.parametrize("model, tp, says", [
     ("13b", 3, "40 attention heads and 40 KV heads are not divisible by 3"),
-    ("70b", 16, "8 KV heads are not divisible by 16"),
+    ("32b", 20, "27648 intermediate_size (MLP columns) and 8 KV heads are not divisible by 20"),
     ("bundled", 2, "9 attention heads and 3 KV heads are not divisible by 2"),
 ])
 def test_cli_simulate_rejects_impossible_tp(capsys, model, tp, says):
@@ -370,7 +370,9 @@ def test_cost_model_and_grid_refuse_impossible_tp():
     with pytest.raises(ValueError, match="intermediate_size|attention heads"):
         check_tensor_parallel(mc, 3)
     with pytest.raises(ValueError, match="tensor parallel size"):
-        CostModel(mc, TABLE["l20"], [(0, mc.num_layers)], tp=32)
+        CostModel(mc, TABLE["l20"], [(0, mc.num_layers)], tp=24)
+    for tp in (16, 32):  # more ranks than KV heads: each keeps one, replicated (as vLLM)
+        check_tensor_parallel(mc, tp)
     with pytest.raises(ValueError, match="integer >= 1"):
         check_tensor_parallel(mc, 0)
     cell = {"hardware": "l20", "model": "llama-2-13b", "devices": 3, "method": "TP+SB"}

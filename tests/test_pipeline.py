@@ -197,26 +197,6 @@ def test_throttle_small_prefill_budget(pp, pp1_tokens):
         llm.engine.block_manager.check_no_leaks()
 
 
-def test_throttle_merged_decodes_borrow_the_idle_stages_cores(pp1_tokens):
-    """merge_decodes_below: once every prompt is prefilled, the decodes go as one micro-batch that each stage
-    runs on both stages' threads (2 here, against 1 per stage otherwise); tokens unchanged."""
-    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="throttle", pipeline_parallel_size=2,
-             threads_per_stage=1, merge_decodes_below=64, collect_trace=True) as llm:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        assert tokens(outs) == pp1_tokens
-        stages = llm.trace()["stages"]
-    for st in stages:
-        solo = [e for e in st["events"] if e["threads"] == 2]
-        assert {e["threads"] for e in st["events"]} == {1, 2}  # prefill on one thread, merged decodes on two
-        assert solo and all(e["prefill_tokens"] == 0 for e in solo)
-        assert max(e["decode_seqs"] for e in solo) == len(PROMPTS)  # all of #RD in one micro-batch
-    # merged micro-batches run alone: stage 0 starts the next one only after stage 1 finished the last
-    ends1 = sorted(e["end"] for e in stages[1]["events"])
-    for e in stages[0]["events"]:
-        if e["threads"] == 2:
-            assert not any(e["start"] < t < e["end"] for t in ends1)
-
-
 # --------------------------------------------------------------------------------------------- random Qwen2
 
 

@@ -73,7 +73,7 @@ def test_random_stress_every_request_finishes_exactly_once():
         num_blocks = rng.randint(12, 80)
         sched, bm = make(num_blocks=num_blocks, block_size=block_size, max_seqs=rng.randint(1, 16), depth=depth,
                          throttle_T=rng.choice([1.0, 4.0, 8.0]), max_prefill_tokens=rng.choice([16, 64, 256]),
-                         min_prefill_tokens=rng.choice([1, 8, 16]), merge_decodes_below=rng.choice([0, 4, 100]))
+                         min_prefill_tokens=rng.choice([1, 8, 16]))
         cap = num_blocks * block_size
         seqs = []
         for i in range(rng.randint(30, 100)):
@@ -84,65 +84,3 @@ def test_random_stress_every_request_finishes_exactly_once():
         _check_all_finished(log, seqs, bm)
         total += len(log.batches)
     assert total > 1000
-
-
-# ------------------------------------------------------------------ merge_decodes_below (not in gLLM)
-
-def _drive(sched, bm, seqs, depth):
-    """run_pipelined, recording how many micro-batches were in flight when each batch was scheduled."""
-    from collections import deque
-
-    from test_scheduler_hybrid import _complete, Log
-
-    for s in seqs:
-        sched.add(s)
-    in_flight, log, alongside = deque(), Log(), []
-    while sched.has_unfinished():
-        while len(in_flight) < depth:
-            batch = sched.schedule()
-            if batch is None:
-                break
-            alongside.append((batch, len(in_flight)))
-            in_flight.append(batch)
-        assert in_flight, "stalled"
-        _complete(sched, in_flight.popleft(), log)
-    return alongside
-
-
-def test_merged_decodes_run_alone_below_the_threshold():
-    sched, bm = make(num_blocks=1000, block_size=16, max_seqs=64, depth=2, merge_decodes_below=8)
-    seqs = [mkseq(i, 8, 4 + 3 * i) for i in range(20)]  # outputs of different lengths: #RD shrinks
-    alongside = _drive(sched, bm, seqs, depth=2)
-    solo = [(b, n) for b, n in alongside if b.solo]
-    assert solo, "the tail below 8 decoding sequences should be merged"
-    for b, n in solo:
-        assert n == 0  # submitted only once the pipeline drained
-        assert all(k == 1 for k in b.num_new_tokens) and len(b) < 8  # all of #RD, in one batch
-    # above the threshold Eq. 4 still splits the decodes over the two micro-batches
-    split = [b for b, _ in alongside if not b.solo and all(k == 1 for k in b.num_new_tokens)]
-    assert split and max(len(b) for b in split) == 10
-    assert all(s.is_finished for s in seqs)
-    bm.check_no_leaks()
-
-
-@pytest.mark.parametrize("depth,merge", [(2, 0), (1, 100)])
-def test_no_merging_when_off_or_without_a_pipeline(depth, merge):
-    sched, bm = make(num_blocks=1000, block_size=16, max_seqs=64, depth=depth, merge_decodes_below=merge)
-    alongside = _drive(sched, bm, [mkseq(i, 8, 4 + 3 * i) for i in range(20)], depth=depth)
-    assert not any(b.solo for b, _ in alongside)
-
-
-def test_merging_waits_for_prompts():
-    """While a prompt waits or is half prefilled, decodes stay split (Eq. 3 and 4 keep the stages busy)."""
-    sched, bm = make(num_blocks=1000, block_size=16, max_seqs=64, depth=2, merge_decodes_below=100,
-                     max_prefill_tokens=8, min_prefill_tokens=8)
-    alongside = _drive(sched, bm, [mkseq(i, 40, 6) for i in range(6)], depth=2)
-    assert any(b.solo for b, _ in alongside)
-    for b, _ in alongside:
-        if b.solo:
-            assert all(k == 1 for k in b.num_new_tokens)  # never a prefill chunk in a merged batch
-
-
-def test_bad_merge_value_names_the_field():
-    with pytest.raises(ValueError, match="merge_decodes_below"):
-        SchedulerConfig(policy="throttle", merge_decodes_below=-1)

@@ -144,9 +144,6 @@ class SchedulerConfig:
     max_prefill_tokens: int = 2048
     min_prefill_tokens: int = 32
     kv_thresh: float = 0.05
-    # throttle, pp > 1: below this many decoding sequences (and no prompt left to prefill) all decodes go in
-    # one micro-batch instead of #RD/pp (Eq. 4), and co-located stages lend it their cores; 0: always Eq. 4
-    merge_decodes_below: int = 0
     # TD-Pipe (§3.3-3.5): futurePoints every future_point_step decode steps up to future_point_max;
     # ablation switches (§4.4): "predict" | "kv-ratio:R" and "intensity" | "finish-ratio:R"; plus
     # "reachable-intensity" (Eq. 1 with Peak at the batch a switch can reach; docs/simulator.md)
@@ -175,8 +172,6 @@ class SchedulerConfig:
                f"min_prefill_tokens (#MinP) must be in [1, max_prefill_tokens={self.max_prefill_tokens}], "
                f"got {self.min_prefill_tokens}")
         _check(0.0 <= self.kv_thresh < 1.0, f"kv_thresh (KVthresh) must be in [0, 1), got {self.kv_thresh}")
-        _check(isinstance(self.merge_decodes_below, int) and self.merge_decodes_below >= 0,
-               f"merge_decodes_below must be an integer >= 0, got {self.merge_decodes_below!r}")
         _check(1 <= self.future_point_step <= self.future_point_max,
                f"future_point_step must be in [1, future_point_max={self.future_point_max}], "
                f"got {self.future_point_step}")

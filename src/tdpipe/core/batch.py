@@ -17,7 +17,6 @@ class Batch:
     # copy-on-write: (src, dst) KV blocks every stage copies before running this batch (BlockManager.prepare_append)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     all_logits: list[bool] = field(default_factory=list)  # as sent (StepInput.all_logits): the result's layout
-    solo: bool = False  # the only micro-batch in flight: co-located stages may lend it their cores
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +53,6 @@ class StepInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step runs
     # per sequence: logits for every new token (prompt_logprobs) instead of the last one only; [] = none
     all_logits: list[bool] = field(default_factory=list)
-    solo: bool = False  # Batch.solo
 
     def logit_rows(self) -> int:
         """Rows of the logits the last stage returns: one per sequence, or one per new token of a sequence
@@ -104,5 +102,4 @@ class StepInput:
             seq_ids=[s.seq_id for s in batch.seqs],
             kv_epochs=[s.table_epoch for s in batch.seqs],
             block_copies=list(batch.block_copies),
-            solo=batch.solo,
         )

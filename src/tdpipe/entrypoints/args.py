@@ -27,7 +27,6 @@ FLAG_FIELDS: dict[str, tuple[type, str]] = {
     "max_model_len": (SchedulerConfig, "max_model_len"),
     "throttle_T": (SchedulerConfig, "throttle_T"), "max_prefill_tokens": (SchedulerConfig, "max_prefill_tokens"),
     "min_prefill_tokens": (SchedulerConfig, "min_prefill_tokens"), "kv_thresh": (SchedulerConfig, "kv_thresh"),
-    "merge_decodes_below": (SchedulerConfig, "merge_decodes_below"),
     "switch_to_decode": (SchedulerConfig, "switch_to_decode"),
     "switch_to_prefill": (SchedulerConfig, "switch_to_prefill"), "predictor": (SchedulerConfig, "predictor"),
 }
@@ -134,17 +133,12 @@ def add_scheduler_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--kv-thresh", type=float, default=_d("kv_thresh"),
                    help="throttle: KVthresh, no prefill while the free KV fraction is below it (Eq. 3; "
                         "default: %(default)s)")
-    g.add_argument("--merge-decodes-below", type=int, default=_d("merge_decodes_below"), metavar="N",
-                   help="throttle, pp > 1: with fewer than N sequences decoding and no prompt left to prefill, "
-                        "send all decodes as one micro-batch instead of #RD/pp (Eq. 4), and let co-located "
-                        "stages lend it their cores (pp micro-batches of a few rows each use a core badly); "
-                        "0 = always Eq. 4 (default: %(default)s)")
 
 
 def scheduler_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(max_num_batched_tokens=a.max_num_batched_tokens, scheduler=a.scheduler, throttle_T=a.throttle_T,
                 max_prefill_tokens=a.max_prefill_tokens, min_prefill_tokens=a.min_prefill_tokens,
-                kv_thresh=a.kv_thresh, merge_decodes_below=a.merge_decodes_below, future_points=_future_points(a.future_points),
+                kv_thresh=a.kv_thresh, future_points=_future_points(a.future_points),
                 switch_to_decode=a.switch_to_decode, switch_to_prefill=a.switch_to_prefill,
                 work_stealing=not a.no_work_stealing, predictor=a.predictor, profile_cache=not a.no_profile_cache)
 

@@ -44,8 +44,7 @@ def engine_config(kw: dict[str, Any]) -> EngineConfig:
             throttle_T=d.get("throttle_T", sched.throttle_T),
             max_prefill_tokens=d.get("max_prefill_tokens", sched.max_prefill_tokens),
             min_prefill_tokens=d.get("min_prefill_tokens", sched.min_prefill_tokens),
-            kv_thresh=d.get("kv_thresh", sched.kv_thresh),
-            merge_decodes_below=d.get("merge_decodes_below", sched.merge_decodes_below), future_point_step=future[0],
+            kv_thresh=d.get("kv_thresh", sched.kv_thresh), future_point_step=future[0],
             future_point_max=future[1], switch_to_decode=d.get("switch_to_decode", sched.switch_to_decode),
             switch_to_prefill=d.get("switch_to_prefill", sched.switch_to_prefill),
             work_stealing=d.get("work_stealing", sched.work_stealing),
@@ -69,8 +68,7 @@ class LLM:
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`);
     collect_trace: keep the timeline for `trace()` without writing it (off by default: it costs memory).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
-    (Eq. 3), used by scheduler="throttle"; merge_decodes_below: with pp > 1, below this many decoding
-    sequences the throttle sends them all in one micro-batch that may use every stage's cores. future_points (step, max), switch_to_decode, switch_to_prefill,
+    (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
     work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]' | a file from `tdpipe predictor train`),
     profile_cache: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
     enable_prefix_caching: reuse the KV of cached full-block prefixes across requests (on by default).
@@ -97,7 +95,6 @@ class LLM:
                  max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
                  min_prefill_tokens: int = SchedulerConfig.min_prefill_tokens,
                  kv_thresh: float = SchedulerConfig.kv_thresh,
-                 merge_decodes_below: int = SchedulerConfig.merge_decodes_below,
                  future_points: tuple[int, int] = (SchedulerConfig.future_point_step,
                                                    SchedulerConfig.future_point_max),
                  switch_to_decode: str = SchedulerConfig.switch_to_decode,

@@ -33,9 +33,6 @@ class StageInit:
     # the other end (the first stage receives normalised rows from the last); None: not split
     head_range: tuple[int, int] | None = None
     head_peer: int | None = None
-    # threads for a `solo` micro-batch (the only one in flight, Batch.solo): every stage's share of the cores
-    # when the stages share one machine, so an idle stage lends its cores; 0: never more than `threads`
-    solo_threads: int = 0
 
 
 @dataclass
@@ -56,4 +53,3 @@ class StepMessage:
     sent_at: float = 0.0
     block_copies: list[tuple[int, int]] | None = None  # copy-on-write, before the step (every stage)
     all_logits: list[bool] | None = None  # prompt_logprobs rows: logits of every new token (last stage)
-    solo: bool = False  # the only micro-batch in flight: run it on StageInit.solo_threads

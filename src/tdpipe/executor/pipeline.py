@@ -191,16 +191,13 @@ class PipelineExecutor(Executor):
         self.t = self._connect(rv)
         self._waiter = _Waiter(self.t.wait)
         dname = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        # stages on one machine (spawned here, or torchrun on a single node) can lend an idle stage's cores
-        one_host = self.launcher == "spawn" or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
-        solo_threads = sum(s.threads for s in self.stages) if one_host else 0
         for r in lay.worker_ranks():
             k, t = lay.coords(r)
             s = self.stages[k]
             peer = next((p for p in self.head_ranges if p != r), None) if r in self.head_ranges else None
             init = m.StageInit(k, self.num_stages, s.start_layer, s.end_layer, model_config, model_path, dname,
                                num_blocks, block_size, s.threads, device, max_num_batched_tokens, t, lay.tp,
-                               self.head_ranges.get(r), peer, solo_threads)
+                               self.head_ranges.get(r), peer)
             self._send_all([r], m.INIT, init)
         for r in lay.worker_ranks():
             kind, info = self._reply(r)
@@ -388,7 +385,7 @@ class PipelineExecutor(Executor):
                 msg = m.StepMessage(step.batch_id, step.token_ids, step.query_lens, step.seq_lens,
                                     step.seq_ids, deltas, self.sender.take_freed(), step.is_prefill, greedy,
                                     step.shape(), time.time(), step.block_copies or None,
-                                    step.all_logits if any(step.all_logits) else None, step.solo)
+                                    step.all_logits if any(step.all_logits) else None)
                 try:
                     works = [self.t.irecv(b, r, tensor_tag(step.batch_id)) for r, b in srcs]
                 except RuntimeError as e:

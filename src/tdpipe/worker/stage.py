@@ -188,9 +188,6 @@ class StageWorker:
             msg, inp, buf, work, t_meta, t_prepared = payload
             if work is not None:
                 self.t.wait(work)
-            threads = self.init.solo_threads if msg.solo and self.init.solo_threads else self.init.threads
-            if threads != torch.get_num_threads():  # a solo micro-batch borrows the idle stages' cores
-                torch.set_num_threads(threads)
             start = time.time()
             comm0 = self.tp.comm_seconds
             out = self.runner.execute(inp, buf, normed_rows=split_last)
@@ -204,8 +201,7 @@ class StageWorker:
             end = time.time()
             event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
                      "meta_latency": t_meta - msg.sent_at, "prep": t_prepared - t_meta,
-                     "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1], "context_tokens": sum(msg.seq_lens),
-                     "threads": threads}
+                     "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1], "context_tokens": sum(msg.seq_lens)}
             if self.tp.size > 1:
                 event["allreduce"] = self.tp.comm_seconds - comm0  # inside compute: TP's share (Fig. 6)
             self.events.append(event)

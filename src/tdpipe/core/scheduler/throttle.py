@@ -7,16 +7,10 @@ that the pp micro-batches in flight carry equal work and KV never runs dry:
   decode tokens   #D = #RD / pp                                                                  (Eq. 4)
 #WP: prompt tokens still waiting to be prefilled; #RD: running requests ready to decode; KVfree: the free
 fraction of KV blocks. Defaults #T=8, #MaxP=2048, #MinP=32, KVthresh=0.05 (SchedulerConfig).
-
-Not in gLLM: `merge_decodes_below` N. With fewer than N sequences decoding and no prompt left to prefill,
-Eq. 4's pp micro-batches hold a few rows each, and a GEMM over a few rows on one stage's cores runs far
-below the rate of one over all of them (README, "Pipeline efficiency"). Then the throttle lets the pipeline
-drain and sends all decodes as one micro-batch, marked `solo`, which co-located stages run on every core.
 """
 from __future__ import annotations
 
 from tdpipe.config import SchedulerConfig
-from tdpipe.core.batch import Batch
 from tdpipe.core.scheduler.hybrid import HybridScheduler
 from tdpipe.core.scheduler.registry import register_policy
 
@@ -27,30 +21,10 @@ from tdpipe.core.scheduler.registry import register_policy
          "--max-prefill-tokens, --min-prefill-tokens, --kv-thresh), decodes #RD/pp (Eq. 4)",
     budget_help="a ceiling of #MaxP + 256 decodes, Eq. 3 sizes each batch")
 class ThrottleScheduler(HybridScheduler):
-    _merge = False  # this schedule() call merges the decodes (merge_decodes_below)
-
-    def schedule(self) -> Batch | None:
-        self._merge = self._should_merge()
-        if self._merge and any(s.in_flight for s in self.running):
-            return None  # let the pipeline drain: the merged micro-batch runs alone
-        batch = super().schedule()
-        if batch is not None and self._merge:
-            batch.solo = True
-        return batch
-
-    def _should_merge(self) -> bool:
-        cfg = self.config
-        if cfg.pipeline_depth == 1 or cfg.merge_decodes_below == 0 or self.waiting:
-            return False
-        if any(self._is_prefilling(s) for s in self.running):
-            return False
-        return sum(1 for s in self.running if self._is_decoding(s)) < cfg.merge_decodes_below
-
     def decode_limit(self) -> int:
-        """#D = #RD / pp (Eq. 4), rounded up so no decode is left behind; all of #RD when merging."""
+        """#D = #RD / pp (Eq. 4), rounded up so no decode is left behind."""
         rd = sum(1 for s in self.running if self._is_decoding(s))
-        depth = 1 if self._merge else self.config.pipeline_depth
-        return max(1, min(self.config.max_num_seqs, -(-rd // depth)))
+        return max(1, min(self.config.max_num_seqs, -(-rd // self.config.pipeline_depth)))
 
     def waiting_prefill_tokens(self) -> int:
         """#WP: prompt tokens without KV, queued or partly prefilled; a queued request's cached prefix is not

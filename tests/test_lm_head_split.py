@@ -8,7 +8,7 @@ import pytest
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.config import ParallelConfig
-from tdpipe.worker.partition import StageCosts, balanced_partition
+from tdpipe.worker.partition import PhaseCosts, StageCosts, balanced_partition, choose_head_split
 
 PROMPTS = [[1, 2, 3, 4, 5], [9] * 3, list(range(100, 140)), [7, 300, 5000, 12, 44, 45, 46]]
 
@@ -18,7 +18,7 @@ def gen(llm, params):
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"lm_head_split must be a fraction in \[0, 1\), got 1.0"):
+    with pytest.raises(ValueError, match=r"lm_head_split must be a fraction in \[0, 1\) or None \(auto\), got 1.0"):
         ParallelConfig(pipeline_parallel_size=2, lm_head_split=1.0)
     with pytest.raises(ValueError, match="lm_head_split 0.5 needs pipeline_parallel_size > 1 and "
                                          "tensor_parallel_size 1 .got 1 and 1"):
@@ -36,6 +36,40 @@ def test_partition_counts_the_head_on_both_ends():
 
     assert balanced_partition(cfg, 2, replace(c, head_first=0.5)) == [15, 15]
     assert replace(c, head_first=0.5).stage_cost(30, True, True) == 36.0  # pp = 1 keeps the whole head
+
+
+def test_phase_costs_balance_each_phase_not_a_blend():
+    """Decode wants the head's stage light, prefill wants equal layers: one blended cost hides that the two
+    disagree; the phases' summed bottlenecks see it, and half the head on stage 0 satisfies both."""
+    cfg = SimpleNamespace(num_layers=30)
+    costs = PhaseCosts(decode=StageCosts(embed=0.0, layer=1.0, head=3.0),
+                       prefill=StageCosts(embed=0.0, layer=1.0, head=0.0), decode_share=0.5)
+    # unsplit: 16/14 (decode 17, prefill 16) ties 15/15 (18, 15) at 16.5 and wins on the squares; 17/13: 17
+    assert balanced_partition(cfg, 2, costs) == [16, 14]
+    assert costs.time([16, 14]) == 0.5 * 17 + 0.5 * 16
+    assert costs.with_split(0.5).time([15, 15]) == 0.5 * 16.5 + 0.5 * 15
+    assert choose_head_split(cfg, 2, costs) == (0.5, [15, 15])
+    assert choose_head_split(cfg, 2, costs, [16, 14])[1] == [16, 14]  # a given partition is kept
+    # no head to move: auto stays unsplit
+    flat = PhaseCosts(StageCosts(0.0, 1.0, 0.0), StageCosts(0.0, 1.0, 0.0))
+    assert choose_head_split(cfg, 2, flat) == (0.0, [15, 15])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_phase_partition_is_optimal(seed):
+    """The Pareto-front DP finds the least two-phase time over every composition (brute force)."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    for n, pp in ((7, 2), (8, 3), (9, 4)):
+        cfg = SimpleNamespace(num_layers=n)
+        c = PhaseCosts(StageCosts(rng.uniform(0, 2), 1.0, rng.uniform(0, 8)),
+                       StageCosts(rng.uniform(0, 2), rng.uniform(0.5, 2), rng.uniform(0, 1)),
+                       decode_share=rng.uniform(0.2, 0.8))
+        comps = [[b - a for a, b in zip((0,) + cuts, cuts + (n,))]
+                 for cuts in itertools.combinations(range(1, n), pp - 1)]
+        assert c.time(balanced_partition(cfg, pp, c)) == pytest.approx(min(c.time(x) for x in comps), rel=1e-12)
 
 
 @pytest.fixture(scope="module")

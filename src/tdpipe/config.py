@@ -189,8 +189,9 @@ class ParallelConfig:
     layer_partition: list[int] | None = None  # layers per stage, e.g. [18, 12]; None: balance by cost
     threads_per_stage: int | None = None  # None: the cores split evenly between stages
     # share of the lm_head's vocabulary computed on the first stage (T = 1, P > 1): the last stage sends it
-    # the normalised rows; 0 keeps the whole head on the last stage (ARCHITECTURE.md: balance by cost)
-    lm_head_split: float = 0.0
+    # the normalised rows; 0 keeps the whole head on the last stage; None (auto) picks it with the layers
+    # from the measured stage costs (tdpipe/worker/partition.py: choose_head_split)
+    lm_head_split: float | None = None
     device: str = "cpu"  # stages on CPU, activations over gloo (CUDA + NCCL: not built yet)
 
     def __post_init__(self) -> None:
@@ -207,9 +208,9 @@ class ParallelConfig:
         if self.threads_per_stage is not None:
             _check(self.threads_per_stage >= 1, f"threads_per_stage must be >= 1, got {self.threads_per_stage}")
         f = self.lm_head_split
-        _check(isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0,
-               f"lm_head_split must be a fraction in [0, 1), got {f!r}")
-        if f > 0:
+        _check(f is None or (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0),
+               f"lm_head_split must be a fraction in [0, 1) or None (auto), got {f!r}")
+        if f:
             _check(pp > 1 and tp == 1, f"lm_head_split {f} needs pipeline_parallel_size > 1 and "
                                        f"tensor_parallel_size 1 (got {pp} and {tp}); with tensor parallelism "
                                        "the last stage's ranks split the head already")

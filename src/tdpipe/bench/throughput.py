@@ -227,6 +227,7 @@ def run(a: argparse.Namespace) -> int:
         "tp": engine.tp,
         "policy": engine.scheduler.config.policy,
         "layer_partition": [b - a_ for a_, b in engine.partition],
+        "lm_head_split": engine.lm_head_split,  # the share of the head on stage 0 (auto: as chosen)
         "stage_threads": engine.stage_threads,
         "bubble_ratio": timed["summary"]["bubble_ratio"],
         "bubble_ratio_per_stage": timed["summary"]["bubble_ratio_per_stage"],
@@ -412,8 +413,9 @@ def format_table(r: dict[str, Any]) -> str:
         ("input tokens/s", f"{r['input_tokens_per_s']:.1f}  ({r['total_input_tokens']} tokens)"),
         ("output tokens/s", f"{r['output_tokens_per_s']:.1f}  ({r['total_output_tokens']} tokens)"),
         ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
-        ("layout", f"pp {r['pp']} x tp {r.get('tp', 1)}, layers {r['layer_partition']}, threads per worker "
-                   f"{r['stage_threads']}, policy {r['policy']}"),
+        ("layout", f"pp {r['pp']} x tp {r.get('tp', 1)}, layers {r['layer_partition']}"
+                   + (f", {100 * r['lm_head_split']:.0f}% of the lm_head on stage 0" if r.get("lm_head_split") else "")
+                   + f", threads per worker {r['stage_threads']}, policy {r['policy']}"),
         ("steps", f"{r['prefill_steps']} prefill, {r['decode_steps']} decode, {r['mixed_steps']} mixed; "
                   + get_policy(r["policy"]).stats_text(r)),
         ("KV cache", f"{r['kv_blocks']} blocks, {r['kv_capacity_tokens']} tokens"),

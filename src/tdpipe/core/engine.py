@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -152,6 +152,7 @@ class LLMEngine:
             from tdpipe.worker.partition import resolve_partition
 
             self.partition = resolve_partition(mc, self.pp, config.parallel.layer_partition)
+            self.lm_head_split = config.parallel.lm_head_split or 0.0
             self.stage_threads = [config.parallel.stage_threads()] * self.pp
             self.executor = executor_factory(self)
         self.clock = self.executor.now
@@ -187,23 +188,31 @@ class LLMEngine:
         return ids
 
     def _make_executor(self, num_blocks: int) -> Executor:
-        from tdpipe.worker.partition import StageCosts, resolve_partition
+        from tdpipe.worker.partition import StageCosts, choose_head_split, resolve_partition
 
         par = self.config.parallel
+        split = par.lm_head_split  # None: auto (pp > 1, tp = 1 only)
+        auto = split is None and self.pp > 1 and self.tp == 1
+        counts = par.layer_partition
         costs = None
-        if self.pp > 1 and par.layer_partition is None:
+        if self.pp > 1 and (counts is None or auto):
             # balance by measured time (a decode micro-batch and a prefill), not by layer count or FLOPs
             batch = max(8, min(128, self.scheduler.config.max_num_seqs // self.pp))
             costs = StageCosts.measure(self.model_config, self.dtype, par.stage_threads(), batch=batch)
-            costs = replace(costs, head_first=par.lm_head_split)
-        self.partition = resolve_partition(self.model_config, self.pp, par.layer_partition, costs)
+            if auto:
+                split, counts = choose_head_split(self.model_config, self.pp, costs, counts)
+            else:
+                costs = costs.with_split(split or 0.0)
+        self.lm_head_split = split or 0.0
+        self.partition = resolve_partition(self.model_config, self.pp, counts, costs)
         if self.tp > 1:  # an unsplittable model fails here, naming its sizes, before any worker starts
             from tdpipe.model.tensor_parallel import head_split
 
             head_split(self.model_config.num_heads, self.model_config.num_kv_heads, self.tp)
         if self.pp > 1:
-            log.info("layer partition %s (embedding on stage 0, norm + lm_head on stage %d; costs %s)",
-                     [b - a for a, b in self.partition], self.pp - 1, costs)
+            log.info("layer partition %s (embedding on stage 0, norm + lm_head on stage %d, %.0f%% of the head "
+                     "on stage 0; costs %s)", [b - a for a, b in self.partition], self.pp - 1,
+                     100 * self.lm_head_split, costs)
         if self.pp == 1 and self.tp == 1:
             from tdpipe.executor.local import LocalExecutor
             from tdpipe.worker.model_runner import ModelRunner
@@ -219,7 +228,7 @@ class LLMEngine:
         stages = [StageSpec(a, b, threads) for a, b in self.partition]
         return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
                                 self.config.cache.block_size, stages,
-                                self._max_batch_tokens(), par.device, self.tp, par.lm_head_split)
+                                self._max_batch_tokens(), par.device, self.tp, self.lm_head_split)
 
     def _max_batch_tokens(self) -> int:
         """Tokens the stages' receive buffers must hold: separate and td-pipe send a lone prompt longer

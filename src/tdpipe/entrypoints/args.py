@@ -63,6 +63,16 @@ def _budget_help() -> str:
     return f"token budget of one micro-batch (default: the policy's: {per})".replace("%", "%%")
 
 
+def _head_split(v: str) -> float | None:
+    """'auto' (None) or a fraction in [0, 1) (ParallelConfig checks the range)."""
+    if v.strip().lower() == "auto":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1) or 'auto', got {v!r}") from None
+
+
 def _memory(v: str) -> int | float:
     """'0.3' is a fraction of available memory; '2GiB', '512MiB' or a plain integer are bytes."""
     s = v.strip()
@@ -182,11 +192,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layer-partition", type=_partition, default=_d("layer_partition"),
                    help="layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, counting "
                         "the embedding on the first stage and norm + lm_head on the last")
-    g.add_argument("--lm-head-split", type=float, default=_d("lm_head_split"), metavar="F",
+    g.add_argument("--lm-head-split", type=_head_split, default=_d("lm_head_split"), metavar="F|auto",
                    help="with --pp > 1 and --tp 1: compute this share of the lm_head's vocabulary on the first "
-                        "stage (the last sends it the normalised rows), so a stage's load is the same in decode "
-                        "(heavy head) and prefill (light head); the layer split is balanced with it "
-                        "(default: %(default)s, the whole head on the last stage)")
+                        "stage (the last sends it the normalised rows), so the stages stay balanced in decode "
+                        "(heavy head) and in prefill (light head); the layer split is balanced with it. 0: the "
+                        "whole head on the last stage; auto: the share (and layers) with the least modelled "
+                        "decode + prefill time from the costs measured at start-up, 0 unless it saves over 1%% "
+                        "(default: auto)")
     g.add_argument("--threads-per-stage", type=int, default=_d("threads_per_stage"),
                    help="torch threads in each worker process (default: the cores split evenly between the P x T "
                         "workers)")

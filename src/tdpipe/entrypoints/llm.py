@@ -64,7 +64,8 @@ class LLM:
     pipeline_parallel_size: stage worker processes, each with a contiguous slice of layers and their KV
     (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
     tensor_parallel_size: T worker processes per stage, each holding a Megatron-style shard of it (vLLM's name).
-    lm_head_split: share of the lm_head's vocabulary computed on the first stage (pp > 1, tp = 1).
+    lm_head_split: share of the lm_head's vocabulary computed on the first stage (pp > 1, tp = 1); None
+        (default): chosen with the layer partition from the measured stage costs; 0: the whole head last.
     trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`);
     collect_trace: keep the timeline for `trace()` without writing it (off by default: it costs memory).
     throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
@@ -88,7 +89,7 @@ class LLM:
                  pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
                  tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
                  layer_partition: list[int] | None = ParallelConfig.layer_partition,
-                 lm_head_split: float = ParallelConfig.lm_head_split,
+                 lm_head_split: float | None = ParallelConfig.lm_head_split,
                  threads_per_stage: int | None = ParallelConfig.threads_per_stage,
                  device: str = ParallelConfig.device, trace: str | None = EngineConfig.trace,
                  throttle_T: float = SchedulerConfig.throttle_T,

@@ -2,16 +2,23 @@
 
 The embedding sits on the first stage and the final norm + lm_head on the last, and on small models the
 lm_head is heavy: SmolLM2's tied 49152 x 576 head costs five to seven decoder layers per decode token.
-But a prefill samples one row per prompt, so there the head is almost free. The engine therefore times
-both at start-up (StageCosts.measure) and balances a mix: DECODE_TIME_SHARE of the time in decode, the
-rest in prefill. On SmolLM2, pp=2, 1 thread per stage: decode alone would give 18/12, the mix gives 17/13.
-Back to back on 128 ShareGPT-like requests (separate) 17/13 ran 8% faster than 18/12 and 16% faster than
-16/14; on 512 requests the evidence is mixed (see the README), within this VM's run-to-run drift.
+But a prefill samples one row per prompt, so there the head is almost free. No single split balances
+both phases: balancing decode overloads the first stage in prefill, and the reverse. So the engine times
+both at start-up (StageCosts.measure) and minimises the time of the phases one after the other,
+DECODE_TIME_SHARE x (slowest stage in decode) + the rest x (slowest stage in prefill) (PhaseCosts), not
+the slowest stage of a blended cost, which hides an imbalance that flips between the phases.
+
+The lm_head split (--lm-head-split) is the second knob: a share of the head's vocabulary computed on the
+first stage moves decode work only (prefill samples few rows), so layers can balance prefill and the split
+decode. `auto` (the default) picks it with the layers (choose_head_split), and only where the model says it
+saves more than SPLIT_MIN_GAIN: the split adds a hop (last stage -> first -> engine) per micro-batch that
+the model does not price. AMD EPYC, float32, 256 ShareGPT-like requests, throttle: 16/14 unsplit -> 15/15
+with half the head on stage 0, bubble 0.085 -> 0.067 (decode phase 0.063 -> 0.039), 1.3% faster.
 StageCosts.of is the FLOP-count model, for tests and machines where timing is not wanted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tdpipe.config import ModelConfig
 
@@ -19,11 +26,16 @@ from tdpipe.config import ModelConfig
 TYPICAL_CONTEXT = 512
 # Assumed fraction of engine time spent in decode micro-batches (ShareGPT-like chat: about two thirds).
 DECODE_TIME_SHARE = 2 / 3
+# Head-split shares `auto` tries (share of the vocabulary on the first stage), and the modelled saving it
+# needs before it splits at all: the extra hop per micro-batch is not in the model.
+SPLIT_GRID = tuple(i / 20 for i in range(17))  # 0, 0.05, ..., 0.8
+SPLIT_MIN_GAIN = 0.01
 
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Cost of each piece a stage may hold, in any one unit (FLOPs for `of`, seconds for `measure`)."""
+    """Cost of each piece a stage may hold in one phase, in any one unit (FLOPs for `of`, layer times for
+    `measure`)."""
 
     embed: float  # the token-embedding lookup (first stage)
     layer: float  # one decoder layer: q/k/v/o + SwiGLU matmuls and attention
@@ -39,12 +51,12 @@ class StageCosts:
 
     @classmethod
     def measure(cls, cfg: ModelConfig, dtype, threads: int, batch: int = 64, context: int = 256,
-                prefill_tokens: int = 512, repeats: int = 5) -> "StageCosts":
+                prefill_tokens: int = 512, repeats: int = 5) -> "PhaseCosts":
         """Time one decoder layer, the embedding and norm + lm_head with random weights of the model's shapes
         on `threads` threads: a decode micro-batch of `batch` sequences at `context` tokens, and a prefill of
-        `prefill_tokens` prompt tokens (two prompts, two sampled rows). Returns the DECODE_TIME_SHARE-weighted
-        mix of the two, each normalised by its layer time. FLOP counts mislead on CPUs: the small per-layer
-        ops run far below the big lm_head GEMM's efficiency."""
+        `prefill_tokens` prompt tokens (two prompts, two sampled rows); each phase in units of its layer
+        time. FLOP counts mislead on CPUs: the small per-layer ops run far below the big lm_head GEMM's
+        efficiency."""
         import torch
 
         own = torch.get_num_threads()
@@ -57,13 +69,102 @@ class StageCosts:
             p_embed, p_layer, p_head = model.time_step([half, half], [half, half], repeats)
         finally:
             torch.set_num_threads(own)
-        w = DECODE_TIME_SHARE
-        return cls(embed=w * d_embed / d_layer + (1 - w) * p_embed / p_layer, layer=1.0,
-                   head=w * d_head / d_layer + (1 - w) * p_head / p_layer)
+        return PhaseCosts(decode=cls(d_embed / d_layer, 1.0, d_head / d_layer),
+                          prefill=cls(p_embed / p_layer, 1.0, p_head / p_layer))
 
     def stage_cost(self, num_layers: int, first: bool, last: bool) -> float:
         head = (self.head_first if first else 0.0) + (1.0 - self.head_first if last else 0.0)
         return num_layers * self.layer + (self.embed if first else 0.0) + self.head * min(1.0, head)
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """Decode and prefill costs, each in units of its own layer time: a pipeline runs at the pace of its
+    slowest stage in each phase, so a partition costs DECODE_TIME_SHARE x decode's slowest stage + the rest
+    x prefill's (a split balanced on a blend of the two can leave both phases imbalanced)."""
+
+    decode: StageCosts
+    prefill: StageCosts
+    decode_share: float = DECODE_TIME_SHARE
+
+    def with_split(self, head_first: float) -> "PhaseCosts":
+        return PhaseCosts(replace(self.decode, head_first=head_first),
+                          replace(self.prefill, head_first=head_first), self.decode_share)
+
+    def time(self, counts: list[int]) -> float:
+        """Modelled time of the two phases for these layers per stage (in layer times)."""
+        pp = len(counts)
+        return sum(w * max(c.stage_cost(m, k == 0, k == pp - 1) for k, m in enumerate(counts))
+                   for w, c in ((self.decode_share, self.decode), (1 - self.decode_share, self.prefill)))
+
+
+def balanced_partition(cfg: ModelConfig, pp: int, costs: StageCosts | PhaseCosts | None = None) -> list[int]:
+    """Layers per stage (contiguous, >= 1 each) minimising the slowest stage (PhaseCosts: the two phases'
+    time, PhaseCosts.time), ties broken towards equal stages (smaller sum of squared stage costs). Dynamic
+    programming over (stage, layers used), keeping per state every (slowest in decode, slowest in prefill,
+    sum of squares) that no other beats in all three, which makes the result exact."""
+    n = cfg.num_layers
+    if pp > n:
+        raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {n} layers")
+    c = costs or StageCosts.of(cfg)
+    ph = c if isinstance(c, PhaseCosts) else PhaseCosts(c, c, 1.0)
+    w = ph.decode_share
+
+    def cost(m: int, first: bool, last: bool) -> tuple[float, float]:
+        return ph.decode.stage_cost(m, first, last), ph.prefill.stage_cost(m, first, last)
+
+    def keep(front: list[tuple], cand: tuple) -> None:
+        """Add `cand` (maxD, maxP, sumsq, split) to a Pareto front unless an entry is as good in all three."""
+        if any(f[0] <= cand[0] and f[1] <= cand[1] and f[2] <= cand[2] for f in front):
+            return
+        front[:] = [f for f in front if not (cand[0] <= f[0] and cand[1] <= f[1] and cand[2] <= f[2])]
+        front.append(cand)
+
+    # best[k][j]: the fronts of placing the first j layers on stages 0..k
+    best: list[dict[int, list[tuple[float, float, float, list[int]]]]] = [{} for _ in range(pp)]
+    for j in range(1, n - pp + 2):
+        d, p = cost(j, True, pp == 1)
+        s = w * d + (1 - w) * p
+        best[0][j] = [(d, p, s * s, [j])]
+    for k in range(1, pp):
+        last = k == pp - 1
+        for j in range(k + 1, n - (pp - 1 - k) + 1):
+            if last and j != n:
+                continue
+            front: list[tuple] = []
+            for prev, entries in best[k - 1].items():
+                m = j - prev
+                if m < 1:
+                    continue
+                d, p = cost(m, False, last)
+                s = w * d + (1 - w) * p
+                for md, mp, sq, split in entries:
+                    keep(front, (max(md, d), max(mp, p), sq + s * s, split + [m]))
+            best[k][j] = front
+    return min(best[pp - 1][n], key=lambda e: (w * e[0] + (1 - w) * e[1], e[2]))[3]
+
+
+def choose_head_split(cfg: ModelConfig, pp: int, costs: PhaseCosts, layer_partition: list[int] | None = None,
+                      grid: tuple[float, ...] = SPLIT_GRID,
+                      min_gain: float = SPLIT_MIN_GAIN) -> tuple[float, list[int]]:
+    """`--lm-head-split auto`: the share of the head on the first stage, and the layers that go with it
+    (`layer_partition` if given), with the least modelled time (PhaseCosts.time); 0 unless some share saves
+    more than `min_gain` of it."""
+    def plan(f: float) -> tuple[float, list[int]]:
+        c = costs.with_split(f)
+        counts = list(layer_partition) if layer_partition else balanced_partition(cfg, pp, c)
+        return c.time(counts), counts
+
+    t0, counts0 = plan(0.0)
+    best = (t0, 0.0, counts0)
+    for f in grid:
+        if f > 0:
+            t, counts = plan(f)
+            if t < best[0]:
+                best = (t, f, counts)
+    if best[0] > t0 * (1 - min_gain):
+        return 0.0, counts0
+    return best[1], best[2]
 
 
 class LlamaLike:
@@ -110,34 +211,6 @@ class LlamaLike:
             return (best(lambda: m.embed_tokens(inp.input_ids)),
                     best(lambda: layer(x, None, m.rotary, inp.meta, kv[0], kv[1])),
                     best(lambda: m.compute_logits(x[inp.sample_idx])))
-
-
-def balanced_partition(cfg: ModelConfig, pp: int, costs: StageCosts | None = None) -> list[int]:
-    """Layers per stage (contiguous, >= 1 each) minimising the most expensive stage, ties broken towards
-    equal stages (smaller sum of squared stage costs). Dynamic programming over (stage, layers used)."""
-    n = cfg.num_layers
-    if pp > n:
-        raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {n} layers")
-    c = costs or StageCosts.of(cfg)
-    # best[k][j]: (max cost, sum of squares, split) placing the first j layers on stages 0..k
-    best: list[dict[int, tuple[float, float, list[int]]]] = [{} for _ in range(pp)]
-    for j in range(1, n - pp + 2):
-        cost = c.stage_cost(j, True, pp == 1)
-        best[0][j] = (cost, cost * cost, [j])
-    for k in range(1, pp):
-        last = k == pp - 1
-        for j in range(k + 1, n - (pp - 1 - k) + 1):
-            if last and j != n:
-                continue
-            for prev, (mx, sq, split) in best[k - 1].items():
-                m = j - prev
-                if m < 1:
-                    continue
-                cost = c.stage_cost(m, False, last)
-                cand = (max(mx, cost), sq + cost * cost, split + [m])
-                if j not in best[k] or cand[:2] < best[k][j][:2]:
-                    best[k][j] = cand
-    return best[pp - 1][n][2]
 
 
 def resolve_partition(cfg: ModelConfig, pp: int, layer_partition: list[int] | None,

@@ -202,3 +202,25 @@ def test_fresh_prefill_dispatch_and_kernel_agrees_with_sdpa(kernel):
     via_sdpa = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.125)
     torch.testing.assert_close(via_kernel.double(), via_sdpa.double(), **TOL[torch.bfloat16])
     torch.testing.assert_close(via_kernel.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("scalar", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_front_end_routes_chunks_off_a_scalar_kernel(kernel, monkeypatch, scalar, dtype):
+    """Where the kernel has no AVX-512 (its portable loops, ~2-3 GFLOP/s) the front end sends prefill chunks
+    to the torch path and keeps decode rows on the kernel; either way the answer is the dense one."""
+    monkeypatch.setattr(pa, "scalar_kernel", lambda kern: scalar)
+    calls = []
+    real = pa.paged_attention_ref
+    monkeypatch.setattr(pa, "paged_attention_ref", lambda *a, **k: calls.append(k.get("seqs")) or real(*a, **k))
+    lens, nqs = MIXED
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 16, 2, 3, 64, lens, nqs, seed=11)
+    out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[dtype])
+    assert calls == ([[2, 3, 4]] if scalar else [])  # the sequences with more than one query row
+    calls.clear()
+    lens, nqs = DECODE
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 16, 2, 3, 64, lens, nqs, seed=12)
+    out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[dtype])
+    assert calls == []  # decode only: the kernel alone

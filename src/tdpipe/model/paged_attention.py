@@ -7,6 +7,7 @@ A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from types import ModuleType
@@ -80,16 +81,20 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
-                        cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float) -> torch.Tensor:
-    """Reference: per sequence, gather its blocks, dense fp32 attention with a causal mask. Any device."""
+                        cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float,
+                        seqs: Sequence[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: per sequence, gather its blocks, dense fp32 attention with a causal mask. Any device.
+    `seqs`: only these sequences (their rows of `out`, which it then fills in place)."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     cu, lens = _as_list(cu_seqlens_q), _as_list(seq_lens)
     bt = block_tables if isinstance(block_tables, torch.Tensor) else torch.tensor(block_tables)
     bt = bt.to(device=k_cache.device, dtype=torch.long)
-    for s, seq_len in enumerate(lens):
+    for s in range(len(lens)) if seqs is None else seqs:
+        seq_len = lens[s]
         q0, q1 = cu[s], cu[s + 1]
         n = q1 - q0
         if n == 0:
@@ -130,9 +135,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q = q.contiguous()
     if not isinstance(block_tables, torch.Tensor):
         block_tables = torch.tensor(block_tables, dtype=torch.int32)
+    if scalar_kernel(kern):
+        cu = _as_list(cu_seqlens_q)
+        chunks = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] > 1]
+        if chunks:
+            return _split_by_query_len(kern, q, k_cache, v_cache, block_tables, cu, seq_lens, scale, chunks)
     return kern.paged_attention(q, k_cache, v_cache, _int_tensor(block_tables, torch.int32),
                                 _int_tensor(cu_seqlens_q, torch.int32), _int_tensor(seq_lens, torch.int32),
                                 float(scale))
+
+
+@functools.cache
+def scalar_kernel(kern: ModuleType) -> bool:
+    """Was the kernel built without AVX-512 (its portable loops)? There it runs ~2-3 GFLOP/s whatever the
+    query length: twice the torch path's speed for decode rows, but 4-8x slower than it on prefill chunks
+    (one thread, float32, AMD EPYC: a 512-token chunk over 1024 cached tokens 426 ms vs 81 ms)."""
+    return kern.kernel_info().startswith("scalar")
+
+
+def _split_by_query_len(kern: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, cu: list[int], seq_lens: IntSeq, scale: float,
+                        chunks: list[int]) -> torch.Tensor:
+    """Decode rows (one query each) through the kernel, prefill chunks through the torch path."""
+    out = torch.empty_like(q)
+    lens = _as_list(seq_lens)
+    decode = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] == 1]
+    if decode:
+        rows = torch.tensor([cu[s] for s in decode], dtype=torch.long, device=q.device)
+        idx = torch.tensor(decode, dtype=torch.long, device=block_tables.device)
+        out[rows] = kern.paged_attention(q[rows].contiguous(), k_cache, v_cache,
+                                         block_tables[idx].to(torch.int32).contiguous(),
+                                         torch.arange(len(decode) + 1, dtype=torch.int32),
+                                         torch.tensor([lens[s] for s in decode], dtype=torch.int32), float(scale))
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, lens, scale, seqs=chunks, out=out)
 
 
 # ----------------------------------------------------------------------------------------------------

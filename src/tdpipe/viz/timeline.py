@@ -200,7 +200,8 @@ def summarize(trace: dict) -> dict:
         "decode_bubble_ratio": None if dper is None else _mean(dper),
         "decode_bubble_ratio_per_stage": dper,
         "wall_s": hi - lo,
-        "num_micro_batches": [len(st.get("events", [])) for st in stages],
+        # a split lm_head's part on the first stage is an event of its own ("head"), not a micro-batch
+        "num_micro_batches": [sum(1 for ev in st.get("events", []) if not ev.get("head")) for st in stages],
         "busy_s": [_union_length(x, lo, hi) for x in ivs],
         "mean_wait_s": [_mean([float(ev.get("wait", 0) or 0) for ev in st.get("events", [])]) for st in stages],
         "mean_send_s": [_mean([float(ev.get("send", 0) or 0) for ev in st.get("events", [])]) for st in stages],

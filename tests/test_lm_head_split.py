@@ -109,3 +109,14 @@ def test_split_head_trace_shows_the_head_work(tmp_path):
     steps = [e for e in tr["stages"][1]["events"]]
     assert heads and len(heads) == len(steps)
     assert all(e["end"] >= e["start"] for e in heads)
+
+
+def test_cli_takes_auto_or_a_fraction():
+    from tdpipe.entrypoints.cli import build_parser
+
+    p = build_parser()
+    parse = lambda *v: p.parse_args(["bench", "throughput", "--pp", "2", *v]).lm_head_split  # noqa: E731
+    assert parse() is None and parse("--lm-head-split", "auto") is None  # auto is the default
+    assert parse("--lm-head-split", "0.3") == 0.3 and parse("--lm-head-split", "0") == 0.0
+    with pytest.raises(SystemExit):
+        parse("--lm-head-split", "half")

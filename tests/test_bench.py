@@ -161,7 +161,8 @@ def test_peak_in_a_fresh_process():
 
     from tdpipe.bench.peak import measure_matmul_peak_fresh
 
-    assert measure_matmul_peak_fresh(torch.bfloat16, 1) > 0
+    # float32: a bf16 2048^3 matmul is emulated on CPUs without bf16 instructions and took over 6 minutes
+    assert measure_matmul_peak_fresh(torch.float32, 1) > 0
 
 
 # -- end to end (tiny random model) ---------------------------------------------------------------------------

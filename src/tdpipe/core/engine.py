@@ -201,8 +201,7 @@ class LLMEngine:
             costs = StageCosts.measure(self.model_config, self.dtype, par.stage_threads(), batch=batch)
             if auto:
                 split, counts = choose_head_split(self.model_config, self.pp, costs, counts)
-            else:
-                costs = costs.with_split(split or 0.0)
+            costs = costs.with_split(split or 0.0)  # the costs the partition and the log below go by
         self.lm_head_split = split or 0.0
         self.partition = resolve_partition(self.model_config, self.pp, counts, costs)
         if self.tp > 1:  # an unsplittable model fails here, naming its sizes, before any worker starts

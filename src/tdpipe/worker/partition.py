@@ -12,8 +12,9 @@ The lm_head split (--lm-head-split) is the second knob: a share of the head's vo
 first stage moves decode work only (prefill samples few rows), so layers can balance prefill and the split
 decode. `auto` (the default) picks it with the layers (choose_head_split), and only where the model says it
 saves more than SPLIT_MIN_GAIN: the split adds a hop (last stage -> first -> engine) per micro-batch that
-the model does not price. AMD EPYC, float32, 256 ShareGPT-like requests, throttle: 16/14 unsplit -> 15/15
-with half the head on stage 0, bubble 0.085 -> 0.067 (decode phase 0.063 -> 0.039), 1.3% faster.
+the model does not price. AMD EPYC, float32, 256 ShareGPT-like requests, throttle, pp = 2: 16/14 unsplit ->
+15/15 with half the head on stage 0, bubble 0.085 -> 0.067 (decode phase 0.063 -> 0.039); against pp = 1 in
+the same run, 0.947x -> 0.966x (README, "Pipeline efficiency").
 StageCosts.of is the FLOP-count model, for tests and machines where timing is not wanted.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from tdpipe.predictor.train import TrainConfig, accumulated_error, evaluate, spl
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
 
 
 def test_percentile_matches_numpy():

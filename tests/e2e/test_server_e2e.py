@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from procs import alive, descendants
-from test_server_errors import bad_inputs
+from server_inputs import bad_inputs
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ def stage_pids_of(parent: int, live_only: bool = True) -> list[int]:
                 cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if b"tdpipe.worker.stage" in cmd and b"--parent" in cmd and \
+        if b"tdpipe.pipeline.stage" in cmd and b"--parent" in cmd and \
                 cmd[cmd.index(b"--parent") + 1] == str(parent).encode() and (not live_only or alive(int(d))):
             found.append(int(d))
     return found

@@ -45,7 +45,7 @@ class Sequence:
     cumulative_logprob: float = 0.0  # of the sampled tokens (logprobs or best_of requests)
     prompt_logprobs: list | None = None  # per prompt position, filled chunk by chunk (prompt_logprobs=k)
     # the page table: bumped when the block table is rebuilt (preemption) or an entry is replaced
-    # (copy-on-write), so the stages replace their copy instead of extending it (core/block_sync.py)
+    # (copy-on-write), so the stages replace their copy instead of extending it (pipeline/wire/block_sync.py)
     table_epoch: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (or shared by fork) at admission
     block_hashes: list[bytes] = field(default_factory=list)  # memo: chained hashes of its full token blocks

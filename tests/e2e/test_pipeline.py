@@ -20,7 +20,7 @@ from conftest import hf_greedy, save_random_qwen2
 from procs import alive, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
-from tdpipe.executor.pipeline import PipelineError
+from tdpipe.pipeline.executor import PipelineError
 from tdpipe.viz import timeline as tl
 
 PROMPTS = [

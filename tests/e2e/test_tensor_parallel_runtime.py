@@ -15,8 +15,8 @@ from conftest import hf_greedy, save_random_qwen2
 from procs import alive, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
-from tdpipe.distributed.layout import ENGINE, Layout
-from tdpipe.executor.pipeline import PipelineError
+from tdpipe.pipeline.wire.layout import ENGINE, Layout
+from tdpipe.pipeline.executor import PipelineError
 
 N_OUT = 12
 PROMPT_IDS = [[1, 2, 3, 4, 5], [9] * 3, list(range(100, 140)), [7, 300, 5000, 12, 44, 45, 46]]

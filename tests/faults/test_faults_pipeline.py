@@ -25,7 +25,7 @@ from procs import alive, stage_pids_of
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.core.batch import StepInput
-from tdpipe.executor.pipeline import PipelineError, PipelineExecutor
+from tdpipe.pipeline.executor import PipelineError, PipelineExecutor
 
 pytestmark = pytest.mark.faults
 

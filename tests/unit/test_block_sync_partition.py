@@ -1,4 +1,4 @@
-"""Pure checks of the pipeline's bookkeeping: block-table deltas (core/block_sync.py) and the layer
+"""Pure checks of the pipeline's bookkeeping: block-table deltas (pipeline/wire/block_sync.py) and the layer
 partition across stages (worker/partition.py). No processes, no model."""
 import itertools
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from tdpipe.config import ModelConfig
-from tdpipe.core.block_sync import BlockTableMirror, BlockTableSender
+from tdpipe.pipeline.wire.block_sync import BlockTableMirror, BlockTableSender
 from tdpipe.worker.partition import StageCosts, balanced_partition, resolve_partition
 
 # --------------------------------------------------------------------------------------------- block sync

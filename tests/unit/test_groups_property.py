@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tdpipe.core.batch import StepInput
-from tdpipe.core.block_sync import BlockTableMirror, BlockTableSender
+from tdpipe.pipeline.wire.block_sync import BlockTableMirror, BlockTableSender
 from tdpipe.core.engine import LLMEngine
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.sampling.params import SamplingParams

@@ -120,7 +120,7 @@ def _step(i: int) -> StepInput:
 
 
 def test_sim_executor_pipelines_in_submission_order():
-    from tdpipe.executor.sim import SIM_TOKEN, SimExecutor
+    from tdpipe.sim.executor import SIM_TOKEN, SimExecutor
 
     ex = SimExecutor(_FixedCost())
     ex.submit(_step(0))

@@ -258,7 +258,7 @@ class AsyncLLM:
                 self._send(core.SHUTDOWN)
             except Exception:  # noqa: BLE001
                 pass
-            for _ in range(150):  # the stages get a few seconds to stop (executor/pipeline.py)
+            for _ in range(150):  # the stages get a few seconds to stop (pipeline/executor.py)
                 if proc.poll() is not None:
                     break
                 await asyncio.sleep(0.1)

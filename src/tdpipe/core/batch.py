@@ -48,7 +48,7 @@ class StepInput:
     block_tables: list[list[int]]
     is_prefill: bool
     greedy_rows: list[bool] = field(default_factory=list)  # per sampled row: may the last stage argmax?
-    seq_ids: list[int] = field(default_factory=list)  # for block-table deltas (core/block_sync.py)
+    seq_ids: list[int] = field(default_factory=list)  # for block-table deltas (pipeline/wire/block_sync.py)
     kv_epochs: list[int] = field(default_factory=list)  # per sequence: its table epoch (block_sync)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step runs
     # per sequence: logits for every new token (prompt_logprobs) instead of the last one only; [] = none

@@ -82,11 +82,11 @@ ExecutorFactory = Callable[["LLMEngine"], Executor]
 
 class LLMEngine:
     """`executor_factory`: build the executor from the engine (its model_config, partition, block manager)
-    instead of loading weights; the simulator (executor/sim.py) runs the same loop this way. Such an engine
+    instead of loading weights; the simulator (sim/executor.py) runs the same loop this way. Such an engine
     loads no tokenizer: requests come as token ids, and time is the executor's clock."""
 
     def __init__(self, config: EngineConfig, executor_factory: ExecutorFactory | None = None) -> None:
-        from tdpipe.executor.pipeline import run_stage_if_worker
+        from tdpipe.pipeline.executor import run_stage_if_worker
         from tdpipe.model.bundled import resolve_model
 
         par = config.parallel
@@ -220,7 +220,7 @@ class LLMEngine:
                                  self.config.cache.block_size)
             self.stage_threads = [torch.get_num_threads()]
             return LocalExecutor(runner)
-        from tdpipe.executor.pipeline import PipelineExecutor, StageSpec
+        from tdpipe.pipeline.executor import PipelineExecutor, StageSpec
 
         threads = par.stage_threads()
         self.stage_threads = [threads] * self.pp

@@ -323,7 +323,7 @@ _PIPELINE_FAILED = False
 
 def _failed_pipeline(e: BaseException) -> None:
     global _PIPELINE_FAILED
-    from tdpipe.executor.pipeline import PipelineError
+    from tdpipe.pipeline.executor import PipelineError
 
     _PIPELINE_FAILED = _PIPELINE_FAILED or isinstance(e, PipelineError)
 
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tdpipe: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from tdpipe.executor.pipeline import PipelineError
+        from tdpipe.pipeline.executor import PipelineError
 
         if not isinstance(e, PipelineError):
             raise

@@ -13,7 +13,7 @@ from typing import Any
 from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tdpipe.core.engine import LLMEngine
 from tdpipe.entrypoints.conversation import check_conversation
-from tdpipe.executor.pipeline import PipelineError
+from tdpipe.pipeline.executor import PipelineError
 from tdpipe.interrupt import deferred_sigint
 from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.outputs import CompletionOutput, RequestOutput

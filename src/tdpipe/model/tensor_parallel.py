@@ -77,7 +77,7 @@ SINGLE = TPGroup()
 
 
 class GlooTPGroup(TPGroup):
-    """Collectives over a ProcessGroup object built for the stage's T ranks (executor/transport.py builds it
+    """Collectives over a ProcessGroup object built for the stage's T ranks (pipeline/wire/transport.py builds it
     without a default group). bfloat16 is reduced in float32 and copied back: a bf16 ring sum rounds at every
     hop, and float32 on T = 2 ranks gives the same sum as the unsharded matmul's float32 accumulation up to
     one final rounding."""

@@ -129,7 +129,7 @@ def kv_blocks_from_memory(mc: ModelConfig, hw: Hardware, partition: list[tuple[i
 def build_engine(cfg: SimConfig):
     """The real LLMEngine, built with a SimExecutor; raises DoesNotFit when no KV cache fits."""
     from tdpipe.core.engine import LLMEngine
-    from tdpipe.executor.sim import SimExecutor
+    from tdpipe.sim.executor import SimExecutor
     from tdpipe.worker.partition import resolve_partition
 
     kw = dict(cfg.engine)

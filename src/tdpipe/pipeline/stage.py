@@ -9,7 +9,7 @@ Three threads, so a stage never waits on its own bookkeeping:
   sender  sends hidden states to the next stage, or logits / argmax ids to the engine (SiPipe §5.1).
 Every micro-batch leaves a trace event: compute start/end, time waiting for input, send time, shape, and
 with T > 1 the time spent in the tensor-parallel all-reduces (TD-Pipe Fig. 6's split of TP time).
-Peers come from the layout (tdpipe/distributed/layout.py): activations from the same tp rank of the previous
+Peers come from the layout (tdpipe/pipeline/wire/layout.py): activations from the same tp rank of the previous
 stage, to the same tp rank of the next; the last stage's ranks send the engine their logits shards, or tp
 rank 0 the greedy ids the group agreed on.
 
@@ -20,8 +20,8 @@ and both send the engine their part: logits, or for greedy batches each row's (m
 balanced across the two ends a decode step and a prefill step both split evenly (the policies issue's
 decode imbalance: the last stage carried the whole head).
 
-Run as `python -m tdpipe.worker.stage --master HOST:PORT --rank R --world-size W --parent PID` (the
-engine spawns these), or by torchrun through tdpipe.executor.pipeline.run_stage_if_worker.
+Run as `python -m tdpipe.pipeline.stage --master HOST:PORT --rank R --world-size W --parent PID` (the
+engine spawns these), or by torchrun through tdpipe.pipeline.executor.run_stage_if_worker.
 
 A spawned stage belongs to the engine: it runs in its own process group and ignores SIGINT (a Ctrl-C in
 the terminal is the engine's to handle; the engine then stops the stages), and a thread waits on the
@@ -47,11 +47,11 @@ from collections.abc import Callable
 import torch
 
 from tdpipe.core.batch import StepInput
-from tdpipe.core.block_sync import BlockTableMirror
-from tdpipe.distributed.layout import ENGINE, Layout
-from tdpipe.executor import messages as m
+from tdpipe.pipeline.wire.block_sync import BlockTableMirror
+from tdpipe.pipeline.wire.layout import ENGINE, Layout
+from tdpipe.pipeline.wire import messages as m
 from tdpipe.executor.base import MAX_STAGE_EVENTS
-from tdpipe.executor.transport import (PeerLost, Rendezvous, Transport, head_tag, join_rendezvous,
+from tdpipe.pipeline.wire.transport import (PeerLost, Rendezvous, Transport, head_tag, join_rendezvous,
                                        report_failure, tensor_tag)
 
 HEAD = 20  # a ready-queue item: normalised rows arrived for this (first) stage's part of a split lm_head

@@ -1,11 +1,11 @@
 """pp > 1 or tp > 1: one worker process per (stage, tp rank), the engine as rank 0 (TD-Pipe §3.2 hierarchy
-controller); tdpipe/distributed/layout.py numbers the ranks and names the peers.
+controller); tdpipe/pipeline/wire/layout.py numbers the ranks and names the peers.
 
 submit() sends a micro-batch's metadata to every stage at once and posts the receive for its result;
 collect() waits for the oldest result. Up to pp micro-batches are in flight, so while the engine samples
 one batch's tokens the stages compute the others (SiPipe §5.1).
 
-Launch: by default the engine starts the stages itself (`python -m tdpipe.worker.stage`) on this machine,
+Launch: by default the engine starts the stages itself (`python -m tdpipe.pipeline.stage`) on this machine,
 each in its own process group, so a Ctrl-C in the terminal reaches the engine alone; the stages exit when
 the engine does, however it dies. Under torchrun (env:// variables set) rank 0 is the engine and ranks
 1..P x T are the workers, on any nodes (a stage's T ranks best on one node: they all-reduce every layer).
@@ -36,12 +36,12 @@ from typing import NoReturn
 import torch
 
 from tdpipe.core.batch import StepInput
-from tdpipe.core.block_sync import BlockTableSender
-from tdpipe.distributed.layout import Layout
-from tdpipe.executor import messages as m
+from tdpipe.pipeline.wire.block_sync import BlockTableSender
+from tdpipe.pipeline.wire.layout import Layout
+from tdpipe.pipeline.wire import messages as m
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.interrupt import deferred_sigint
-from tdpipe.executor.transport import (Rendezvous, Transport, failure_reason, serve_rendezvous, tensor_tag,
+from tdpipe.pipeline.wire.transport import (Rendezvous, Transport, failure_reason, serve_rendezvous, tensor_tag,
                                        torchrun_env, torchrun_rendezvous)
 
 _SLICE = 0.1  # seconds: how often a waiting main thread looks at the watchdog's verdict
@@ -241,7 +241,7 @@ class PipelineExecutor(Executor):
         for r in self.layout.worker_ranks():
             s = self.stages[self.layout.coords(r)[0]]
             env = dict(os.environ, OMP_NUM_THREADS=str(s.threads))
-            cmd = [sys.executable, "-m", "tdpipe.worker.stage", "--master", f"127.0.0.1:{port}",
+            cmd = [sys.executable, "-m", "tdpipe.pipeline.stage", "--master", f"127.0.0.1:{port}",
                    "--rank", str(r), "--world-size", str(world), "--parent", str(os.getpid())]
             # own process group: the terminal's Ctrl-C goes to the engine only, which stops the stages
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0))
@@ -517,7 +517,7 @@ def run_stage_if_worker(pipeline_parallel_size: int, tensor_parallel_size: int =
     so the same script (or `tdpipe generate --pp P --tensor-parallel-size T`) runs on every rank."""
     if pipeline_parallel_size * tensor_parallel_size <= 1 or not torchrun_env() or int(os.environ["RANK"]) == 0:
         return
-    from tdpipe.worker import stage
+    from tdpipe.pipeline import stage
 
     try:
         stage.serve(torchrun_rendezvous())

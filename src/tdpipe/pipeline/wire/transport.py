@@ -1,5 +1,5 @@
 """torch.distributed transport for the pipeline: rank 0 is the engine, the P x T workers follow
-(tdpipe/distributed/layout.py numbers them).
+(tdpipe/pipeline/wire/layout.py numbers them).
 
 Three process groups over one store, so no pair of peers ever shares a channel between two threads:
   ctrl  engine -> stages: metadata messages (pickled, header + payload)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tdpipe.core.block_sync import Delta
+from tdpipe.pipeline.wire.block_sync import Delta
 
 # ctrl group, engine -> stages
 INIT, STEP, TRACE, STOP = 1, 2, 3, 4
@@ -28,7 +28,7 @@ class StageInit:
     device: str
     max_num_batched_tokens: int  # sizes the two alternating receive buffers (SiPipe §5.2)
     tp_rank: int = 0  # this worker's rank in its stage's tensor-parallel group
-    tp_size: int = 1  # T: ranks per stage (tdpipe/distributed/layout.py)
+    tp_size: int = 1  # T: ranks per stage (tdpipe/pipeline/wire/layout.py)
     # the lm_head split across stages (--lm-head-split): this stage's vocabulary rows of it and the rank at
     # the other end (the first stage receives normalised rows from the last); None: not split
     head_range: tuple[int, int] | None = None
@@ -38,7 +38,7 @@ class StageInit:
 @dataclass
 class StepMessage:
     """One micro-batch's metadata (ARCHITECTURE.md data flow step 2). Stages after the first get no
-    token ids; every stage gets block-table deltas instead of whole tables (core/block_sync.py)."""
+    token ids; every stage gets block-table deltas instead of whole tables (pipeline/wire/block_sync.py)."""
 
     batch_id: int
     token_ids: list[int]

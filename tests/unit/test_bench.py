@@ -228,14 +228,28 @@ def test_history_replay_uses_the_predictor_split(tmp_path):
 
 def test_compare_pp1_drops_layout_only_settings():
     """--compare-pp1 with --lm-head-split used to pass the split to the pp = 1 engine, which refused it
-    after the whole pipeline run had been spent."""
-    from tdpipe.bench.throughput import pp1_kwargs
+    after the whole pipeline run had been spent. The pp = 1 side's command drops every layout-only setting
+    and takes all the pipeline workers' threads."""
+    import argparse
+
+    from tdpipe.bench import fresh
+    from tdpipe.bench.throughput import side_command
     from tdpipe.entrypoints.cli import build_parser
     from tdpipe.entrypoints.llm import engine_config
 
-    a = build_parser().parse_args(["bench", "throughput", "--pp", "2", "--lm-head-split", "0.5",
-                                   "--layer-partition", "16,14", "--compare-pp1"])
-    kw = pp1_kwargs(a, 2)
-    assert kw["pipeline_parallel_size"] == 1 and kw["lm_head_split"] == 0.0 and kw["layer_partition"] is None
-    assert kw["num_threads"] == 2
-    assert engine_config(kw).parallel.pipeline_parallel_size == 1  # a config that validates
+    root = build_parser()
+    p = next(x for x in root._actions if isinstance(x, argparse._SubParsersAction)).choices["bench"]
+    p = next(x for x in p._actions if isinstance(x, argparse._SubParsersAction)).choices["throughput"]
+    a = p.parse_args(["--pp", "2", "--lm-head-split", "0.5", "--layer-partition", "16,14", "--compare-pp1",
+                      "--threads-per-stage", "1", "--trace", "t.json"])
+    engine_run = fresh.SideRun("engine", 0, 1, 0.0, [], {"threads": 2})
+    argv = side_command(a, p, "pp1", "out.json", [engine_run])
+    assert argv[argv.index("bench"):][:2] == ["bench", "throughput"] and argv[-2:] == ["--json", "out.json"]
+    b = p.parse_args(argv[argv.index("throughput") + 1:])
+    assert fresh.flag_value(p, b, "--pp") == 1 and fresh.flag_value(p, b, "--lm-head-split") == 0.0
+    assert fresh.flag_value(p, b, "--layer-partition") is None and fresh.flag_value(p, b, "--trace") is None
+    assert fresh.flag_value(p, b, "--threads") == 2 and fresh.flag_value(p, b, "--threads-per-stage") is None
+    assert not b.compare_pp1
+    from tdpipe.entrypoints.args import engine_kwargs
+
+    assert engine_config(engine_kwargs(b)).parallel.pipeline_parallel_size == 1  # a config that validates

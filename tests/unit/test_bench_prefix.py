@@ -1,5 +1,6 @@
 """`tdpipe bench prefix`: workload shapes and determinism, flag errors (no model), one tiny end-to-end run."""
 import json
+import os
 
 import pytest
 
@@ -141,9 +142,11 @@ def test_command_line_reproduces_the_flags():
 @pytest.mark.slow
 def test_bench_prefix_end_to_end(tmp_path, bundled_path):
     common = ["--model", bundled_path, "--dtype", "float32", "--num-kv-blocks", "128", "--threads", "1"]
+    # grpo: the rows in this one process (--in-process, what each row's own process does: saves three
+    # process start-ups); shared-prefix below: each row in a fresh process, as the command runs by default
     g = tmp_path / "grpo.json"
     assert main(["bench", "prefix", "--workload", "grpo", "--num-prompts", "2", "--n", "2",
-                 "--input-len", "40", "--output-len", "4", "--json", str(g), *common]) == 0
+                 "--input-len", "40", "--output-len", "4", "--in-process", "--json", str(g), *common]) == 0
     res = json.loads(g.read_text())
     assert res["command"].startswith("tdpipe bench prefix --workload grpo")
     assert res["machine"]["cpu_count"] >= 1 and res["workload"]["n"] == 2 and res["baseline"] == "no-sharing"
@@ -168,6 +171,8 @@ def test_bench_prefix_end_to_end(tmp_path, bundled_path):
     res = json.loads(s.read_text())
     rows = {r["row"]: r for r in res["rows"]}
     assert list(rows) == ["cache-off", "cache-on"] and res["baseline"] == "cache-off"
+    assert [r["side"] for r in res["comparison"]["runs"]] == ["cache-off", "cache-on"]
+    assert len({r["pid"] for r in res["comparison"]["runs"]} | {os.getpid()}) == 3  # two fresh processes
     off, on = rows["cache-off"], rows["cache-on"]
     assert off["complete"] and on["complete"]
     assert off["total_output_tokens"] == on["total_output_tokens"] == 18

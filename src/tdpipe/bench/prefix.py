@@ -1,9 +1,12 @@
-"""`tdpipe bench prefix`: what sharing a prompt's KV buys, caching on against off in one sitting (issue 15).
+"""`tdpipe bench prefix`: what sharing a prompt's KV buys, caching on against off in one sitting.
 
-One workload, built once, runs through several engine configurations ("rows") one after another in the
-same process; each row builds its own LLM (the previous one shut down first), warms it up untimed, then
-submits the whole workload at once, as `bench throughput` does. Output lengths are forced (ignore_eos,
-max_tokens), so every row computes exactly the same tokens and the ratios are ratios of elapsed time.
+One workload runs through several engine configurations ("rows"), each row in a fresh process of its own
+(tdpipe.bench.fresh: an engine run after another in one process is not the engine run alone), one after
+another; with --repeats N every row runs N times, the rows forward then backward in turn, and each row
+shows its median run. A row's process builds the workload (the same seed, so the same prompts), its LLM,
+warms it up untimed, then submits the whole workload at once, as `bench throughput` does. Output lengths
+are forced (ignore_eos, max_tokens), so every row computes exactly the same tokens and the ratios are
+ratios of elapsed time.
 
 Workloads and rows:
   - grpo: a GRPO-like rollout, prompts of ~512 tokens x n = 8 samples of 256 tokens at temperature 1;
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shlex
 import sys
 import time
@@ -33,8 +37,11 @@ from typing import Any
 
 import numpy as np
 
+from tdpipe.bench import fresh
 from tdpipe.bench import workload as wl
-from tdpipe.bench.throughput import machine_info, preflight
+from tdpipe.bench.machine import describe as describe_machine
+from tdpipe.bench.machine import machine_info
+from tdpipe.bench.throughput import preflight
 from tdpipe.core.scheduler.registry import get_policy
 from tdpipe.entrypoints.args import add_engine_args, engine_kwargs
 
@@ -114,6 +121,10 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
                    help="shared-prefix: question lengths, uniform in MIN..MAX tokens (default: 16,48)")
     p.add_argument("--workload-seed", type=int, default=0, metavar="N", help="seed of the synthetic workload")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row's results as JSON")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every row N times, the rows in alternating order (forward, then backward), each run "
+                        "in a fresh process, and show each row's median run (default: %(default)s)")
+    p.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # a row's own process
     add_engine_args(p)
     for act in p._actions:
         if act.dest == "enable_prefix_caching":
@@ -184,21 +195,7 @@ def build_workload(params: dict[str, Any], vocab_size: int, max_model_len: int) 
 
 def command_line(a: argparse.Namespace, p: argparse.ArgumentParser) -> str:
     """The command that reproduces this run: every option that differs from its default, as given."""
-    parts = ["tdpipe", "bench", "prefix"]
-    for act in p._actions:
-        if not act.option_strings or act.dest in ("help",):
-            continue
-        v = getattr(a, act.dest, None)
-        if v is None or v == act.default or v is False:
-            continue
-        flag = act.option_strings[0]
-        if v is True:
-            parts.append(flag)
-        elif isinstance(v, (list, tuple)):
-            parts += [flag, ",".join(str(x) for x in v)]
-        else:
-            parts += [flag, str(v)]
-    return shlex.join(parts)
+    return shlex.join(["tdpipe", "bench", "prefix", *fresh.replay_flags(p, a)])
 
 
 # -- one row -------------------------------------------------------------------------------------------
@@ -311,20 +308,71 @@ def _row_kwargs(a: argparse.Namespace, row: Row) -> dict[str, Any]:
 
 # -- the command -----------------------------------------------------------------------------------------
 def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
-    from tdpipe import LLM
-
     params, rows = check_args(a)
     preflight(a)
-    baseline = ROWS[a.workload][0].name
-    if baseline not in [r.name for r in rows]:
-        baseline = rows[0].name  # --rows left the workload's baseline out: compare with the first row run
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
+    if a.in_process:
+        res = run_here(a, parser, params, rows)
+    elif parser is None:
+        raise ValueError("tdpipe bench prefix runs its rows from the command line (`tdpipe bench prefix`)")
+    else:
+        res = run_fresh(a, parser, params, rows)
+    print(format_table(res))
+    if a.json:
+        _write_json(a.json, res)
+    return 0
+
+
+def _baseline(workload: str, rows: list[Row]) -> str:
+    """The workload's first row; if --rows left it out, the first row run."""
+    base = ROWS[workload][0].name
+    return base if base in [r.name for r in rows] else rows[0].name
+
+
+def _tok_s(r: dict[str, Any]) -> float:
+    return r["rows"][0]["output_tokens_per_s"]
+
+
+def run_fresh(a: argparse.Namespace, parser: argparse.ArgumentParser, params: dict[str, Any],
+              rows: list[Row]) -> dict[str, Any]:
+    """Each row's runs in fresh processes (this command with --rows ROW), alternated over --repeats; each
+    row's median run, the ratios of the medians to the baseline's, and every run's figure."""
+    def command(side: str, repeat: int, out: str, done: list[fresh.SideRun]) -> list[str]:
+        flags = fresh.replay_flags(parser, a, {"--rows": side, "--in-process": True},
+                                   skip=("--json", "--repeats"))
+        return [*fresh.CLI, "bench", "prefix", *flags, "--json", out]
+
+    names = [r.name for r in rows]
+    runs = fresh.run_sides(names, a.repeats, command,
+                           describe=lambda run: f"{_tok_s(run.result):.1f} output tok/s, hit rate "
+                                                f"{100 * run.result['rows'][0]['prefix_cache']['hit_rate']:.1f} %")
+    fresh.check_same_work(runs, lambda r: r["workload"])
+    first = runs[0].result
+    res = {k: first[k] for k in ("machine", "workload", "engine", "model", "dtype", "threads") if k in first}
+    res = {"benchmark": "prefix", "command": command_line(a, parser)} | res
+    res["baseline"] = _baseline(a.workload, rows)
+    res["rows"] = [fresh.median_run(runs, n, _tok_s).result["rows"][0]
+                   | {"output_tokens_per_s_runs": fresh.values(runs, n, _tok_s)} for n in names]
+    _ratios(res)
+    res["comparison"] = fresh.method(names, a.repeats, runs) | {
+        "vs_baseline": {n: fresh.compare(runs, n, res["baseline"], _tok_s) for n in names}}
+    return res
+
+
+def run_here(a: argparse.Namespace, parser: argparse.ArgumentParser | None, params: dict[str, Any],
+             rows: list[Row]) -> dict[str, Any]:
+    """The rows one after another in this process: what a row's own process does (with one row)."""
+    from tdpipe import LLM
+
     res: dict[str, Any] = {
-        "benchmark": "prefix", "command": command_line(a, parser) if parser else None,
-        "machine": machine_info(), "workload": params, "baseline": baseline, "rows": [],
+        "benchmark": "prefix", "command": command_line(a, parser) if parser else None, "pid": os.getpid(),
+        "machine": machine_info(), "workload": params, "baseline": _baseline(a.workload, rows), "rows": [],
     }
     reqs: list[wl.BenchRequest] | None = None
     for i, row in enumerate(rows):
-        print(f"[{i + 1}/{len(rows)}] {row.name}: {row.label}", file=sys.stderr, flush=True)
+        if len(rows) > 1:
+            print(f"[{i + 1}/{len(rows)}] {row.name}: {row.label}", file=sys.stderr, flush=True)
         llm = LLM(**_row_kwargs(a, row))
         try:
             engine = llm.engine
@@ -344,14 +392,13 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) ->
             gc.collect()
         res["rows"].append(r)
         _ratios(res)
-        print(f"  {r['elapsed_s']:.2f} s, {r['output_tokens_per_s']:.1f} output tok/s, hit rate "
+        print(f"  {row.name}: {r['elapsed_s']:.2f} s, {r['output_tokens_per_s']:.1f} output tok/s, hit rate "
               f"{100 * r['prefix_cache']['hit_rate']:.1f} %" + ("" if r["complete"] else
                                                                  " (INCOMPLETE: outputs missing)"),
               file=sys.stderr, flush=True)
         if a.json:  # after every row: an interrupted comparison keeps the rows it finished
             _write_json(a.json, res)
-    print(format_table(res))
-    return 0
+    return res
 
 
 def _ratios(res: dict[str, Any]) -> None:
@@ -378,8 +425,10 @@ def format_table(res: dict[str, Any]) -> str:
                  f"shared prefix + {w['question_len'][0]}-{w['question_len'][1]}-token question, "
                  f"{w['output_len']} output tokens, greedy")
     head = [f"workload {shape}",
-            f"machine {m['cpu']} ({m['usable_cores']} usable cores), {res.get('threads')} threads, "
-            f"{res.get('dtype')}; ratios against {res['baseline']!r} (output tok/s, same run)"]
+            f"machine {describe_machine(m)}, {res.get('threads')} threads, {res.get('dtype')}; ratios against "
+            f"{res['baseline']!r} (output tok/s, same sitting, "
+            + ("one process)" if not (cmp := res.get("comparison")) else "each run in its own process"
+               + (f"; medians of {cmp['repeats']} runs per row in alternating order)" if cmp["repeats"] > 1 else ")"))]
     cols = ["row", "caching", "submitted", "elapsed s", "req/s", "out tok/s", "total tok/s", "hit rate",
             "cached tok", "prefill tok", "preempt", "ratio"]
     lines = [cols]

@@ -47,6 +47,7 @@ import numpy as np
 
 from tdpipe import aio
 from tdpipe.bench import workload as wl
+from tdpipe.bench.machine import describe as describe_machine
 from tdpipe.viz.latency import FORMAT, load_runs, plot_latency
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
@@ -593,13 +594,7 @@ def _model_info(model: str | None) -> tuple[str, int, int]:
     from tdpipe.model.bundled import resolve_model
 
     path = resolve_model(model)
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-        cfg = cfg.get("text_config", cfg)
-        return path, int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--model {path}: cannot read vocab_size from config.json ({e})") from None
+    return (path, *wl.model_vocab(path))
 
 
 class _LazyTokenizer:
@@ -718,7 +713,7 @@ async def _bench(a: argparse.Namespace, label: str, previous: list[dict[str, Any
                  guess_mml: int, model_path: str, tok: _LazyTokenizer, api_key: str | None) -> dict[str, Any]:
     import openai
 
-    from tdpipe.bench.throughput import machine_info
+    from tdpipe.bench.machine import machine_info
 
     rates = parse_rates(a.request_rate)
     slo = SLO(a.slo_ttft, a.slo_tpot)
@@ -786,6 +781,7 @@ def format_table(run_rec: dict[str, Any]) -> str:
             f"max concurrency {c['max_concurrency'] or 'unlimited'}",
             f"workload {w['name']} (seed {w['seed']}): {c['num_prompts']} requests per rate, input mean "
             f"{w['input_mean']:.1f}, output mean {w['output_mean']:.1f}; Poisson arrivals",
+            f"client machine {describe_machine(run_rec['machine'])}" if run_rec.get("machine") else "",
             "latencies in ms (mean / p50 / p99); tok/s = output tokens/s"
             + (f"; goodput: {slo}" if slo else "")]
     cols = ["rate", "ok/fail", "req/s", "tok/s", "total tok/s", "TTFT", "TPOT", "ITL", "E2E"]
@@ -807,7 +803,7 @@ def format_table(run_rec: dict[str, Any]) -> str:
     lines = ["  ".join(x.rjust(wd) for x, wd in zip(r, widths)) for r in rows]
     errs = [f"rate {m['request_rate']}: first error: {m['first_error']}" for m in run_rec["results"]
             if m["failed"]]
-    return "\n".join(head + lines + errs)
+    return "\n".join([h for h in head if h] + lines + errs)
 
 
 __all__ = ["SLO", "RequestResult", "RequestSpec", "add_parser", "arrival_offsets", "distribution_ms",

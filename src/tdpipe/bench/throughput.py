@@ -5,6 +5,13 @@ ignore_eos=True and max_tokens=output_len, so every request produces exactly its
 runs are comparable across engines and commits. Model load, the matmul-peak probe and a two-request
 warm-up are excluded from the timed region.
 
+--compare-pp1 (the same settings at pp = 1, all the workers' threads in one process) and --compare-hf
+(transformers generate) make this process the orchestrator only: every run of every side is a fresh
+`tdpipe bench throughput` process (tdpipe.bench.fresh), the engine side first, the sides alternated over
+--repeats, and the table and JSON give each side's median and the ratio of the medians. Running the pp = 1
+engine after the pp = 2 one in the same process once measured 284 output tok/s where the same settings alone
+gave 398.
+
 MFU = model FLOPs / (elapsed_s * peak FLOP/s), where peak is torch's measured square-matmul rate on the
 same threads and dtype (see tdpipe.bench.peak) and model FLOPs count only the useful work of the workload
 (recomputation after preemption is not credited):
@@ -22,7 +29,6 @@ import gc
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,9 +36,12 @@ from typing import Any
 
 import torch
 
+from tdpipe.bench import fresh
 from tdpipe.bench import workload as wl
+from tdpipe.bench.machine import describe as describe_machine
+from tdpipe.bench.machine import machine_info
 from tdpipe.bench.peak import measure_matmul_peak_fresh
-from tdpipe.config import ModelConfig, cpu_name
+from tdpipe.config import ModelConfig
 from tdpipe.core.scheduler.registry import get_policy
 from tdpipe.entrypoints.args import add_engine_args, engine_kwargs
 
@@ -85,14 +94,6 @@ def workload_flops(mc: ModelConfig, lengths: list[tuple[int, int]]) -> Flops:
     return total
 
 
-# -- machine -----------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    """What ran the benchmark, so numbers from different hosts are never compared blindly."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "usable_cores": usable,
-            "platform": platform.platform(), "torch": torch.__version__}
-
-
 # -- CLI -----------------------------------------------------------------------------------------------
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p = bsub.add_parser(
@@ -103,13 +104,18 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run the requests through transformers generate (static batches) and report "
-                        "the ratio")
+                        "the ratio; every run, of either side, in a fresh process of its own")
     p.add_argument("--hf-batch-size", type=int, default=32, help="batch size of the transformers baseline")
     p.add_argument("--compare-pp1", action="store_true",
-                   help="with --pp N > 1: also run the same workload on pp = 1 with all cores in one process, "
-                        "in the same invocation, and report the throughput ratio")
+                   help="with --pp N > 1 (or --tp N > 1): also run the same workload on pp = 1 with all the "
+                        "workers' threads in one process, and report the throughput ratio; every run, of either "
+                        "side, in a fresh process of its own")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="with --compare-pp1 / --compare-hf: run every side N times, in alternating order (A B, "
+                        "B A, ...), and compare the medians (default: %(default)s)")
+    p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # --compare-hf's side process
     add_engine_args(p)
-    p.set_defaults(fn=run)
+    p.set_defaults(fn=lambda a: run(a, p))
     return p
 
 
@@ -169,15 +175,46 @@ def preflight(a: argparse.Namespace) -> None:
     check_writable(getattr(a, "record_history", None), "--record-history")
 
 
-def run(a: argparse.Namespace) -> int:
-    from tdpipe import LLM
-
+def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """One engine run in this process; with --compare-pp1 / --compare-hf, every side (the engine as asked,
+    pp = 1, transformers) in fresh processes of their own instead (tdpipe.bench.fresh)."""
     preflight(a)
     if a.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
-    if a.compare_pp1 and a.pp * a.tp <= 1:
-        raise ValueError("--compare-pp1 needs --pp > 1 or --tp > 1")
+    if a.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
+    if a.hf_only:
+        res = run_hf_side(a, fresh.flag_value(parser, a, "--threads") if parser else None)
+    elif a.compare_pp1 or a.compare_hf:
+        if a.compare_pp1 and a.pipeline_parallel_size * a.tensor_parallel_size <= 1:
+            raise ValueError("--compare-pp1 needs --pp > 1 or --tp > 1")
+        if parser is None:
+            raise ValueError("--compare-pp1 / --compare-hf run from the command line (`tdpipe bench throughput`)")
+        res = run_compared(a, parser)
+    else:
+        if a.repeats != 1:
+            raise ValueError("--repeats applies to --compare-pp1 / --compare-hf (one run needs no repeat)")
+        res = run_engine(a)
+    if not a.hf_only:
+        print(format_table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0
+
+
+def run_engine(a: argparse.Namespace) -> dict[str, Any]:
+    """The engine the flags describe, in this process: load, peak, warm-up, the timed run; its result."""
+    from tdpipe import LLM
+
     llm = LLM(**engine_kwargs(a), collect_trace=True)  # the bubble ratios come from the trace
+    try:
+        return _engine_result(a, llm)
+    finally:
+        llm.shutdown()
+
+
+def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
     engine = llm.engine
     mc = engine.model_config
     max_model_len = engine.scheduler.config.max_model_len
@@ -202,7 +239,7 @@ def run(a: argparse.Namespace) -> int:
     in_tok = sum(r.input_len for r in reqs)
     out_tok = sum(got)
     flops = workload_flops(mc, [(r.input_len, g) for r, g in zip(reqs, got)])
-    res: dict[str, Any] = {
+    return {
         "requests_per_s": len(reqs) / elapsed,
         "input_tokens_per_s": in_tok / elapsed,
         "output_tokens_per_s": out_tok / elapsed,
@@ -243,40 +280,96 @@ def run(a: argparse.Namespace) -> int:
         "dtype": dtype_name,
         "threads": threads,
         "machine": machine_info(),
+        "pid": os.getpid(),
         "model": engine.model_path,
         "workload": {"name": name, "seed": a.workload_seed, **wl.summarize(reqs)},
         "engine": {k: v for k, v in engine_kwargs(a).items()} | {"max_model_len": max_model_len},
     }
 
-    if a.compare_hf:
-        pad = engine.tokenizer.eos_token_id
-        if pad is None:
-            pad = min(engine.eos_token_ids) if engine.eos_token_ids else 0
-        hf = run_hf(engine.model_path, reqs, a.hf_batch_size, engine.dtype, pad)
-        res.update(hf)
-        res["ratio_vs_hf"] = res["output_tokens_per_s"] / hf["hf_output_tokens_per_s"]
 
-    llm.shutdown()
+# -- the fair comparison: each side in its own process ---------------------------------------------------------
+# options that only steer the comparison itself; a side never gets them
+COMPARE_ONLY = ("--compare-pp1", "--compare-hf", "--repeats", "--json", "--hf-only")
+
+
+def pp1_overrides(threads: int) -> dict[str, Any]:
+    """--compare-pp1's side: the same settings as one process with all `threads` the pipeline's workers use;
+    layout-only settings (partition, lm_head split across stages, threads per worker) dropped, since they do
+    not exist at pp = 1, and no trace or history file written a second time."""
+    return {"--pp": 1, "--tp": 1, "--layer-partition": None, "--lm-head-split": 0.0, "--threads-per-stage": None,
+            "--threads": threads, "--trace": None, "--record-history": None}
+
+
+def hf_overrides(first: dict[str, Any]) -> dict[str, Any]:
+    """--compare-hf's side: transformers on the engine side's model folder, dtype, threads and context length
+    (so it builds the same workload), nothing of the engine."""
+    return {"--hf-only": True, "--model": first["model"], "--dtype": first["dtype"], "--threads": first["threads"],
+            "--max-model-len": first["engine"]["max_model_len"], "--trace": None, "--record-history": None}
+
+
+def side_command(a: argparse.Namespace, parser: argparse.ArgumentParser, side: str, out: str,
+                 runs: list[fresh.SideRun]) -> list[str]:
+    """The `tdpipe bench throughput` command of one run of a side, writing its JSON to `out`."""
+    over: dict[str, Any] = {}
+    if side != "engine":  # the engine side always runs first (fresh.run_order), so its settings are known
+        first = next(r.result for r in runs if r.side == "engine")
+        over = pp1_overrides(first["threads"]) if side == "pp1" else hf_overrides(first)
+    skip = [k for k in COMPARE_ONLY if k not in over]
+    return [*fresh.CLI, "bench", "throughput", *fresh.replay_flags(parser, a, over, skip=skip), "--json", out]
+
+
+def _tok_s(r: dict[str, Any]) -> float:
+    return r["output_tokens_per_s"]
+
+
+def run_compared(a: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Every side in fresh processes, alternated over --repeats; the engine side's median run with each
+    other side's median and the ratios of the medians (and per repeat)."""
+    sides = ["engine"] + ["pp1"] * a.compare_pp1 + ["hf"] * a.compare_hf
+    runs = fresh.run_sides(sides, a.repeats, lambda side, r, out, done: side_command(a, parser, side, out, done),
+                           describe=lambda run: f"{_tok_s(run.result):.1f} output tok/s")
+    fresh.check_same_work(runs, lambda r: (r["workload"], r["num_requests"], r["total_input_tokens"]))
+    res = dict(fresh.median_run(runs, "engine", _tok_s).result)
+    res["output_tokens_per_s_runs"] = fresh.values(runs, "engine", _tok_s)
+    res["comparison"] = fresh.method(sides, a.repeats, runs)
     if a.compare_pp1:
-        with LLM(**pp1_kwargs(a, threads)) as base:
-            t1 = _timed_run(base, reqs)
-        res["pp1_output_tokens_per_s"] = sum(len(o.outputs[0].token_ids) for o in t1["outs"]) / t1["elapsed"]
-        res["pp1_elapsed_s"] = t1["elapsed"]
-        res["pp1_bubble_ratio"] = t1["summary"]["bubble_ratio"]
-        res["pp1_threads"] = threads
-        res["ratio_vs_pp1"] = res["output_tokens_per_s"] / res["pp1_output_tokens_per_s"]
-    print(format_table(res))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2, default=str)
-    return 0
+        c = fresh.compare(runs, "engine", "pp1", _tok_s)
+        base = fresh.median_run(runs, "pp1", _tok_s).result
+        res["comparison"]["pp1"] = c
+        res |= {"pp1_output_tokens_per_s": c["base_median"], "pp1_output_tokens_per_s_runs": c["base_values"],
+                "pp1_elapsed_s": base["elapsed_s"], "pp1_bubble_ratio": base["bubble_ratio"],
+                "pp1_threads": base["threads"], "pp1_mfu": base["mfu"], "ratio_vs_pp1": c["ratio"],
+                "ratio_vs_pp1_per_repeat": c["ratio_per_repeat"]}
+    if a.compare_hf:
+        c = fresh.compare(runs, "engine", "hf", _tok_s)
+        hf = fresh.median_run(runs, "hf", _tok_s).result
+        res["comparison"]["hf"] = c
+        res |= {k: v for k, v in hf.items() if k.startswith("hf_")}
+        res |= {"hf_output_tokens_per_s_runs": c["base_values"], "ratio_vs_hf": c["ratio"],
+                "ratio_vs_hf_per_repeat": c["ratio_per_repeat"]}
+    return res
 
 
-def pp1_kwargs(a: argparse.Namespace, threads: int) -> dict[str, Any]:
-    """--compare-pp1's engine: the same engine settings in one process; layout-only settings (partition,
-    lm_head split across stages) dropped, since they do not exist at pp = 1."""
-    return engine_kwargs(a) | {"pipeline_parallel_size": 1, "tensor_parallel_size": 1, "layer_partition": None,
-                               "lm_head_split": 0.0, "trace": None, "num_threads": threads, "collect_trace": True}
+def run_hf_side(a: argparse.Namespace, threads: int | None) -> dict[str, Any]:
+    """--compare-hf's side, in its own process: the workload built as the engine side built it (same model
+    folder, vocabulary, context length and tokenizer), then transformers generate on it."""
+    from tdpipe.model.bundled import resolve_model
+    from tdpipe.tokenizer import load_tokenizer
+
+    path = resolve_model(a.model)
+    vocab, max_pos = wl.model_vocab(path)
+    tok = load_tokenizer(path)
+    name, reqs = build_workload(a, vocab, a.max_model_len or max_pos, tok)
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, a.dtype) if a.dtype in ("bfloat16", "float32") else torch.float32
+    pad = tok.eos_token_id if tok.eos_token_id is not None else 0
+    hf = run_hf(path, reqs, a.hf_batch_size, dtype, pad)
+    return hf | {"output_tokens_per_s": hf["hf_output_tokens_per_s"], "elapsed_s": hf["hf_elapsed_s"],
+                 "num_requests": len(reqs), "total_input_tokens": sum(r.input_len for r in reqs),
+                 "threads": threads, "dtype": str(dtype).replace("torch.", ""), "model": path,
+                 "machine": machine_info(), "pid": os.getpid(),
+                 "workload": {"name": name, "seed": a.workload_seed, **wl.summarize(reqs)}}
 
 
 def _predictor_cost(engine: Any, s: dict[str, Any], elapsed: float, n: int) -> dict[str, Any] | None:
@@ -407,7 +500,7 @@ def format_table(r: dict[str, Any]) -> str:
         ("workload", f"{w['name']} (seed {w['seed']}): {r['num_requests']} requests, input mean "
                      f"{w['input_mean']:.1f} / median {w['input_median']:.0f}, output mean {w['output_mean']:.1f}"
                      f" / median {w['output_median']:.0f}"),
-        ("machine", f"{m['cpu']} ({m['usable_cores']} usable cores), {r['threads']} threads, {r['dtype']}"),
+        ("machine", f"{describe_machine(m)}, {r['threads']} threads, {r['dtype']}"),
         ("elapsed", f"{r['elapsed_s']:.2f} s"),
         ("requests/s", f"{r['requests_per_s']:.3f}"),
         ("input tokens/s", f"{r['input_tokens_per_s']:.1f}  ({r['total_input_tokens']} tokens)"),
@@ -448,20 +541,41 @@ def format_table(r: dict[str, Any]) -> str:
         ("matmul peak", f"{r['peak_gflops']:.1f} GFLOP/s"),
         ("MFU", f"{100 * r['mfu']:.1f} %"),
     ]
+    cmp = r.get("comparison")
+    if cmp:
+        rows.append(("compared", f"each run in its own process; {cmp['repeats']} run(s) per side, order "
+                                 f"{' '.join(cmp['order'])}; figures are medians"))
+        if len(r.get("output_tokens_per_s_runs", [])) > 1:
+            rows.append(("output tok/s runs", _runs(r["output_tokens_per_s_runs"])))
     if "hf_output_tokens_per_s" in r:
         rows += [
             ("HF elapsed", f"{r['hf_elapsed_s']:.2f} s  ({r['hf_num_batches']} batches of <= {r['hf_batch_size']}, "
                            f"{r['hf_generated_tokens']} generated / {r['hf_useful_output_tokens']} useful)"),
-            ("HF output tokens/s", f"{r['hf_output_tokens_per_s']:.1f}  (useful tokens only)"),
-            ("ratio vs HF", f"{r['ratio_vs_hf']:.2f}x  (output tokens/s)"),
+            ("HF output tokens/s", f"{r['hf_output_tokens_per_s']:.1f}  (useful tokens only"
+                                   + (f"; runs {_runs(r['hf_output_tokens_per_s_runs'])})"
+                                      if len(r.get("hf_output_tokens_per_s_runs", [])) > 1 else ")")),
+            ("ratio vs HF", f"{r['ratio_vs_hf']:.2f}x  (output tokens/s{_per_repeat(r, 'ratio_vs_hf_per_repeat')})"),
         ]
     if "ratio_vs_pp1" in r:
         rows += [
             ("pp=1 output tok/s", f"{r['pp1_output_tokens_per_s']:.1f}  ({r['pp1_threads']} threads, one process; "
-                                  f"bubble {r['pp1_bubble_ratio']:.3f})"),
-            ("ratio vs pp=1", f"{r['ratio_vs_pp1']:.2f}x  (output tokens/s, same workload, same run)"),
+                                  f"bubble {r['pp1_bubble_ratio']:.3f}"
+                                  + (f"; runs {_runs(r['pp1_output_tokens_per_s_runs'])})"
+                                     if len(r.get("pp1_output_tokens_per_s_runs", [])) > 1 else ")")),
+            ("ratio vs pp=1", f"{r['ratio_vs_pp1']:.3f}x  (output tokens/s, same workload, same sitting, "
+                              + ("each run in its own process" if cmp else "pp=1 after pp=n in one process: biased")
+                              + f"{_per_repeat(r, 'ratio_vs_pp1_per_repeat')})"),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append(MFU_FORMULA)
     return "\n".join(lines)
+
+
+def _runs(xs: list[float]) -> str:
+    return ", ".join(f"{x:.1f}" for x in xs)
+
+
+def _per_repeat(r: dict[str, Any], key: str) -> str:
+    xs = r.get(key) or []
+    return "; per repeat " + ", ".join(f"{x:.3f}x" for x in xs) if len(xs) > 1 else ""

@@ -227,6 +227,19 @@ def from_history(path: str | Path, tokenizer: Any, split: str = "test", limit: i
     return out
 
 
+def model_vocab(path: str | Path) -> tuple[int, int]:
+    """(vocab_size, max_position_embeddings) of a local model folder, from its config.json alone: what a
+    process that builds prompts without loading an engine (bench serve's client, bench throughput's
+    transformers side) needs to draw the same token ids."""
+    try:
+        with open(Path(path) / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+        cfg = cfg.get("text_config", cfg)
+        return int(cfg["vocab_size"]), int(cfg.get("max_position_embeddings", 2048))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--model {path}: cannot read vocab_size from config.json ({e})") from None
+
+
 def summarize(reqs: list[BenchRequest]) -> dict[str, float]:
     """Mean/median lengths, printed with every run so the workload behind a number is visible."""
     ins = np.array([r.input_len for r in reqs])

@@ -1,7 +1,20 @@
 """Shared fixtures: the bundled model (converted once into a session cache) and HF oracles."""
 import os
+import signal
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def sigint_raises():
+    """Every test runs with Python's own SIGINT handler (KeyboardInterrupt), whatever the runner inherited.
+    A runner started with `nohup` or `&` from a script ignores SIGINT: `_thread.interrupt_main()` then does
+    nothing, and the processes a test starts inherit the ignored signal, so a test that interrupts a
+    generation would run it to the end and report "did not raise"."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if old is not None:  # None: a handler not installed from Python, which cannot be put back
+        signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture
@@ -70,11 +83,23 @@ def save_random_qwen2(d, bundled_path: str):
     return model
 
 
-# tests that load a model or start processes are end-to-end: `-m "not slow and not faults"` skips them
-_MODEL_FIXTURES = {"bundled_path", "llm_fp32", "hf_fp32", "llm_pp2", "qwen2_folder", "smol_folder"}
+@pytest.fixture(scope="session")
+def qwen2_tiny(tmp_path_factory, bundled_path):
+    """(folder, HF model) of save_random_qwen2's model, made once per session: for the tests whose point is
+    the engine's behaviour (interrupts, aborts, shutdown), not the bundled model's answers. It loads and
+    steps in a fraction of the bundled model's time."""
+    d = tmp_path_factory.mktemp("qwen2_tiny")
+    return str(d), save_random_qwen2(d, bundled_path)
+
+
+# tests that load a model or start processes are end-to-end: `-m "not slow and not faults"` skips them. A test
+# is one when it is in tests/e2e (some there build their engine inside the test, where no fixture shows it)
+# or when it asks for a model fixture.
+_MODEL_FIXTURES = {"bundled_path", "llm_fp32", "hf_fp32", "llm_pp2", "qwen2_folder", "smol_folder",
+                   "qwen2_tiny"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if item.path.parent.name == "e2e" or _MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -1,4 +1,4 @@
-"""A fake AsyncLLM (same methods and attributes as tdpipe.core.async_llm.AsyncLLM) for fast tests of the HTTP
+"""A fake engine client (core/engine_client.py's EngineClient, as AsyncLLM) for fast tests of the HTTP
 layer: no model, no processes. Its tokenizer is byte-level (one token per UTF-8 byte, BOS 1, EOS 2), its
 outputs are deterministic letters (seeded when temperature > 0), and it keeps the bookkeeping the server's
 promises are checked against: KV blocks allocated and freed, aborted request ids, the waiting queue.
@@ -9,7 +9,8 @@ import asyncio
 import random
 from typing import AsyncIterator
 
-from tdpipe.entrypoints.openai.errors import EngineDeadError
+from tdpipe.core.engine_client import EngineDeadError
+from tdpipe.core.validation import EngineRequest, RequestLimits, validate_request
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
 
@@ -60,6 +61,7 @@ class FakeAsyncLLM:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.vocab_size = len(self.tokenizer)
         self.ready = True
         self.dead_reason: str | None = None
         self.delay = delay
@@ -73,21 +75,21 @@ class FakeAsyncLLM:
         self.requests: list[tuple[list[int], SamplingParams, str]] = []  # every generate() call, in order
         self.prompt_tokens = self.generation_tokens = 0
         self._dead = asyncio.Event()
+        # what `tdpipe serve` reads besides the EngineClient contract (AsyncLLM has them too)
+        self.log_death = True
+        self.death_detail: str | None = None
+        self.failed_on_death = 0
 
     # -- the contract ----------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: EngineRequest | str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         self.check_health()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not isinstance(prompt, EngineRequest):  # a raw prompt: the same validation AsyncLLM applies
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            prompt = validate_request(request_id, ids, params, RequestLimits.of(self))
+        ids, params, request_id = prompt.prompt_token_ids, prompt.params, prompt.request_id
         if request_id in self.open:
             raise ValueError(f"request_id {request_id!r} is already running")
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if any(t >= len(self.tokenizer) for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {len(self.tokenizer)})")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) is over "
-                             f"max_model_len ({self.max_model_len})")
         self.requests.append((ids, params, request_id))
         self.open.add(request_id)
         finished = False
@@ -154,10 +156,17 @@ class FakeAsyncLLM:
     async def shutdown(self, grace_s: float = 10.0) -> None:
         self.ready = False
 
+    async def wait_dead(self) -> str:
+        await self._dead.wait()
+        return self.dead_reason or ""
+
     # -- test controls ---------------------------------------------------------------------------------
-    def die(self, reason: str = "engine core process exited with signal 9") -> None:
-        """Every open request raises EngineDeadError at its next step, as when the core process dies."""
+    def die(self, reason: str = "engine core process exited with signal 9", detail: str | None = None) -> None:
+        """Every open request raises EngineDeadError at its next step, as when the core process dies.
+        `detail`: what only the log may show (AsyncLLM's death_detail: the core's exception text)."""
         self.dead_reason = reason
+        self.death_detail = detail or reason
+        self.failed_on_death = len(self.open)
         self.ready = False  # as AsyncLLM: a dead engine is not ready
         self._dead.set()
 

@@ -1,35 +1,85 @@
-"""A fake pipelined executor with deterministic step costs, driving any scheduler without a model.
+"""A fake pipelined executor with deterministic step costs, for driving the real engine loop without a model.
 
-Time is simulated: a micro-batch holds each of the pp stages for `cost(batch)` seconds, in stage order; a
-stage starts it once the previous stage is done with it and it is free. The loop is the engine's: keep up
-to pp micro-batches in flight, complete the oldest (a token for every row of batch.sampled_rows()) and hand
-it to the scheduler's update_from_output, as the engine does. Invariants are checked on every batch.
+Time is simulated: a micro-batch holds each of the pp stages for `step_cost(step)` seconds, in stage order; a
+stage starts it once the previous stage is done with it and it is free. Every row's next token is FILL (the
+last stage's argmax of a greedy batch, or a one-hot row of logits). The engine (LLMEngine.from_config with
+an in-memory model config and this executor) runs the loop as it runs any executor; `watch` checks the
+scheduler's invariants on every batch it forms.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from tdpipe.core.batch import StepInput
+from tdpipe.executor.base import Executor, StepResult
 from tdpipe.sequence import Sequence, SequenceStatus
 
+FILL = 7  # every sampled token (not an eos id of TINY)
+VOCAB = 32
+# a tiny Llama shape: nothing is computed with it, the executor is fake (layers: up to 4 stages)
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 1 << 16, "eos_token_id": 0}
 
-def step_cost(batch) -> float:
+
+def step_cost(step: StepInput) -> float:
     """Deterministic: a fixed overhead, plus per decode row, plus per prefill token."""
-    decode = sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1 and s.num_computed_tokens > 0)
-    return 1.0 + 0.05 * decode + 0.01 * (batch.num_tokens - decode)
+    prefill, decode = step.shape()
+    return 1.0 + 0.05 * decode + 0.01 * prefill
+
+
+class TimedFakeExecutor(Executor):
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self.clock = self.start = 0.0
+        self.stage_free = [0.0] * num_stages
+        self.busy = [0.0] * num_stages
+        self._done: deque[tuple[float, StepResult]] = deque()
+
+    def now(self) -> float:
+        return self.clock
+
+    def submit(self, step: StepInput) -> None:
+        t, cost = self.clock, step_cost(step)
+        for k in range(self.num_stages):
+            t = self.stage_free[k] = max(t, self.stage_free[k]) + cost
+            self.busy[k] += cost
+        rows = step.logit_rows()
+        if step.greedy_rows and all(step.greedy_rows):
+            result = StepResult(step.batch_id, token_ids=[FILL] * rows)
+        else:
+            logits = torch.full((rows, VOCAB), -10.0)
+            logits[:, FILL] = 10.0
+            result = StepResult(step.batch_id, logits=logits)
+        self._done.append((t, result))
+
+    def collect(self) -> StepResult:
+        done, result = self._done.popleft()
+        self.clock = max(self.clock, done)
+        return result
+
+    def drain(self) -> None:
+        self._done.clear()
+
+    def reset(self) -> None:
+        """Count from now (after the engine's start-up profile, which ran steps here too)."""
+        self.start, self.busy = self.clock, [0.0] * self.num_stages
+
+    def bubble_ratio(self) -> float:
+        span = self.clock - self.start
+        return 1.0 - sum(self.busy) / (len(self.busy) * span) if span else 0.0
 
 
 @dataclass
-class RunLog:
-    finished: list[Sequence] = field(default_factory=list)
-    first_admission: list[int] = field(default_factory=list)  # seq ids in the order they first got KV
-    steps: int = 0
-    clock: float = 0.0
-    busy: list[float] = field(default_factory=list)
-    max_used_blocks: int = 0
+class Watch:
+    """What the scheduler did, batch by batch."""
 
-    def bubble_ratio(self) -> float:
-        return 1.0 - sum(self.busy) / (len(self.busy) * self.clock) if self.clock else 0.0
+    first_admission: list[int] = field(default_factory=list)  # seq ids in the order they first got KV
+    batches: int = 0
+    max_used_blocks: int = 0
 
 
 def check_batch(sched, bm, batch, in_flight_ids: set[int]) -> None:
@@ -50,51 +100,32 @@ def check_batch(sched, bm, batch, in_flight_ids: set[int]) -> None:
     assert bm.num_used_blocks <= bm.num_blocks, "KV past capacity"
 
 
-def run(sched, bm, seqs: list[Sequence], arrivals: list[float], pp: int, max_steps: int = 500_000) -> RunLog:
-    """Requests arrive at the given (sorted) times; returns what happened."""
-    log = RunLog(busy=[0.0] * pp)
-    pending = deque(zip(arrivals, seqs))
-    stage_free = [0.0] * pp
-    in_flight: deque = deque()
-    admitted: set[int] = set()
-    while pending or in_flight or sched.has_unfinished():
-        log.steps += 1
-        assert log.steps < max_steps, "no progress"
-        while pending and pending[0][0] <= log.clock:
-            sched.add(pending.popleft()[1])
-        while len(in_flight) < pp:
-            ids = {s.seq_id for b, _ in in_flight for s in b.seqs}
-            batch = sched.schedule()
-            if batch is None:
-                break
-            check_batch(sched, bm, batch, ids)
-            for s in sched.running:
-                if s.seq_id not in admitted:
-                    admitted.add(s.seq_id)
-                    log.first_admission.append(s.seq_id)
-            log.max_used_blocks = max(log.max_used_blocks, bm.num_used_blocks)
-            t, cost = log.clock, step_cost(batch)
-            for k in range(pp):
-                start = max(t, stage_free[k])
-                stage_free[k] = t = start + cost
-                log.busy[k] += cost
-            in_flight.append((batch, t))
-        if not in_flight:
-            assert pending, "stalled: nothing in flight, nothing arriving, requests unfinished"
-            log.clock = max(log.clock, pending[0][0])
-            continue
-        batch, done = in_flight.popleft()
-        log.clock = max(log.clock, done)
-        log.finished += sched.update_from_output(batch, [7] * len(batch.sampled_rows()))
-    return log
+def watch(engine) -> Watch:
+    """Check every batch the engine's scheduler forms (check_batch) and record admissions."""
+    sched, bm, w = engine.scheduler, engine.block_manager, Watch()
+    schedule = sched.schedule
+
+    def checked():
+        in_flight = {s.seq_id for b in engine._inflight for s in b.seqs}
+        batch = schedule()
+        if batch is not None:
+            check_batch(sched, bm, batch, in_flight)
+            w.batches += 1
+            w.max_used_blocks = max(w.max_used_blocks, bm.num_used_blocks)
+            seen = set(w.first_admission)
+            w.first_admission += [s.seq_id for s in sched.running if s.seq_id not in seen]
+        return batch
+
+    sched.schedule = checked
+    return w
 
 
-def check_outcome(log: RunLog, seqs: list[Sequence], bm) -> None:
+def check_outcome(w: Watch, finished: list[Sequence], seqs: list[Sequence], bm) -> None:
     """Every request finished exactly once with its full output, the cache is empty, first admissions
     followed arrival order (FIFO: no request is overtaken, so none starves)."""
-    ids = [s.seq_id for s in log.finished]
+    ids = [s.seq_id for s in finished]
     assert sorted(ids) == sorted(s.seq_id for s in seqs) and len(ids) == len(set(ids))
     assert all(s.num_output_tokens == s.max_tokens for s in seqs)
     assert bm.num_used_blocks == 0
     bm.check_no_leaks()
-    assert log.first_admission == sorted(log.first_admission), "a later request was admitted first"
+    assert w.first_admission == sorted(w.first_admission), "a later request was admitted first"

@@ -132,51 +132,28 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Batching limits shared by every policy."""
+    """Batching limits shared by every policy. A policy's own knobs travel in `knobs`, an object of the dataclass
+    its registry spec declares (core/scheduler/registry.py); the spec fills it in, and the token budget the
+    user left out, when the policy is resolved (PolicySpec.configure), so this module knows no policy."""
 
     policy: str = "separate"  # a registered policy (core/scheduler/registry.py)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: the policy's default (its PolicySpec.default_token_budget)
     max_model_len: int = 0  # 0: the model's max_position_embeddings (set by EngineConfig)
     pipeline_depth: int = 1  # micro-batches the engine keeps in flight (= pipeline_parallel_size)
-    # gLLM Token Throttling (gLLM §3.1-3.2, Eq. 3): #T, #MaxP, #MinP, KVthresh
-    throttle_T: float = 8.0
-    max_prefill_tokens: int = 2048
-    min_prefill_tokens: int = 32
-    kv_thresh: float = 0.05
-    # TD-Pipe (§3.3-3.5): futurePoints every future_point_step decode steps up to future_point_max;
-    # ablation switches (§4.4): "predict" | "kv-ratio:R" and "intensity" | "finish-ratio:R"; plus
-    # "reachable-intensity" (Eq. 1 with Peak at the batch a switch can reach; docs/simulator.md)
-    future_point_step: int = 32
-    future_point_max: int = 1024
-    switch_to_decode: str = "predict"
-    switch_to_prefill: str = "intensity"
-    work_stealing: bool = True
-    predictor: str = "auto"  # output lengths for Algorithm 1: auto | oracle | constant[:N] (core/predictor.py)
-    profile_cache: bool = True  # td-pipe: reuse the start-up step-cost profile (core/step_profile.py)
+    # output lengths for policies that ask for them (PolicySpec.needs_predictor; TD-Pipe's Algorithm 1):
+    # auto | oracle | constant[:N] | a file (tdpipe/predictor/factory.py)
+    predictor: str = "auto"
+    profile_cache: bool = True  # reuse the start-up step-cost profile (PolicySpec.needs_step_costs; core/step_profile.py)
+    knobs: Any = None  # the policy's knob object; None or a dict: PolicySpec.configure makes it
 
     def __post_init__(self) -> None:
-        # imported here: the policies import this module (pure Python both ways, no torch)
-        from tdpipe.core.scheduler.registry import get_policy
-
-        spec = get_policy(self.policy)  # raises ValueError naming 'scheduler' and the registered names
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = spec.default_token_budget
-        _check(self.max_num_batched_tokens >= 1,
-               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens is not None:
+            _check(self.max_num_batched_tokens >= 1,
+                   f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.pipeline_depth >= 1, f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
-        _check(self.throttle_T > 0, f"throttle_T (#T) must be > 0, got {self.throttle_T}")
-        _check(self.max_prefill_tokens >= 1, f"max_prefill_tokens (#MaxP) must be >= 1, got {self.max_prefill_tokens}")
-        _check(1 <= self.min_prefill_tokens <= self.max_prefill_tokens,
-               f"min_prefill_tokens (#MinP) must be in [1, max_prefill_tokens={self.max_prefill_tokens}], "
-               f"got {self.min_prefill_tokens}")
-        _check(0.0 <= self.kv_thresh < 1.0, f"kv_thresh (KVthresh) must be in [0, 1), got {self.kv_thresh}")
-        _check(1 <= self.future_point_step <= self.future_point_max,
-               f"future_point_step must be in [1, future_point_max={self.future_point_max}], "
-               f"got {self.future_point_step}")
-        from tdpipe.core.predictor import check_predictor_spec
-        check_predictor_spec(self.predictor)  # raises ValueError naming 'predictor'
+        _check(isinstance(self.predictor, str), f"predictor must be a string, got {self.predictor!r}")
 
 
 @dataclass

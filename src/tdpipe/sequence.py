@@ -36,12 +36,11 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     in_flight: bool = False  # part of a micro-batch that has not returned yet
-    # parallel sampling (n > 1 / best_of): the request's samples share one list; sample 0 is the sequence
-    # the request started as, and the others are forked from it when its prompt is prefilled
+    # parallel sampling (n > 1 / best_of): which of its request's samples this is; sample 0 is the sequence
+    # the request started as. `group` (core/sample_group.SampleGroup, kept untyped: no import cycle) owns the
+    # request's samples: forks, aborts; None for a sequence outside an engine (a scheduler test)
     sample_index: int = 0
-    group: list["Sequence"] | None = None
-    samples_to_fork: int = 0  # samples still to fork off this sequence once its first token is sampled
-    aborted_samples: set[int] = field(default_factory=set)  # sample indices aborted before they were forked
+    group: Any = None
     cumulative_logprob: float = 0.0  # of the sampled tokens (logprobs or best_of requests)
     prompt_logprobs: list | None = None  # per prompt position, filled chunk by chunk (prompt_logprobs=k)
     # the page table: bumped when the block table is rebuilt (preemption) or an entry is replaced
@@ -75,10 +74,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def samples(self) -> list["Sequence"]:
-        """Every sequence of this request (itself alone unless n > 1 / best_of)."""
-        return self.group if self.group is not None else [self]
-
     @property
     def needs_prompt_logits(self) -> bool:
         """prompt_logprobs asked and not all computed yet: every prompt position's logits are needed, so
@@ -89,21 +84,7 @@ class Sequence:
     @property
     def num_samples_pending(self) -> int:
         """Sequences this one stands for in max_num_seqs: itself and the samples it will fork."""
-        return 1 + self.samples_to_fork
-
-    def fork(self, seq_id: int, sample_index: int) -> "Sequence":
-        """A new sample of this request at this point: same prompt, outputs and KV position (the caller
-        shares the blocks through BlockManager.fork_seq)."""
-        child = Sequence(seq_id, self.request_id, self.prompt_token_ids, self.sampling_params, prompt=self.prompt,
-                         max_tokens=self.max_tokens, output_token_ids=list(self.output_token_ids),
-                         status=self.status, num_computed_tokens=self.num_computed_tokens,
-                         predicted_output_len=self.predicted_output_len, arrival_time=self.arrival_time,
-                         first_token_time=self.first_token_time, sample_index=sample_index, group=self.group,
-                         cumulative_logprob=self.cumulative_logprob,
-                         num_cached_tokens=self.num_cached_tokens, block_hashes=list(self.block_hashes))
-        if self.group is not None:
-            self.group.append(child)
-        return child
+        return 1 + (self.group.num_unforked(self) if self.group is not None else 0)
 
     def reset_for_recompute(self) -> None:
         """Recompute preemption: drop the KV; the prompt and the outputs so far are prefilled again later."""

@@ -1,29 +1,7 @@
 """Tokenizer access and detokenisation; Hugging Face tokenizers do the work."""
 from __future__ import annotations
 
-import os
 from typing import Any
-
-# Any one of these holds a vocabulary transformers can build a tokenizer from (vocab.json also needs
-# merges.txt). tokenizer_config.json alone does not: transformers then falls back to a slow class and
-# reports a missing optional package ("install sentencepiece"), which sends the user the wrong way.
-_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
-                "vocab.txt")
-
-
-def check_tokenizer_files(path: str) -> None:
-    """Fail with the folder and the missing file names when a model folder has no tokenizer."""
-    from tdpipe.model.weights import MissingModelFile
-
-    if not os.path.isdir(path):
-        raise MissingModelFile(f"model folder {path} does not exist (no tokenizer to load)")
-    present = set(os.listdir(path))
-    if not present & set(_VOCAB_FILES):
-        raise MissingModelFile(f"model folder {path} has no tokenizer files: none of tokenizer.json, "
-                               "tokenizer.model or vocab.json + merges.txt (copy them from the model's "
-                               "original folder)")
-    if present & set(_VOCAB_FILES) == {"vocab.json"} and "merges.txt" not in present:
-        raise MissingModelFile(f"model folder {path} has vocab.json but no merges.txt: the tokenizer needs both")
 
 
 def load_tokenizer(path: str) -> Any:
@@ -31,7 +9,7 @@ def load_tokenizer(path: str) -> Any:
     folder (one line in the CLI), never a transformers traceback."""
     from transformers import AutoTokenizer
 
-    from tdpipe.model.weights import ModelFileError
+    from tdpipe.model.weights import ModelFileError, check_tokenizer_files  # torch: only where it loads
 
     check_tokenizer_files(path)
     try:

@@ -17,8 +17,7 @@ from tdpipe.sequence import Sequence
 def _sched(policy="hybrid", budget=8):
     cfg = SchedulerConfig(policy=policy, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64)
     bm = BlockManager(64, 4)
-    sched = make_scheduler(cfg, bm)
-    sched.eos_token_ids = frozenset({2})
+    sched = make_scheduler(cfg, bm, eos_token_ids={2})
     return sched, bm
 
 

@@ -115,47 +115,53 @@ def test_pp3_matches_pp1_and_hf(pp1_tokens, hf_ref):
     assert [p.returncode for p in procs] == [0, 0, 0]  # stopped by STOP, not killed
 
 
-def test_pp2_under_preemption(pp1_tokens):
-    # 8 blocks x 16 tokens = 128 slots for 6 sequences of 17..42 tokens: recompute preemption must happen
-    with LLM(dtype="float32", num_kv_blocks=8, pipeline_parallel_size=2, layer_partition=[20, 10]) as llm:
-        assert llm.engine.partition == [(0, 20), (20, 30)]
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+# The policy tests below run the random 3-layer Qwen2 (fixtures further down; it starts and steps in a
+# fraction of the bundled model's time): what they check is that neither the batching policy, nor chunking,
+# nor preemption at pp 1 and 2 changes transformers' greedy tokens.
+
+
+def test_pp2_under_preemption(qwen2_folder, qwen2_prompts, qwen2_ref):
+    # 8 blocks x 16 tokens = 128 slots for 6 sequences of 17..80 tokens: recompute preemption must happen
+    with LLM(model=qwen2_folder[0], dtype="float32", num_kv_blocks=8, pipeline_parallel_size=2,
+             layer_partition=[2, 1]) as llm:
+        assert llm.engine.partition == [(0, 2), (2, 3)]
+        outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0
-        assert tokens(outs) == pp1_tokens
+        assert tokens(outs) == qwen2_ref
         assert any(o.metrics.num_preemptions > 0 for o in outs)
         llm.engine.block_manager.check_no_leaks()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_hybrid_small_budget(pp, pp1_tokens):
+def test_hybrid_small_budget(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
     # 16 tokens per micro-batch: the longer prompts are prefilled in chunks, decodes mixed in
-    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="hybrid", max_num_batched_tokens=16,
-             pipeline_parallel_size=pp) as llm:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        assert tokens(outs) == pp1_tokens
+    with LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="hybrid",
+             max_num_batched_tokens=16, pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
+        assert tokens(outs) == qwen2_ref
         assert llm.engine.stats.mixed_steps > 0
         llm.engine.block_manager.check_no_leaks()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_prompts_over_the_budget_run_whole(pp, pp1_tokens):
+def test_prompts_over_the_budget_run_whole(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
     # separate never chunks: prompts longer than the 8-token budget are prefilled alone through the stages
-    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="separate", max_num_batched_tokens=8,
-             pipeline_parallel_size=pp) as llm:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        assert tokens(outs) == pp1_tokens
+    with LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="separate",
+             max_num_batched_tokens=8, pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
+        assert tokens(outs) == qwen2_ref
         assert llm.engine.scheduler.config.max_num_batched_tokens == 8
         assert max(len(o.prompt_token_ids) for o in outs) > 8
         llm.engine.block_manager.check_no_leaks()
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_td_pipe_phases(pp, pp1_tokens):
+def test_td_pipe_phases(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
     # TD-Pipe with small prefill batches and a tight KV cache: phases switch, tokens stay identical
-    with LLM(dtype="float32", num_kv_blocks=12, scheduler="td-pipe", max_num_batched_tokens=32,
-             future_points=(4, 64), pipeline_parallel_size=pp) as llm:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        assert tokens(outs) == pp1_tokens
+    with LLM(model=qwen2_folder[0], dtype="float32", num_kv_blocks=12, scheduler="td-pipe",
+             max_num_batched_tokens=32, future_points=(4, 64), pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
+        assert tokens(outs) == qwen2_ref
         assert llm.engine.scheduler.num_switches >= 1
         llm.engine.block_manager.check_no_leaks()
 
@@ -187,12 +193,12 @@ def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_throttle_small_prefill_budget(pp, pp1_tokens):
+def test_throttle_small_prefill_budget(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
     # gLLM Token Throttling with #MaxP = 16, #MinP = 4: prompts arrive in Eq. 3-sized chunks
-    with LLM(dtype="float32", kv_cache_memory=64 << 20, scheduler="throttle", max_prefill_tokens=16,
-             min_prefill_tokens=4, throttle_T=2.0, pipeline_parallel_size=pp) as llm:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        assert tokens(outs) == pp1_tokens
+    with LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="throttle",
+             max_prefill_tokens=16, min_prefill_tokens=4, throttle_T=2.0, pipeline_parallel_size=pp) as llm:
+        outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
+        assert tokens(outs) == qwen2_ref
         assert llm.engine.stats.mixed_steps > 0
         llm.engine.block_manager.check_no_leaks()
 

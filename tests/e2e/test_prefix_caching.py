@@ -29,11 +29,28 @@ def _run(policy: str, pp: int, caching: bool, prompts: list[str], **kw) -> tuple
         llm.shutdown()
 
 
+PROMPTS = [SYSTEM + q for q in QUESTIONS]
+# a 10-block cache: requests evict each other's cached blocks and are preempted
+TIGHT_PROMPTS = [SYSTEM[: 120 + 40 * i] + q for i, q in enumerate(QUESTIONS)]
+TIGHT = dict(num_kv_blocks=10, max_model_len=160, n_out=48)
+
+
+@pytest.fixture(scope="module")
+def uncached(bundled_path):
+    """The reference for every policy and pp: the prompts computed without caching, once per module (greedy
+    float32 tokens do not depend on the policy or pp: tests/e2e/test_pipeline.py)."""
+    return _run("separate", 1, False, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def uncached_tight(bundled_path):
+    return _run("separate", 1, False, TIGHT_PROMPTS, **TIGHT)
+
+
 @pytest.mark.parametrize("policy", ["separate", "hybrid", "throttle", "td-pipe"])
-def test_cached_prefix_gives_the_same_tokens(bundled_path, policy):
-    prompts = [SYSTEM + q for q in QUESTIONS]
-    off, s_off = _run(policy, 1, False, prompts)
-    on, s_on = _run(policy, 1, True, prompts)
+def test_cached_prefix_gives_the_same_tokens(uncached, policy):
+    off, s_off = uncached
+    on, s_on = _run(policy, 1, True, PROMPTS)
     assert on == off
     assert s_off["hits"] == 0 and s_off["queries"] == 0
     # every later request finds the system prompt's full blocks (~190 tokens of ~200)
@@ -41,21 +58,17 @@ def test_cached_prefix_gives_the_same_tokens(bundled_path, policy):
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
-def test_cached_prefix_pp2(bundled_path, policy):
-    prompts = [SYSTEM + q for q in QUESTIONS[:4]]
-    off, _ = _run(policy, 2, False, prompts)
-    on, s_on = _run(policy, 2, True, prompts)
-    assert on == off and s_on["hits"] > 0
+def test_cached_prefix_pp2(uncached, policy):
+    on, s_on = _run(policy, 2, True, PROMPTS[:4])
+    assert on == uncached[0][:4] and s_on["hits"] > 0
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
-def test_caching_under_preemption_and_eviction(bundled_path, policy):
+def test_caching_under_preemption_and_eviction(uncached_tight, policy):
     """A 10-block cache: requests evict each other's cached blocks and are preempted; a recomputed request
     hits its own earlier blocks. Outputs equal the uncached run."""
-    prompts = [SYSTEM[: 120 + 40 * i] + q for i, q in enumerate(QUESTIONS)]
-    kw = dict(num_kv_blocks=10, max_model_len=160, n_out=48)
-    off, s_off = _run(policy, 1, False, prompts, **kw)
-    on, s_on = _run(policy, 1, True, prompts, **kw)
+    off, s_off = uncached_tight
+    on, s_on = _run(policy, 1, True, TIGHT_PROMPTS, **TIGHT)
     assert on == off
     assert s_off["preemptions"] > 0 and s_on["preemptions"] > 0 and s_on["hits"] > 0
 

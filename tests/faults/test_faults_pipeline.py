@@ -24,8 +24,9 @@ from conftest import hf_greedy, save_random_qwen2
 from procs import alive, stage_pids_of
 
 from tdpipe import LLM, SamplingParams
-from tdpipe.core.batch import StepInput
-from tdpipe.pipeline.executor import PipelineError, PipelineExecutor
+from tdpipe.pipeline.executor import PipelineError
+from tdpipe.pipeline.processes import StageProcesses
+from tdpipe.step_input import StepInput
 
 pytestmark = pytest.mark.faults
 
@@ -94,15 +95,15 @@ def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, w
     """Killed before it joins, while it imports, or after it published its address in the first or last
     group's rendezvous (the engine is then inside the gloo group constructor): the constructor fails with
     the stage named, within seconds, never the 10-minute rendezvous timeout."""
-    spawn = PipelineExecutor._spawn
+    spawn = StageProcesses.spawn
     killed: list[float] = []
 
     def kill(pid: int) -> None:
         killed.append(time.time())
         os.kill(pid, signal.SIGKILL)
 
-    def spawn_and_kill(self, port, world):
-        spawn(self, port, world)
+    def spawn_and_kill(self, port):
+        spawn(self, port)
         pid = self.procs[victim].pid
         if when == "spawned":
             kill(pid)
@@ -114,12 +115,12 @@ def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, w
             def watch() -> None:
                 deadline = time.time() + 60
                 while time.time() < deadline and self.procs[victim].poll() is None:
-                    if self._rv.store.check([key]):
+                    if self.rendezvous.store.check([key]):
                         return kill(pid)
                     time.sleep(0.001)
             threading.Thread(target=watch, daemon=True).start()
 
-    monkeypatch.setattr(PipelineExecutor, "_spawn", spawn_and_kill)
+    monkeypatch.setattr(StageProcesses, "spawn", spawn_and_kill)
     guard = hang_guard(40)
     t0 = time.time()
     try:
@@ -374,7 +375,7 @@ def test_engine_from_a_thread_listens_on_loopback_only(tiny, no_stage_left):
     try:
         ex = llm.engine.executor
         engine_socks = _listening(os.getpid())
-        store_port = int(ex._rv.store.port)
+        store_port = int(ex.processes.rendezvous.store.port)
         assert ("127.0.0.1", store_port) in engine_socks, engine_socks  # the rendezvous store
         for pid in [os.getpid()] + ex.stage_pids:
             socks = _listening(pid)

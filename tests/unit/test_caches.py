@@ -22,6 +22,7 @@ from tdpipe.core import step_profile as sp
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler.td_pipe import StepCostModel
 from tdpipe.model import bundled, jit
+from tdpipe.model import cache as model_cache
 
 
 _SHARED = Path(os.environ["TDPIPE_CACHE"]).expanduser() if os.environ.get("TDPIPE_CACHE") else \
@@ -60,11 +61,11 @@ def test_cache_that_is_a_file_is_one_clear_error(tmp_path: Path, monkeypatch: py
     f.write_text("x")
     monkeypatch.setenv("TDPIPE_CACHE", str(f))
     with pytest.raises(ValueError, match=rf"TDPIPE_CACHE={f}: {f} is not a directory") as e:
-        bundled.cache_dir()
-    assert isinstance(e.value, bundled.CacheDirError) and "\n" not in str(e.value)
+        model_cache.cache_dir()
+    assert isinstance(e.value, model_cache.CacheDirError) and "\n" not in str(e.value)
     monkeypatch.setenv("TDPIPE_CACHE", str(f / "below"))
-    with pytest.raises(bundled.CacheDirError, match=rf"TDPIPE_CACHE={f}/below: cannot create"):
-        bundled.cache_dir()
+    with pytest.raises(model_cache.CacheDirError, match=rf"TDPIPE_CACHE={f}/below: cannot create"):
+        model_cache.cache_dir()
 
 
 def test_cli_reports_a_bad_cache_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -85,13 +86,13 @@ def test_unwritable_cache_is_one_clear_error(tmp_path: Path, monkeypatch: pytest
     ro.mkdir()
     ro.chmod(0o555)
     monkeypatch.setenv("TDPIPE_CACHE", str(ro))
-    with pytest.raises(bundled.CacheDirError, match="is not writable"):
-        bundled.cache_dir()
+    with pytest.raises(model_cache.CacheDirError, match="is not writable"):
+        model_cache.cache_dir()
 
 
 def test_cache_is_created_when_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path / "a" / "b"))
-    assert bundled.cache_dir() == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
+    assert model_cache.cache_dir() == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
 
 
 # -- the step profile (td-pipe, core/step_profile.py) ----------------------------------------------------
@@ -201,7 +202,7 @@ def test_no_profile_when_not_even_one_request_fits(cache, model_dir, measured):
     assert c.source == "default" and c.peak_batch == 1 and not measured
 
 
-# -- the model cache (model/bundled.py) ------------------------------------------------------------------
+# -- the model cache (model/cache.py) --------------------------------------------------------------------
 def small_entry(folder: Path) -> Path:
     """A complete-looking HF folder with a real (tiny) safetensors file."""
     import torch
@@ -217,25 +218,25 @@ def small_entry(folder: Path) -> Path:
 def test_model_entry_checks(tmp_path: Path) -> None:
     src = {"gguf": "m.gguf", "size": 1}
     e = small_entry(tmp_path / "e")
-    assert bundled.check_entry(e, src) is None and (e / bundled.MANIFEST).is_file()  # adopted
-    assert bundled.check_entry(e, src) is None
-    assert "converted from" in bundled.check_entry(e, {"gguf": "m.gguf", "size": 2})
+    assert model_cache.check_entry(e, src) is None and (e / model_cache.MANIFEST).is_file()  # adopted
+    assert model_cache.check_entry(e, src) is None
+    assert "converted from" in model_cache.check_entry(e, {"gguf": "m.gguf", "size": 2})
     w = e / "model.safetensors"
     w.write_bytes(w.read_bytes()[:-10])
-    assert bundled.check_entry(e, src) == f"model.safetensors has {w.stat().st_size} bytes, expected " \
+    assert model_cache.check_entry(e, src) == f"model.safetensors has {w.stat().st_size} bytes, expected " \
                                           f"{w.stat().st_size + 10} (truncated)"
-    (e / bundled.MANIFEST).unlink()  # without a manifest the header finds it
-    assert "model.safetensors has" in bundled._structure(e) and bundled.check_entry(e, src)
+    (e / model_cache.MANIFEST).unlink()  # without a manifest the header finds it
+    assert "model.safetensors has" in model_cache._structure(e) and model_cache.check_entry(e, src)
     e2 = small_entry(tmp_path / "e2")
     (e2 / "tokenizer.json").unlink()
-    assert bundled.check_entry(e2, src) == "tokenizer.json is missing"
+    assert model_cache.check_entry(e2, src) == "tokenizer.json is missing"
     e3 = small_entry(tmp_path / "e3")
-    bundled.write_manifest(e3, src)
+    model_cache.write_manifest(e3, src)
     (e3 / "config.json").unlink()
-    assert bundled.check_entry(e3, src) == "config.json is missing"
-    (e3 / bundled.MANIFEST).write_text("{garbage")
-    assert "manifest is unreadable" in bundled.check_entry(e3, src)
-    assert bundled.check_entry(tmp_path / "nothing", src) == "missing"
+    assert model_cache.check_entry(e3, src) == "config.json is missing"
+    (e3 / model_cache.MANIFEST).write_text("{garbage")
+    assert "manifest is unreadable" in model_cache.check_entry(e3, src)
+    assert model_cache.check_entry(tmp_path / "nothing", src) == "missing"
 
 
 def test_model_check_on_load_is_cheap(cache: Path) -> None:
@@ -244,10 +245,10 @@ def test_model_check_on_load_is_cheap(cache: Path) -> None:
 
     e = small_entry(cache / "models" / "x")
     src = {"gguf": "x.gguf", "size": 1}
-    bundled.check_entry(e, src)
+    model_cache.check_entry(e, src)
     t = time.perf_counter()
     for _ in range(100):
-        assert bundled.check_entry(e, src) is None
+        assert model_cache.check_entry(e, src) is None
     assert (time.perf_counter() - t) / 100 < 0.005
 
 
@@ -259,9 +260,9 @@ def test_damaged_model_cache_is_converted_again(cache: Path, capfd: pytest.Captu
         pytest.skip("the shared model cache is not built")
     out = cache / "models" / entry
     shutil.copytree(shared, out)  # a copy: the shared cache is never touched
-    (out / bundled.MANIFEST).unlink(missing_ok=True)
+    (out / model_cache.MANIFEST).unlink(missing_ok=True)
     assert bundled.bundled_model_path() == str(out)  # a complete old entry: adopted, not converted
-    assert (out / bundled.MANIFEST).is_file() and "converting" not in capfd.readouterr().err
+    assert (out / model_cache.MANIFEST).is_file() and "converting" not in capfd.readouterr().err
     w = out / "model.safetensors"
     size = w.stat().st_size
     with open(w, "r+b") as f:
@@ -275,7 +276,7 @@ def test_damaged_model_cache_is_converted_again(cache: Path, capfd: pytest.Captu
            f"{size} (truncated)); converting it again" in err
     assert f"converting the bundled {bundled.BUNDLED_MODEL} GGUF to a Hugging Face folder" in err
     assert "done in" in err
-    assert w.stat().st_size == size and bundled.check_entry(out, None) is None
+    assert w.stat().st_size == size and model_cache.check_entry(out, None) is None
     assert sorted(p.name for p in (cache / "models").iterdir()) == [f".{entry}.lock", entry]  # no leftovers
     assert bundled.bundled_model_path() == str(out) and capfd.readouterr().err == ""
 

@@ -17,6 +17,15 @@ def test_help(cmd, capsys):
     assert "usage: tdpipe" in capsys.readouterr().out
 
 
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"tdpipe {version('tdpipe')}\n"
+
+
 def test_generate_jsonl_file(tmp_path, bundled_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n" + json.dumps({"prompt": ""}) + "\n")

@@ -29,14 +29,16 @@ import torch
 from hypothesis import HealthCheck, Phase, event, given, settings, target
 from hypothesis import strategies as st
 
-from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from tdpipe.core.batch import StepInput
-from tdpipe.pipeline.wire.block_sync import BlockTableMirror, BlockTableSender
+from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig
 from tdpipe.core.engine import LLMEngine
+from tdpipe.core.scheduler.registry import scheduler_config
 from tdpipe.executor.base import Executor, StepResult
+from tdpipe.pipeline.wire.block_sync import BlockTableMirror, BlockTableSender
+from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.sampler import Sampler, draw_key, sample_seed
 from tdpipe.sequence import Sequence, SequenceStatus
+from tdpipe.step_input import StepInput
 
 POLICIES = ["separate", "hybrid", "throttle", "td-pipe"]
 VOCAB = 32
@@ -130,7 +132,7 @@ class KVFakeExecutor(Executor):
             else:
                 rows.append(fake_logits(tuple(full)))
                 greedy_ids.append(int(rows[-1].argmax()))
-        self.max_in_flight = max(self.max_in_flight, len(self.engine._inflight) + 1)
+        self.max_in_flight = max(self.max_in_flight, len(self._done) + 1)  # results not collected yet: in flight
         if step.greedy_rows and all(step.greedy_rows):
             self._done.append(StepResult(step.batch_id, token_ids=greedy_ids))
         else:
@@ -177,10 +179,10 @@ def make_engine(model: str, policy: str = "separate", pp: int = 1, num_blocks: i
     if policy == "throttle":
         extra = dict(max_prefill_tokens=32, min_prefill_tokens=4)
     if policy == "td-pipe":
-        extra = dict(future_point_step=4, future_point_max=32, predictor=predictor,
+        extra = dict(future_points=(4, 32), predictor=predictor,
                      switch_to_prefill="finish-ratio:0.5" if td_switch.endswith("intensity") else td_switch)
-    sched = SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            max_model_len=max_model_len or num_blocks * block_size, **extra)
+    sched = scheduler_config(policy=policy, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             max_model_len=max_model_len or num_blocks * block_size, **extra)
     cfg = EngineConfig(model=model, dtype="float32", num_threads=1,
                        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                          enable_prefix_caching=caching),
@@ -219,7 +221,7 @@ def oracle(prompt: list[int], params: SamplingParams, sample_index: int, max_tok
         ban = ([] if params.ignore_eos else [EOS]) + list(params.stop_token_ids)  # before min_tokens
         banned = [ban] if ban and len(out) < params.min_tokens else None
         key = None if params.seed is None else draw_key(sample_seed(params.seed, sample_index), len(out))
-        out.append(sampler.sample(logits, [params], [prompt], [list(out)], [key], banned)[0][0])
+        out.append(sampler.sample(logits, SamplingMetadata([params], [prompt], [list(out)], [key], banned))[0][0])
         if _stops(params, out, max_tokens, len(prompt) + len(out), max_model_len):
             return out
 
@@ -236,7 +238,7 @@ class Req:
     head: Sequence
     samples: dict[int, Sequence] = field(default_factory=dict)  # by sample index, as they are forked
     aborted: bool = False  # abort_request(rid)
-    aborted_samples: set[int] = field(default_factory=set)  # abort_request((rid, i))
+    aborted_samples: set[int] = field(default_factory=set)  # abort_samples([(rid, i)])
     deltas: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     finished_deltas: Counter = field(default_factory=Counter)
 
@@ -261,9 +263,9 @@ class Harness:
         sched = engine.scheduler
         orig = sched.update_from_output
 
-        def spy(batch, token_ids, forks=None):
+        def spy(batch, token_ids):
             late = []
-            for lst in (forks or {}).values():
+            for lst in [s.group.new_forks for s in batch.seqs if s.group is not None and s is s.group.head]:
                 for child, _ in lst:
                     r = self.reqs[child.request_id]
                     i = child.sample_index
@@ -274,7 +276,7 @@ class Harness:
                         late.append(child)
                     r.samples[i] = child
                     self.forks += 1
-            finished = orig(batch, token_ids, forks)
+            finished = orig(batch, token_ids)
             for child in late:  # forked all the same (it shared the prompt), but it must not run
                 if self.groups and not (child.is_finished and child.finish_reason == "abort"):
                     raise GroupInvariant(f"sample {child.sample_index} of {child.request_id} was aborted "
@@ -302,10 +304,10 @@ class Harness:
         r = self.reqs[rid]
         s = r.samples.get(idx)
         was_live = s is not None and not s.is_finished
-        self.engine.abort_request([(rid, idx)])
+        self.engine.abort_samples([(rid, idx)], reason="abort")
         r.aborted_samples.add(idx)
         if was_live and not s.is_finished and self.groups:
-            raise GroupInvariant(f"abort_request([({rid!r}, {idx})]) left that sample running")
+            raise GroupInvariant(f"abort_samples([({rid!r}, {idx})]) left that sample running")
         for j, o in r.samples.items():  # the others go on
             if j != idx and o.is_finished:
                 assert o.finish_reason != "abort" or r.aborted or j in r.aborted_samples, (rid, j)
@@ -367,16 +369,16 @@ class Harness:
                 continue
             live = [i for i, s in r.samples.items() if not s.is_finished]
             if live:
-                head = engine.requests.get(r.rid)
-                if head is None:
+                group = engine.requests.get(r.rid)
+                if group is None:
                     raise GroupInvariant(f"samples {live} of {r.rid} still run but the request is gone from "
                                          "engine.requests (orphans: abort_request cannot reach them)")
-                members = {id(s) for s in head.samples()}
+                members = {id(s) for s in group.samples}
                 lost = [i for i in live if id(r.samples[i]) not in members]
                 if lost:
-                    has = [s.sample_index for s in head.samples()]
+                    has = [s.sample_index for s in group.samples]
                     raise GroupInvariant(f"samples {lost} of {r.rid} run but are not in its group "
-                                         f"(head.samples() has indices {has})")
+                                         f"(its group has indices {has})")
             else:
                 assert r.rid not in engine.requests, f"every sample of {r.rid} finished, still in requests"
 
@@ -647,10 +649,10 @@ def _forked(model: str, n: int = 3, max_tokens: int = 8, **kw) -> tuple[LLMEngin
 
 def test_forked_samples_join_their_request_group(model_dir):
     """The children forked for n > 1 must be in their request's group: `abort_request`, `_observe` and the
-    engine's bookkeeping of the request all go through `engine.requests[rid].samples()`.
+    engine's bookkeeping of the request all go through `engine.requests[rid].samples`.
     Bug: `Sequence.fork` passes `group=self.group` but nobody appends the child to it."""
     engine, _, r = _forked(model_dir)
-    assert [s.sample_index for s in engine.requests["r"].samples()] == [0, 1, 2]
+    assert [s.sample_index for s in engine.requests["r"].samples] == [0, 1, 2]
 
 
 def test_abort_request_aborts_every_sample(model_dir):
@@ -664,7 +666,7 @@ def test_abort_request_aborts_every_sample(model_dir):
 
 def test_abort_one_forked_sample(model_dir):
     engine, h, r = _forked(model_dir)
-    done = engine.abort_request([("r", 2)])
+    done = engine.abort_samples([("r", 2)], reason="abort")
     assert [s.sample_index for s in done] == [2] and r.samples[2].finish_reason == "abort"
     assert not r.samples[0].is_finished and not r.samples[1].is_finished
     h.run_to_end()
@@ -675,7 +677,7 @@ def test_request_stays_known_while_any_sample_runs(model_dir):
     """Sample 0 done (here: aborted) while samples 1 and 2 still run: the request must stay in
     engine.requests, so that it can still be aborted and its id is not handed out again meanwhile."""
     engine, h, r = _forked(model_dir)
-    engine.abort_request([("r", 0)])
+    engine.abort_samples([("r", 0)], reason="abort")
     assert not r.samples[1].is_finished and not r.samples[2].is_finished
     assert "r" in engine.requests, "samples 1 and 2 run on, but their request is gone from engine.requests"
     with pytest.raises(ValueError, match="already running"):
@@ -683,12 +685,12 @@ def test_request_stays_known_while_any_sample_runs(model_dir):
 
 
 def test_abort_one_sample_before_its_fork(model_dir):
-    """abort_request([(rid, i)]) while the prompt is still waiting (sample i is not forked yet) returns
+    """abort_samples([(rid, i)]) while the prompt is still waiting (sample i is not forked yet) returns
     nothing, and sample i is then forked and generates a whole answer: the abort is silently lost."""
     engine = make_engine(model_dir, "separate", 1, num_blocks=64, block_size=4)
     h = Harness(engine, groups=False)
     r = h.add("r", SHARED, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8))
-    engine.abort_request([("r", 2)])
+    engine.abort_samples([("r", 2)], reason="abort")
     h.run_to_end()
     assert 2 not in r.samples or (r.samples[2].finish_reason == "abort" and not r.deltas[2]), \
         f"sample 2 was aborted before its fork, yet it generated {r.deltas[2]} ({r.samples[2].finish_reason})"

@@ -99,6 +99,7 @@ def test_split_head_matches_unsplit(unsplit, pp, split):
                 assert all(abs(pa[k].logprob - pb[k].logprob) < 1e-4 for k in pa)
 
 
+@pytest.mark.slow  # builds an engine on the bundled model
 def test_split_head_trace_shows_the_head_work(tmp_path):
     """The first stage's head work is traced as its own events (busy time, so bubbles stay honest)."""
     with LLM(dtype="float32", kv_cache_memory=64 << 20, pipeline_parallel_size=2, lm_head_split=0.5,

@@ -1,38 +1,74 @@
-"""All four policies through the fake pipelined executor with deterministic step costs (no model):
-random arrivals and lengths; every request finishes exactly once, KV never passes capacity, FIFO admission
-(nothing starves). Property-based with hypothesis, plus one long run per policy."""
+"""All four policies through the real engine loop (LLMEngine.step) over a fake pipelined executor with
+deterministic step costs (tests/fake_pipeline.py; the engine is built from an in-memory model config, no
+folder): random arrivals and lengths; every request finishes exactly once, KV never passes capacity, FIFO
+admission (nothing starves). Property-based with hypothesis, plus one long run per policy; and the four
+policies once through a tiny model with random weights, built in memory, end to end."""
 import random
+from collections import deque
 
 import pytest
-from fake_pipeline import check_outcome, run
+import torch
+from fake_pipeline import TINY, TimedFakeExecutor, check_outcome, watch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tdpipe.config import SchedulerConfig
-from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.predictor import ConstantPredictor, OraclePredictor
-from tdpipe.core.scheduler import make_scheduler
+from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tdpipe.core.engine import LLMEngine
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sequence import Sequence
 
 POLICIES = ["separate", "hybrid", "throttle", "td-pipe"]
 
 
-def build(policy, num_blocks, block_size, max_seqs, pp, budget=None, predictor=None, **kw):
-    bm = BlockManager(num_blocks, block_size)
-    cfg = SchedulerConfig(policy=policy, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          max_model_len=num_blocks * block_size, pipeline_depth=pp,
-                          future_point_step=8, future_point_max=512, **kw)
-    return make_scheduler(cfg, bm, predictor=predictor), bm
+@pytest.fixture(scope="module", autouse=True)
+def _keep_torch_threads():
+    """LLMEngine sets torch's (process-wide) thread count; give the tests after these their own back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
-def requests(lengths, gaps):
-    seqs, arrivals, t = [], [], 0.0
+def config(policy, num_blocks, block_size, max_seqs, pp, budget=None, predictor="auto", **knobs) -> EngineConfig:
+    if policy == "td-pipe":
+        knobs = {"future_points": (8, 512), **knobs}
+    sched = SchedulerConfig(policy=policy, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                            max_model_len=num_blocks * block_size, predictor=predictor, knobs=knobs or None)
+    return EngineConfig(dtype="float32", num_threads=torch.get_num_threads(),
+                        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
+                        scheduler=sched,
+                        parallel=ParallelConfig(pipeline_parallel_size=pp))
+
+
+def build(policy, num_blocks, block_size, max_seqs, pp, **kw) -> LLMEngine:
+    """The real engine over the fake pipeline: a tiny in-memory model config (no weights are computed)."""
+    engine = LLMEngine.from_config(config(policy, num_blocks, block_size, max_seqs, pp, **kw),
+                                   executor_factory=lambda parts: TimedFakeExecutor(pp), hf_config=TINY)
+    engine.executor.reset()
+    return engine
+
+
+def run(engine, lengths, gaps, predicted=None, max_steps=500_000):
+    """Requests (prompt, output lengths) arrive after the given gaps (simulated seconds); the engine steps
+    until all finished. Returns (watch, finished sequences, sequences, engine steps)."""
+    w = watch(engine)
+    t = engine.clock()
+    pending = deque()
     for i, ((p, o), g) in enumerate(zip(lengths, gaps)):
-        seqs.append(Sequence(i, str(i), [1] * p, SamplingParams(max_tokens=o), max_tokens=o))
         t += g
-        arrivals.append(t)
-    return seqs, arrivals
+        pending.append((t, str(i), p, o))
+    seqs, finished, steps = {}, [], 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= engine.clock():
+            _, rid, p, o = pending.popleft()
+            seqs[rid] = engine.add_request(rid, [1] * p, SamplingParams(max_tokens=o, temperature=0.0))
+            if predicted is not None:  # a predictor off by `predicted`
+                seqs[rid].predicted_output_len = max(1, round(o * predicted))
+        if not engine.has_unfinished():
+            engine.executor.clock = max(engine.executor.clock, pending[0][0])
+            continue
+        steps += 1
+        assert steps < max_steps, "no progress"
+        finished += [seqs[d.request_id] for d in engine.step() if d.finished]
+    return w, finished, list(seqs.values()), steps
 
 
 @st.composite
@@ -54,10 +90,9 @@ def scenario(draw):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenario(), extra=st.sampled_from([{}, {"budget": 16}, {"budget": 64}]))
 def test_every_policy_finishes_everything_once(policy, sc, extra):
-    sched, bm = build(policy, sc["num_blocks"], sc["block_size"], sc["max_seqs"], sc["pp"], **extra)
-    seqs, arrivals = requests(sc["lengths"], sc["gaps"])
-    log = run(sched, bm, seqs, arrivals, sc["pp"])
-    check_outcome(log, seqs, bm)
+    engine = build(policy, sc["num_blocks"], sc["block_size"], sc["max_seqs"], sc["pp"], **extra)
+    w, finished, seqs, _ = run(engine, sc["lengths"], sc["gaps"])
+    check_outcome(w, finished, seqs, engine.block_manager)
 
 
 @pytest.mark.parametrize("rules", [{}, {"switch_to_decode": "kv-ratio:0.5"}, {"switch_to_prefill": "finish-ratio:0.3"},
@@ -66,15 +101,11 @@ def test_every_policy_finishes_everything_once(policy, sc, extra):
 @given(sc=scenario(), factor=st.floats(0.2, 3.0))
 def test_td_pipe_ablations_and_wrong_predictions(rules, sc, factor):
     rules = dict(rules)
-    predictor = ConstantPredictor() if rules.pop("predictor", None) else None
-    sched, bm = build("td-pipe", sc["num_blocks"], sc["block_size"], sc["max_seqs"], sc["pp"],
-                      predictor=predictor, **rules)
-    seqs, arrivals = requests(sc["lengths"], sc["gaps"])
-    if predictor is None:
-        for s in seqs:  # a predictor off by `factor`
-            s.predicted_output_len = max(1, round(s.max_tokens * factor))
-    log = run(sched, bm, seqs, arrivals, sc["pp"])
-    check_outcome(log, seqs, bm)
+    constant = rules.pop("predictor", None)
+    engine = build("td-pipe", sc["num_blocks"], sc["block_size"], sc["max_seqs"], sc["pp"],
+                   predictor=constant or "auto", **rules)
+    w, finished, seqs, _ = run(engine, sc["lengths"], sc["gaps"], predicted=None if constant else factor)
+    check_outcome(w, finished, seqs, engine.block_manager)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -84,15 +115,14 @@ def test_thousands_of_steps_under_kv_pressure(policy):
     lengths = [(min(300, int(rng.lognormvariate(3.5, 0.8)) + 1), min(200, int(rng.lognormvariate(3.3, 0.8)) + 1))
                for _ in range(1000)]
     gaps = [rng.choice([0.0, 0.0, 0.2, 2.0]) for _ in lengths]
-    sched, bm = build(policy, num_blocks=120, block_size=16, max_seqs=32, pp=2, budget=None,
-                      predictor=OraclePredictor())
-    seqs, arrivals = requests(lengths, gaps)
-    log = run(sched, bm, seqs, arrivals, pp=2)
-    check_outcome(log, seqs, bm)
-    assert log.steps > 2000
-    assert log.max_used_blocks > 0.8 * bm.num_blocks  # the cache really was the constraint
-    if policy == "td-pipe":
-        assert sched.num_switches >= 4 and sched.num_preemptions == 0  # oracle lengths: never over capacity
+    engine = build(policy, num_blocks=120, block_size=16, max_seqs=32, pp=2, predictor="oracle")
+    w, finished, seqs, steps = run(engine, lengths, gaps)
+    bm = engine.block_manager
+    check_outcome(w, finished, seqs, bm)
+    assert steps > 2000
+    assert w.max_used_blocks > 0.8 * bm.num_blocks  # the cache really was the constraint
+    if policy == "td-pipe":  # oracle lengths: never over capacity
+        assert engine.scheduler.num_switches >= 4 and engine.scheduler.num_preemptions == 0
 
 
 def test_td_pipe_has_fewer_bubbles_than_separate_in_the_fake_pipeline():
@@ -102,9 +132,34 @@ def test_td_pipe_has_fewer_bubbles_than_separate_in_the_fake_pipeline():
     lengths = [(rng.randint(20, 200), rng.randint(10, 150)) for _ in range(300)]
     ratios = {}
     for policy in ("separate", "td-pipe"):
-        sched, bm = build(policy, num_blocks=400, block_size=16, max_seqs=128, pp=4, predictor=OraclePredictor())
-        seqs, arrivals = requests(lengths, [0.0] * len(lengths))
-        log = run(sched, bm, seqs, arrivals, pp=4)
-        check_outcome(log, seqs, bm)
-        ratios[policy] = log.bubble_ratio()
+        engine = build(policy, num_blocks=400, block_size=16, max_seqs=128, pp=4, predictor="oracle")
+        w, finished, seqs, _ = run(engine, lengths, [0.0] * len(lengths))
+        check_outcome(w, finished, seqs, engine.block_manager)
+        ratios[policy] = engine.executor.bubble_ratio()
     assert ratios["td-pipe"] < ratios["separate"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_on_a_random_weight_model_in_memory(policy):
+    """The same loop over a real (tiny, random-weight) model built in memory: no folder, no tokenizer; the
+    greedy answer of a request does not depend on the policy that batched it."""
+    cfg = config(policy, num_blocks=64, block_size=4, max_seqs=8, pp=1, budget=16)
+    engine = LLMEngine.from_config(cfg, hf_config=TINY, seed=1)
+    assert engine.tokenizer is None and engine.model_config.vocab_size == TINY["vocab_size"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, TINY["vocab_size"]) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    out = {str(i): [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        for d in engine.step():
+            out[d.request_id] += d.new_token_ids
+    assert all(len(v) == 6 for v in out.values())
+    engine.block_manager.check_no_leaks()
+    engine.shutdown()
+    alone = LLMEngine.from_config(config("separate", 64, 4, 1, 1), hf_config=TINY, seed=1)
+    alone.add_request("x", prompts[3], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    ref = []
+    while alone.has_unfinished():
+        ref += [t for d in alone.step() for t in d.new_token_ids]
+    assert ref == out["3"]

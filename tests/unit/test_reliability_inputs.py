@@ -85,12 +85,13 @@ def test_sampling_params_accept_the_edges_and_normalise():
 
 def test_extreme_params_sample_without_error():
     """Values at the edges of what SamplingParams accepts must not fail inside a batched step."""
+    from tdpipe.sampling.metadata import SamplingMetadata
     from tdpipe.sampling.sampler import Sampler, draw_key
 
     params = [SamplingParams(seed=2**64 - 1, top_k=10**30), SamplingParams(seed=-(2**63), top_p=0.5),
               SamplingParams(temperature=1e30, seed=0)]
     keys = [draw_key(p.seed, 0) for p in params]
-    toks = Sampler()(torch.randn(3, 64), params, [[]] * 3, [[]] * 3, keys)
+    toks = Sampler()(torch.randn(3, 64), SamplingMetadata(params, [[]] * 3, [[]] * 3, keys))
     assert all(0 <= t < 64 for t in toks)
 
 
@@ -162,7 +163,8 @@ def test_missing_weights_and_config_are_named(tmp_path):
 
 
 def test_tokenizer_files_missing_or_damaged(tmp_path, bundled_path):
-    from tdpipe.tokenizer import check_tokenizer_files, load_tokenizer
+    from tdpipe.model.weights import check_tokenizer_files
+    from tdpipe.tokenizer import load_tokenizer
 
     with pytest.raises(MissingModelFile, match="has no tokenizer files: none of tokenizer.json"):
         check_tokenizer_files(str(tmp_path))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tdpipe.sampling import SamplingParams
+from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator
 
 V = 32
@@ -76,7 +77,7 @@ def test_defaults_and_normalisation():
 
 def _call(logits, params, generators=None, prompts=None, outputs=None):
     b = len(params)
-    return Sampler()(logits, params, prompts or [[]] * b, outputs or [[]] * b, generators or [None] * b)
+    return Sampler()(logits, SamplingMetadata(params, prompts or [[]] * b, outputs or [[]] * b, generators or [None] * b))
 
 
 def test_greedy_fast_path_is_argmax():
@@ -241,7 +242,7 @@ def test_fast_path_samples_the_same_distribution():
     logits = torch.cat([logits, torch.full((500,), -30.0)])
     p = SamplingParams(temperature=1.0, top_p=0.85, seed=None)
     n = 6000
-    toks = Sampler()(logits.repeat(n, 1), [p] * n, [[]] * n, [[]] * n, [None] * n)
+    toks = Sampler()(logits.repeat(n, 1), SamplingMetadata([p] * n, [[]] * n, [[]] * n, [None] * n))
     counts = torch.bincount(torch.tensor(toks), minlength=logits.numel()).float() / n
     expect = torch.tensor([0.4, 0.25, 0.15, 0.1]) / 0.9  # smallest prefix reaching 0.85: 4 tokens
     assert counts[4:].sum() == 0

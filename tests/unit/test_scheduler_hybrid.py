@@ -6,7 +6,7 @@ from fake_pipeline import check_batch
 
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.scheduler import HybridScheduler, make_scheduler
+from tdpipe.core.scheduler import HybridScheduler, get_policy, make_scheduler
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence, SequenceStatus
 
@@ -87,7 +87,7 @@ def _check_all_finished(log, seqs, bm):
 def test_registered_and_default_budget():
     sched, _ = make()
     assert isinstance(sched, HybridScheduler)
-    assert SchedulerConfig(policy="hybrid").max_num_batched_tokens == 512
+    assert get_policy("hybrid").configure(SchedulerConfig(policy="hybrid")).max_num_batched_tokens == 512
 
 
 def test_budget_and_max_num_seqs_never_exceeded():

@@ -1,9 +1,10 @@
 """Prefix caching inside the policies (no model): admission, gLLM's #WP (Eq. 3) and TD-Pipe's predicted KV
 (Algorithm 1) count only what a request will really prefill and allocate."""
-from tdpipe.config import SchedulerConfig
 from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.predictor import OraclePredictor
+from tdpipe.core.sample_group import SampleGroup
 from tdpipe.core.scheduler import make_scheduler
+from tdpipe.core.scheduler.registry import scheduler_config
+from tdpipe.predictor.base import OraclePredictor
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence
 
@@ -17,7 +18,7 @@ def seq(i: int, prompt: list[int], out: int = 4, **sp) -> Sequence:
 
 def make(policy: str, caching: bool = True, num_blocks: int = 200, **kw):
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
-    cfg = SchedulerConfig(policy=policy, max_num_seqs=64, max_model_len=4096, **kw)
+    cfg = scheduler_config(policy=policy, max_num_seqs=64, max_model_len=4096, **kw)
     extra = {"predictor": OraclePredictor()} if policy == "td-pipe" else {}
     return make_scheduler(cfg, bm, **extra), bm
 
@@ -60,7 +61,7 @@ def test_throttle_wp_excludes_cached_prefix():
 
 
 def test_td_pipe_predicted_kv_counts_shared_blocks_once():
-    sched, bm = make("td-pipe", future_point_step=32, future_point_max=64)
+    sched, bm = make("td-pipe", future_points=(32, 64))
     first = seq(0, PREFIX + [1], out=64, ignore_eos=True)
     prefill(sched, first)
     later = seq(1, PREFIX + [2], out=64, ignore_eos=True)
@@ -74,10 +75,10 @@ def test_td_pipe_predicted_kv_counts_shared_blocks_once():
 def test_forking_parent_counts_its_samples():
     sched, bm = make("separate", max_num_batched_tokens=8192)
     p = seq(0, [1] * 40, out=8, n=4, temperature=1.0)
-    p.samples_to_fork = 3
+    SampleGroup(p)  # 3 samples to fork once its prompt is prefilled
     sched.config.max_num_seqs = 6
     q = seq(1, [2] * 40, out=8, n=4, temperature=1.0)
-    q.samples_to_fork = 3
+    SampleGroup(q)
     sched.add(p)
     sched.add(q)
     b = sched.schedule()

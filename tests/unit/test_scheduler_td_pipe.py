@@ -5,23 +5,33 @@ import random
 import pytest
 from test_scheduler_hybrid import _check_all_finished, mkseq, run_pipelined
 
-from tdpipe.config import SchedulerConfig
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler import TDPipeScheduler, make_scheduler
-from tdpipe.core.scheduler.td_pipe import Phase, StepCostModel
+from tdpipe.core.scheduler.registry import scheduler_config
+from tdpipe.core.scheduler.td_pipe import Phase, StepCostModel, TDPipeKnobs
 
 
 def make(num_blocks=256, block_size=4, max_seqs=64, depth=2, budget=64, **kw):
     bm = BlockManager(num_blocks, block_size)
-    cfg = SchedulerConfig(policy="td-pipe", max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          max_model_len=4096, pipeline_depth=depth, **kw)
+    cfg = scheduler_config(policy="td-pipe", max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                           max_model_len=4096, pipeline_depth=depth, **kw)
     return make_scheduler(cfg, bm), bm
 
 
 def test_registered_with_future_points():
-    sched, _ = make(future_point_step=32, future_point_max=1024)
+    sched, _ = make(future_points=(32, 1024))
     assert isinstance(sched, TDPipeScheduler)
     assert sched.future_points[:3] == [32, 64, 96] and sched.future_points[-1] == 1024
+
+
+def test_knobs_are_the_policys_own():
+    sched, _ = make(future_points=[8, 64], work_stealing=False)  # a list (from JSON) is fine
+    assert sched.knobs is sched.config.knobs and sched.knobs == TDPipeKnobs((8, 64), work_stealing=False)
+    assert make()[0].knobs == TDPipeKnobs()  # the defaults, declared once in TDPipeKnobs
+    with pytest.raises(ValueError, match="future_points"):
+        make(future_points=(64, 8))
+    with pytest.raises(TypeError, match="'throttle_T'"):  # another policy's knob
+        make(throttle_T=2.0)
 
 
 @pytest.mark.parametrize("field,value", [("switch_to_decode", "kv-ratio:2"), ("switch_to_decode", "finish-ratio:0.5"),
@@ -33,7 +43,7 @@ def test_bad_switch_rules_name_the_flag(field, value):
 
 def test_algorithm1_update_usage_and_would_overflow():
     # 100 blocks of 4 tokens; futurePoints 4, 8, 12
-    sched, bm = make(num_blocks=100, block_size=4, future_point_step=4, future_point_max=12)
+    sched, bm = make(num_blocks=100, block_size=4, future_points=(4, 12))
     s = mkseq(0, 10, 9)
     s.predicted_output_len = 9
     sched.update_usage(s)  # 14 and 18 tokens at points 4 and 8; still decoding after 8, up to 19 tokens
@@ -48,7 +58,7 @@ def test_algorithm1_update_usage_and_would_overflow():
 def test_greedy_prefill_admits_past_current_capacity_by_prediction():
     # prompts of 8 tokens predicted to stop after 4: the peak stays low, so prefill keeps going until
     # nothing waits, even though max_tokens (64) would not fit
-    sched, bm = make(num_blocks=40, block_size=4, future_point_step=4, future_point_max=64, budget=16)
+    sched, bm = make(num_blocks=40, block_size=4, future_points=(4, 64), budget=16)
     for i in range(10):
         s = mkseq(i, 8, 64)
         s.predicted_output_len = 4
@@ -140,7 +150,7 @@ def test_intensities():
 def test_pending_prefills_are_what_the_next_phase_would_admit():
     # 256 blocks of 4 tokens = 1024 tokens: Algorithm 1 (and today's free KV) admit only one 500-token prompt
     # predicted to run 10 steps (its 510 tokens at futurePoints 8 and... are under capacity; two would pass)
-    sched, bm = make(num_blocks=256, budget=1000, future_point_step=8, future_point_max=64)
+    sched, bm = make(num_blocks=256, budget=1000, future_points=(8, 64))
     for i in range(4):
         sched.add(mkseq(i, 500, 10))
     assert sched.pending_prefills() == [1000]  # two prompts fit today's 1024 free tokens (2 x 125 blocks)
@@ -151,7 +161,7 @@ def test_pending_prefills_are_what_the_next_phase_would_admit():
 
 
 def test_reachable_intensity_takes_peak_where_a_switch_can_reach():
-    sched, bm = make(num_blocks=256, budget=1000, depth=2, future_point_step=8, future_point_max=64,
+    sched, bm = make(num_blocks=256, budget=1000, depth=2, future_points=(8, 64),
                      switch_to_prefill="reachable-intensity")
     c = StepCostModel(d0=0.01, d1=0.0001, p0=0.0, p1=0.0001, peak_batch=256)
     sched.costs = c
@@ -181,7 +191,7 @@ def test_random_stress_every_request_finishes_exactly_once(rules):
         num_blocks = rng.randint(16, 120)
         cap = num_blocks * block_size
         sched, bm = make(num_blocks=num_blocks, block_size=block_size, max_seqs=rng.randint(2, 32), depth=depth,
-                         budget=max(64, cap), future_point_step=8, future_point_max=256, **rules)
+                         budget=max(64, cap), future_points=(8, 256), **rules)
         seqs = []
         for i in range(rng.randint(40, 120)):
             p = rng.randint(1, min(60, cap // 2))

@@ -4,21 +4,23 @@ import random
 import pytest
 from test_scheduler_hybrid import _check_all_finished, mkseq, run_pipelined
 
-from tdpipe.config import SchedulerConfig
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler import ThrottleScheduler, make_scheduler
+from tdpipe.core.scheduler.registry import scheduler_config
+from tdpipe.core.scheduler.throttle import ThrottleKnobs
 
 
 def make(num_blocks=256, block_size=4, max_seqs=8, depth=1, **kw):
     bm = BlockManager(num_blocks, block_size)
-    cfg = SchedulerConfig(policy="throttle", max_num_seqs=max_seqs, max_model_len=4096, pipeline_depth=depth, **kw)
+    cfg = scheduler_config(policy="throttle", max_num_seqs=max_seqs, max_model_len=4096, pipeline_depth=depth, **kw)
     return make_scheduler(cfg, bm), bm
 
 
 def test_registered_with_the_papers_defaults():
     sched, _ = make()
     assert isinstance(sched, ThrottleScheduler)
-    c = sched.config
+    c = sched.knobs
+    assert c is sched.config.knobs and sched.config.max_num_batched_tokens == c.max_prefill_tokens + 256
     assert (c.throttle_T, c.max_prefill_tokens, c.min_prefill_tokens, c.kv_thresh) == (8.0, 2048, 32, 0.05)
 
 
@@ -26,7 +28,9 @@ def test_registered_with_the_papers_defaults():
                                          ("min_prefill_tokens", 0), ("kv_thresh", 1.0)])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
-        SchedulerConfig(policy="throttle", **{field: value})
+        ThrottleKnobs(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        make(**{field: value})
 
 
 def test_prefill_tokens_follow_eq3():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tdpipe.sampling import SamplingParams
+from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.sampler import CANDIDATES, Sampler, draw_key, draw_keys, make_generator
 
 V = 3000
@@ -39,7 +40,7 @@ def test_position_draw_ignores_history_and_batch():
     s = Sampler()
 
     def alone(i: int) -> int:
-        return s(steps[i:i + 1], [sp], [[]], [[]], [draw_key(7, i)])[0]
+        return s(steps[i:i + 1], SamplingMetadata([sp], [[]], [[]], [draw_key(7, i)]))[0]
 
     ref = [alone(i) for i in range(12)]
     assert [alone(i) for i in reversed(range(12))] == ref[::-1]
@@ -49,8 +50,8 @@ def test_position_draw_ignores_history_and_batch():
         batch = torch.cat([_steps(1, 100 + i), steps[i:i + 1], _steps(2, 200 + i)])
         params = [others[0], sp, others[1], others[2]]
         keys = [None, draw_key(7, i), draw_key(99, i), None]
-        assert s(batch, params, [[]] * 4, [[]] * 4, keys)[1] == ref[i]
-    assert [s(steps[i:i + 1], [sp], [[]], [[]], [draw_key(8, i)])[0] for i in range(12)] != ref
+        assert s(batch, SamplingMetadata(params, [[]] * 4, [[]] * 4, keys))[1] == ref[i]
+    assert [s(steps[i:i + 1], SamplingMetadata([sp], [[]], [[]], [draw_key(8, i)]))[0] for i in range(12)] != ref
 
 
 def _nucleus_flip_logits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +78,7 @@ def test_root_cause_a_stateful_stream_shifts_when_one_step_changes_path():
 
     def run(steps: torch.Tensor, keyed: bool) -> list[int]:
         g = make_generator(sp)
-        return [s(steps[i:i + 1], [sp], [[]], [[]], [draw_key(11, i) if keyed else g])[0] for i in range(len(steps))]
+        return [s(steps[i:i + 1], SamplingMetadata([sp], [[]], [[]], [draw_key(11, i) if keyed else g]))[0] for i in range(len(steps))]
 
     assert run(a, keyed=True)[1:] == run(b, keyed=True)[1:]
     assert run(a, keyed=False)[1:] != run(b, keyed=False)[1:]
@@ -92,10 +93,10 @@ def test_banned_tokens_and_inference_tensors():
     before = logits.clone()
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
     banned = [[5, V + 10, 2**40], [5], []]
-    toks = Sampler()(logits, params, [[]] * 3, [[]] * 3, [None, draw_key(1, 0), None], banned)
+    toks = Sampler()(logits, SamplingMetadata(params, [[]] * 3, [[]] * 3, [None, draw_key(1, 0), None], banned))
     assert toks[0] != 5 and toks[1] != 5 and toks[2] == 5
     greedy = [SamplingParams(temperature=0)] * 3  # the all-greedy hot path masks a copy of row 0 alone
-    toks = Sampler()(logits, greedy, [[]] * 3, [[]] * 3, [None] * 3, [[5], [], [V + 1]])
+    toks = Sampler()(logits, SamplingMetadata(greedy, [[]] * 3, [[]] * 3, [None] * 3, [[5], [], [V + 1]]))
     assert toks[0] != 5 and toks[1:] == [5, 5]
     assert torch.equal(logits, before)
 

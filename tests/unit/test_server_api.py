@@ -226,7 +226,7 @@ async def test_dead_engine_503_and_stream_error_chunk():
 
 async def test_engine_refusal_is_a_400():
     class Refusing(FakeAsyncLLM):
-        async def generate(self, prompt, params, request_id):
+        async def generate(self, prompt, params=None, request_id=None):
             raise ValueError("prompt token ids must be integers in [0, 200)")
             yield  # an async generator, like the real one
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 
 from tdpipe.config import ModelConfig
-from tdpipe.core.batch import StepInput
 from tdpipe.model.weights import load_hf_config
 from tdpipe.sim.cost import CostModel, StepShape, layer_params, model_bytes
 from tdpipe.sim.hardware import GB, TABLE, Hardware, load_hardware
 from tdpipe.sim.runner import DoesNotFit, SimConfig, kv_blocks_from_memory, resolve_sim_model, simulate
+from tdpipe.step_input import StepInput
 
 
 def mc_of(name: str) -> ModelConfig:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tdpipe.config import ModelConfig
-from tdpipe.core.batch import StepInput
 from tdpipe.model.tensor_parallel import SINGLE, GlooTPGroup, greedy_ids, head_split, shard_range
+from tdpipe.step_input import StepInput
 from tdpipe.worker.model_runner import ModelRunner
 
 BLOCK = 4

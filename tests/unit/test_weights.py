@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from tdpipe.model import bundled
 from tdpipe.model.bundled import bundled_gguf_path, bundled_model_path, resolve_model
+from tdpipe.model.cache import write_manifest
 from tdpipe.model.gguf import gguf_to_hf, unpermute_rope_rows
 from tdpipe.model.weights import iter_safetensors, load_hf_config
 
@@ -221,7 +222,7 @@ def test_resolve_gguf_uses_keyed_cache(tmp_path: Path, monkeypatch: pytest.Monke
     cached.mkdir(parents=True)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
         (cached / name).write_text("{}")
-    bundled.write_manifest(cached, bundled._source_of(gg))
+    write_manifest(cached, bundled._source_of(gg))
     assert resolve_model(str(gg)) == str(cached)
     os.utime(gg, ns=(1, 1))  # a changed file maps to a new folder
     assert bundled._gguf_cache_folder(gg) != cached

@@ -5,8 +5,11 @@ process (core/engine_core.py) schedules and runs the model in token ids. They ta
 parsing, tokenising and streaming never take time from the loop that keeps the pipeline full.
 
 `generate()` is an async iterator per request; leaving it early (a client that hung up) aborts the request in
-the core, which frees its KV blocks at its next step. If the core process dies, every open request raises
-EngineDeadError and `dead_reason` says why.
+the core, which frees its KV blocks at its next step. Each request has one output slot, not a queue
+(core/output_collector.py): a reader that stops reading holds one output, however long the request runs.
+Requests are validated by core/validation.py, the same function the OpenAI server calls. If the core
+process dies, every open request raises EngineDeadError, `dead_reason` says why (client-safe text) and
+`wait_dead()` returns. AsyncLLM satisfies core/engine_client.py's EngineClient.
 """
 from __future__ import annotations
 
@@ -23,15 +26,16 @@ from typing import Any
 
 from tdpipe.config import EngineConfig
 from tdpipe.core import engine_core as core
+from tdpipe.core.engine_client import EngineDeadError
+from tdpipe.core.output_collector import RequestOutputCollector
 from tdpipe.core.output_processor import OutputProcessor
+from tdpipe.core.validation import EngineRequest, RequestLimits, validate_request
 from tdpipe.outputs import RequestOutput
 from tdpipe.sampling.params import SamplingParams
 
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
 log = logging.getLogger("tdpipe")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; the message says why."""
 
 
 class AsyncLLM:
@@ -43,9 +47,14 @@ class AsyncLLM:
         self.max_num_seqs = 0
         self.vocab_size = 0
         self.ready = False
-        self.dead_reason: str | None = None
+        self.dead_reason: str | None = None  # client-safe: never the core's exception text
+        self.death_detail: str | None = None  # what the log says (the core's own words)
+        self.failed_on_death = 0  # requests open when the core died
+        self.log_death = True  # False: the caller reports the death itself (tdpipe serve)
+        self._dead = asyncio.Event()
         self._stats: dict[str, Any] = {}
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self.processor = OutputProcessor(None, stream=True)  # with the model's tokenizer once started
         self._proc: subprocess.Popen | None = None
         self._pidfd = -1
         self._dir = ""
@@ -87,7 +96,7 @@ class AsyncLLM:
             self._proc = None
             self._close_pidfd()
             await self._close_sockets()
-            raise EngineDeadError(self.dead_reason or "the engine core exited during start-up")
+            raise EngineDeadError(self.death_detail or "the engine core exited during start-up")
         msg = pickle.loads(recv.result())
         if msg[0] != core.READY:
             await self._stop_process()
@@ -118,20 +127,31 @@ class AsyncLLM:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             self._die(f"the engine core process {how}")
 
+    async def wait_dead(self) -> str:
+        """Return (dead_reason) once the core has died; never while it runs."""
+        await self._dead.wait()
+        return self.dead_reason or "the engine core died"
+
     def _close_pidfd(self) -> None:
         if self._pidfd >= 0:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = -1
 
-    def _die(self, reason: str) -> None:
+    def _die(self, reason: str, detail: str | None = None) -> None:
+        """Fail every open request with `reason` (shown to clients); `detail` (the core's exception text, for
+        the log only) is logged once, with the reason."""
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
+        self.death_detail = detail or reason
         self.ready = False
-        log.error("%s", reason)
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError(reason))
+        self.failed_on_death = len(self._collectors)
+        if self.log_death:
+            log.error("%s", self.death_detail)
+        for c in self._collectors.values():
+            c.fail(EngineDeadError(reason))
+        self._dead.set()
 
     def check_health(self) -> None:
         if self.dead_reason is not None:
@@ -140,97 +160,100 @@ class AsyncLLM:
             raise EngineDeadError("the engine is not running")
 
     def stats(self) -> dict[str, Any]:
-        """The core's latest snapshot (refreshed every step, once a second when idle), no round trip."""
-        return self._stats | {"num_requests": len(self._queues)}
+        """The core's latest snapshot (refreshed every step, once a second when idle), no round trip, with
+        what this side knows at once: open requests (num_requests) and those unfinished in the core."""
+        return self._stats | {"num_requests": len(self._collectors), "num_unfinished": len(self.processor.requests)}
 
     # -- requests ----------------------------------------------------------------------------------------
     def _send(self, *msg: Any) -> None:
         self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        want = len(ids) + (params.max_tokens or 1)
-        if len(ids) >= self.max_model_len or want > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                             f"needs {want} ({len(ids)} in the prompt, {params.max_tokens or 1} to generate)")
+    def request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> EngineRequest:
+        """A raw prompt (text: tokenised with special tokens) validated into an EngineRequest
+        (core/validation.py; RequestError, a ValueError naming the field, if refused)."""
+        text, ids = (prompt, self.tokenizer.encode(prompt, add_special_tokens=True)) if isinstance(prompt, str) \
+            else (None, list(prompt))
+        return validate_request(request_id, ids, params, RequestLimits.of(self), text)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yields the request's RequestOutput (cumulative text and token ids) each time it advances; the last
-        one has finished=True. Raises ValueError before the first output for a request the engine refuses."""
+    async def generate(self, prompt: EngineRequest | str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's RequestOutput (cumulative text and token ids) each time it advances (a slow
+        reader skips to the newest); the last one has finished=True. An EngineRequest (validated by the
+        caller) runs as it is; a raw prompt is validated first. Raises ValueError before the first output
+        for a request the engine refuses."""
         self.check_health()
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, EngineRequest):
+            if params is not None or request_id is not None:
+                raise TypeError("generate(EngineRequest) takes no params or request_id: the request has them")
+            req = prompt
         else:
-            text, ids = None, list(prompt)
-        self._validate(ids, params)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        self.processor.add_request(request_id, text, ids, params)
+            if params is None or request_id is None:
+                raise TypeError("generate(prompt, params, request_id): params and request_id are required")
+            req = self.request(prompt, params, request_id)
+        rid = req.request_id
+        if rid in self._collectors:
+            raise ValueError(f"request_id {rid!r} is already running")
+        state = self.processor.add_request(rid, req.prompt, req.prompt_token_ids, req.params)
+        collector = RequestOutputCollector(lambda: self.processor.render(state))
+        self._collectors[rid] = collector
         finished = False
         try:
-            self._send(core.ADD, request_id, ids, params, text)
+            self._send(core.ADD, rid, req.prompt_token_ids, req.params, req.prompt)
             while True:
-                item = await q.get()
-                while not q.empty():  # outputs are cumulative: a slow reader skips to the newest one
-                    if isinstance(item, BaseException):
-                        break
-                    item = q.get_nowait()
-                if isinstance(item, BaseException):
-                    finished = True  # the core already dropped it (rejected) or is gone
-                    raise item
-                finished = item.finished
-                yield item
+                try:
+                    out = await collector.get()
+                except asyncio.CancelledError:
+                    raise  # the caller left: the finally aborts the request
+                except BaseException:
+                    finished = True  # refused, or the core is gone: nothing to abort
+                    raise
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._collectors.pop(rid, None)
             if not finished:  # the caller left early (disconnect, cancel): the core frees its blocks
-                self.processor.abort(request_id)
+                self.processor.abort(rid)
                 if self.dead_reason is None:
-                    self._send(core.ABORT, [request_id], "abort")
+                    self._send(core.ABORT, [rid], "abort")
 
     async def abort(self, request_id: str) -> None:
         """Finish a request with finish_reason "abort"; its iterator yields that output and ends."""
-        out = self.processor.abort(request_id)
-        if out is None:
+        if self.processor.abort(request_id) is None:
             return
         if self.dead_reason is None:
             self._send(core.ABORT, [request_id], "abort")
-        q = self._queues.get(request_id)
-        if q is not None:
-            q.put_nowait(out)
+        if (c := self._collectors.get(request_id)) is not None:
+            c.notify()
+
+    def _on_message(self, msg: tuple) -> None:
+        """One message from the core: a step's deltas and stats, a refused request, or its death."""
+        if msg[0] == core.OUT:
+            _, deltas, stats = msg
+            self._stats = stats
+            touched, stopped = self.processor.advance(deltas)
+            if stopped:
+                self._send(core.ABORT, stopped, "stop")
+            for st in touched:
+                if (c := self._collectors.get(st.request_id)) is not None:
+                    c.notify()
+        elif msg[0] == core.REJECTED:
+            _, rid, err = msg
+            self.processor.abort(rid)
+            if (c := self._collectors.get(rid)) is not None:
+                c.fail(ValueError(err))
+        elif msg[0] == core.DEAD:
+            self._die("the engine core failed", msg[1])
 
     async def _read_outputs(self) -> None:
         try:
             while True:
-                msg = pickle.loads(await self._pull.recv())
-                if msg[0] == core.OUT:
-                    _, deltas, stats = msg
-                    self._stats = stats
-                    outs, stopped = self.processor.process(deltas)
-                    if stopped:
-                        self._send(core.ABORT, stopped, "stop")
-                    for o in outs:
-                        q = self._queues.get(o.request_id)
-                        if q is not None:
-                            q.put_nowait(o)
-                elif msg[0] == core.REJECTED:
-                    _, rid, err = msg
-                    self.processor.abort(rid)
-                    if (q := self._queues.get(rid)) is not None:
-                        q.put_nowait(ValueError(err))
-                elif msg[0] == core.DEAD:
-                    self._die(msg[1])
+                self._on_message(pickle.loads(await self._pull.recv()))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken socket is a dead engine for every request
-            self._die(f"lost the engine core: {e}")
+            self._die("lost the connection to the engine core", f"lost the engine core: {e}")
 
     # -- shutdown ----------------------------------------------------------------------------------------
     async def shutdown(self, grace_s: float = 10.0) -> None:
@@ -240,9 +263,9 @@ class AsyncLLM:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while self._queues and self.dead_reason is None and loop.time() < deadline:
+        while self._collectors and self.dead_reason is None and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._queues):
+        for rid in list(self._collectors):
             await self.abort(rid)
         await asyncio.sleep(0)  # let the iterators see their final output
         await self._stop_process()

@@ -145,8 +145,13 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
                     engine.add_request(rid, text if text is not None else ids, params, prompt_token_ids=ids)
                 except ValueError as e:
                     send(REJECTED, rid, str(e))
+                except Exception:  # noqa: BLE001 - one bad request never takes the core down
+                    log.exception("engine core: request %r refused by an unexpected error", rid)
+                    send(REJECTED, rid, "the engine could not add this request (an internal error; see the "
+                                        "server log)")
             elif msg[0] == ABORT:
-                engine.abort_request(msg[1], reason=msg[2])
+                # "stop": (request id, sample index) pairs a stop string ended; else request ids
+                (engine.abort_samples if msg[2] == "stop" else engine.abort_request)(msg[1], reason=msg[2])
             timeout = 0
         deltas = engine.step() if engine.has_unfinished() else []
         meter.maybe_update(bool(deltas))

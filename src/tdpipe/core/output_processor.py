@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tdpipe.core.delta import RequestDelta, TokenLogprobs
+from tdpipe.core.sample_group import select_best
 from tdpipe.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tdpipe.tokenizer import IncrementalDetokenizer, find_stop
 
@@ -64,7 +65,7 @@ class RequestState:
         samples = self.samples
         n = self.params.n
         if len(samples) > n:  # best_of: the n most likely, best first, numbered 0..n-1
-            ranked = sorted(samples, key=lambda s: -(s.cumulative_logprob or 0.0))[:n]
+            ranked = select_best(samples, n, lambda s: s.cumulative_logprob)
             outs = [s.output(tokenizer, i) for i, s in enumerate(ranked)]
         else:
             outs = [s.output(tokenizer) for s in samples]
@@ -109,6 +110,14 @@ class OutputProcessor:
         advanced when streaming, else the finished ones) and the (request id, sample index) of samples a
         stop string finished, which the core must abort. Deltas of unknown (already finished or aborted)
         requests are ignored."""
+        touched, stopped = self.advance(deltas)
+        outs = [st.output(self.tokenizer) for st in touched if self.stream or st.finished]
+        return outs, stopped
+
+    def advance(self, deltas: list[RequestDelta]) -> tuple[list[RequestState], list[SampleId]]:
+        """`process` without building outputs: the states of the requests that advanced (finished ones are
+        forgotten here, their state stays valid) and the stopped samples. AsyncLLM renders an output only
+        when a reader asks for it (core/output_collector.py), so an unread stream costs nothing per step."""
         stopped: list[SampleId] = []
         now = self.clock()
         touched: dict[str, RequestState] = {}
@@ -143,15 +152,15 @@ class OutputProcessor:
                 s.finished, s.finish_reason, s.stop_reason = True, d.finish_reason, d.stop_reason
             if s.finished:
                 self._finish_sample(st, s)
-        outs: list[RequestOutput] = []
         for st in touched.values():
             if st.finished:
                 del self.requests[st.request_id]
                 st.finish_time = now
-                outs.append(st.output(self.tokenizer))
-            elif self.stream:
-                outs.append(st.output(self.tokenizer))
-        return outs, stopped
+        return list(touched.values()), stopped
+
+    def render(self, st: RequestState) -> RequestOutput:
+        """The request's output now (cumulative text and ids)."""
+        return st.output(self.tokenizer)
 
     def _finish_sample(self, st: RequestState, s: SampleState) -> None:
         if self.tokenizer is not None and not isinstance(s.stop_reason, str):

@@ -26,17 +26,15 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
-from tdpipe.config import cpu_name
-from tdpipe.core.batch import Batch, StepInput
+from tdpipe.config import ModelConfig, SchedulerConfig, cpu_name
+from tdpipe.core.batch import Batch
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler.td_pipe import StepCostModel
+from tdpipe.executor.base import Executor
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sequence import Sequence
-
-if TYPE_CHECKING:
-    from tdpipe.core.engine import LLMEngine
 
 log = logging.getLogger("tdpipe")
 PROFILE_VERSION = 3  # 3: the plan in the key, measured independently of KV capacity and max_num_seqs
@@ -47,6 +45,23 @@ SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # KV tokens one dummy request is budgeted: its prompt and REPEATS decode steps at up to 16 batch sizes.
 # Also what `kv_batch` counts Peak in, so Peak is the same whether the profile was measured here or loaded.
 ROOM = CONTEXT + 2 * REPEATS * 8 + 1
+
+
+@dataclasses.dataclass
+class ProfileTarget:
+    """What a profile runs on and is keyed by: the parts of an engine being built (core/engine_builder.py),
+    before its scheduler exists (the scheduler is given the result)."""
+
+    executor: Executor
+    block_manager: BlockManager
+    scheduler_config: SchedulerConfig  # the token budget shapes the plan; max_num_seqs limits Peak
+    model_config: ModelConfig
+    model_path: str
+    dtype: Any  # torch.dtype
+    pp: int
+    partition: list[tuple[int, int]]
+    stage_threads: list[int]
+    new_seq_id: Callable[[], int]  # the engine's sequence ids: the dummy requests take their own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +86,7 @@ class Plan:
 
 def cache_dir() -> Path:
     """$TDPIPE_CACHE/profiles (default ~/.cache/tdpipe/profiles), beside the converted models and kernels."""
-    from tdpipe.model.bundled import cache_dir as root
+    from tdpipe.model.cache import cache_dir as root
 
     return root() / "profiles"
 
@@ -93,72 +108,72 @@ def _plan(n: int, context: int, budget: int) -> Plan:
     return Plan(context, decode, tuple(prefill))
 
 
-def standard_plan(engine: "LLMEngine") -> Plan:
+def standard_plan(target: ProfileTarget) -> Plan:
     """The plan every engine whose KV cache holds it measures (only the token budget shapes it)."""
-    return _plan(MAX_BATCH, CONTEXT, engine.scheduler.config.max_num_batched_tokens)
+    return _plan(MAX_BATCH, CONTEXT, target.scheduler_config.max_num_batched_tokens)
 
 
-def make_plan(engine: "LLMEngine", max_batch: int | None = None) -> Plan | None:
+def make_plan(target: ProfileTarget, max_batch: int | None = None) -> Plan | None:
     """The plan with decode batches up to `max_batch` where the KV cache holds it, else the largest that
     fits: fewer requests, or one shorter request in a cache smaller than ROOM tokens. None: not even a
     request of one prompt token and REPEATS decode steps fits."""
-    bm = engine.block_manager
+    bm = target.block_manager
     n, context = min(MAX_BATCH if max_batch is None else max_batch, kv_batch(bm)), CONTEXT
     if n < 1:
         n, context = 1, bm.num_blocks * bm.block_size - REPEATS
         if context < 1:
             return None
-    return _plan(n, context, engine.scheduler.config.max_num_batched_tokens)
+    return _plan(n, context, target.scheduler_config.max_num_batched_tokens)
 
 
-def limit(model: StepCostModel, engine: "LLMEngine") -> StepCostModel:
+def limit(model: StepCostModel, target: ProfileTarget) -> StepCostModel:
     """The profile as this engine uses it: Eq. 1's Peak at most the decode micro-batch it can form
     (max_num_seqs over the stages, and what its KV cache holds)."""
-    cfg, pp = engine.scheduler.config, engine.executor.num_stages
-    peak = max(1, min(model.peak_batch, cfg.max_num_seqs // pp or 1, kv_batch(engine.block_manager)))
+    cfg, pp = target.scheduler_config, target.executor.num_stages
+    peak = max(1, min(model.peak_batch, cfg.max_num_seqs // pp or 1, kv_batch(target.block_manager)))
     return dataclasses.replace(model, peak_batch=peak)
 
 
-def profile_key(engine: "LLMEngine", plan: Plan | None = None) -> dict:
+def profile_key(target: ProfileTarget, plan: Plan | None = None) -> dict:
     """Everything the measured points depend on: the plan, the model files and what runs them. Not the KV
     capacity, max_num_seqs or max_model_len: they change only the plan (keyed) or Peak (applied on use);
     stage receive buffers grow to any batch, so the token limits do not change what a step costs."""
     import torch
 
-    from tdpipe.model.bundled import model_identity
+    from tdpipe.model.cache import model_identity
     from tdpipe.model.packed_linear import packing_available
 
-    plan = plan or make_plan(engine)
-    return {"version": PROFILE_VERSION, "model": os.path.abspath(engine.model_path),
-            "model_files": model_identity(engine.model_path), "dtype": str(engine.dtype), "pp": engine.pp,
-            "partition": [list(p) for p in engine.partition], "threads": list(engine.stage_threads),
-            "block_size": engine.block_manager.block_size,
+    plan = plan or make_plan(target)
+    return {"version": PROFILE_VERSION, "model": os.path.abspath(target.model_path),
+            "model_files": model_identity(target.model_path), "dtype": str(target.dtype), "pp": target.pp,
+            "partition": [list(p) for p in target.partition], "threads": list(target.stage_threads),
+            "block_size": target.block_manager.block_size,
             "plan": dataclasses.asdict(plan) if plan else None,
             "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1", "cpu": cpu_name(), "cores": os.cpu_count(),
             "torch": torch.__version__, "packed_linear": packing_available()}
 
 
-def _run(engine: "LLMEngine", seqs: list[Sequence], lens: list[int], prefill: bool) -> float:
+def _run(target: ProfileTarget, seqs: list[Sequence], lens: list[int], prefill: bool) -> float:
     batch = Batch(-1, seqs, lens, is_prefill=prefill)
-    step = StepInput.from_batch(batch)
+    step = batch.step_input()
     step.greedy_rows = [True] * len(seqs)
-    t = engine.clock()
-    engine.executor.submit(step)
-    engine.executor.collect()
-    elapsed = engine.clock() - t
+    t = target.executor.now()
+    target.executor.submit(step)
+    target.executor.collect()
+    elapsed = target.executor.now() - t
     for s, n in zip(seqs, lens):
         s.num_computed_tokens += n
-    return elapsed / engine.executor.num_stages
+    return elapsed / target.executor.num_stages
 
 
-def measure_plan(engine: "LLMEngine", plan: Plan) -> StepCostModel:
+def measure_plan(target: ProfileTarget, plan: Plan) -> StepCostModel:
     """Run `plan` on the engine's executor. peak_batch is the largest decode batch measured (not yet
     limited to the engine: see `limit`)."""
-    bm = engine.block_manager
+    bm = target.block_manager
     rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
+    vocab = target.model_config.vocab_size
     extra = plan.room - plan.context
-    seqs = [Sequence(next(engine._seq_ids), "profile", [rng.randrange(vocab) for _ in range(plan.context)],
+    seqs = [Sequence(target.new_seq_id(), "profile", [rng.randrange(vocab) for _ in range(plan.context)],
                      SamplingParams(max_tokens=extra), max_tokens=extra) for _ in range(plan.requests)]
     prefill: list[tuple[int, float]] = []
     decode: list[tuple[int, float]] = []
@@ -166,12 +181,12 @@ def measure_plan(engine: "LLMEngine", plan: Plan) -> StepCostModel:
         for s in seqs:
             bm.allocate(s, plan.room)
         # untimed warm-up (first-step costs: allocator, kernels, transport); each prefill is timed once
-        _run(engine, seqs[:1], [plan.context], True)
+        _run(target, seqs[:1], [plan.context], True)
         seqs[0].num_computed_tokens = 0
         done = 0
         for k in plan.prefill:
             group = seqs[done:done + k]
-            prefill.append((k * plan.context, _run(engine, group, [plan.context] * k, True)))
+            prefill.append((k * plan.context, _run(target, group, [plan.context] * k, True)))
             done += k
         for b in plan.decode:
             best = float("inf")
@@ -179,13 +194,13 @@ def measure_plan(engine: "LLMEngine", plan: Plan) -> StepCostModel:
                 group = seqs[:b]
                 for s in group:
                     s.output_token_ids.append(rng.randrange(vocab))
-                best = min(best, _run(engine, group, [1] * b, False))
+                best = min(best, _run(target, group, [1] * b, False))
             decode.append((b, best))
     finally:
         for s in seqs:
             if s.block_table:
                 bm.free(s)
-        engine.executor.release([s.seq_id for s in seqs])
+        target.executor.release([s.seq_id for s in seqs])
     if len(prefill) < 2:  # one request fits: add a point so the line has a slope
         prefill.append((0, 0.0))
     if len(decode) < 2:
@@ -193,19 +208,19 @@ def measure_plan(engine: "LLMEngine", plan: Plan) -> StepCostModel:
     return StepCostModel.fit(decode, prefill, peak_batch=plan.requests)
 
 
-def measure(engine: "LLMEngine", max_batch: int | None = None) -> StepCostModel:
+def measure(target: ProfileTarget, max_batch: int | None = None) -> StepCostModel:
     """Profile decode batches up to `max_batch` (and max_num_seqs over the stages), limited to the engine.
     Uncached: the simulator's executor (steps cost nothing to time) is profiled this way up to 512, past
     where GPU decode turns compute-bound. With a cache too small for even one dummy request, the default
     costs with Peak 1."""
-    cfg, pp = engine.scheduler.config, engine.executor.num_stages
+    cfg, pp = target.scheduler_config, target.executor.num_stages
     top = MAX_BATCH if max_batch is None else max_batch
-    plan = make_plan(engine, max(1, min(top, cfg.max_num_seqs // pp or 1)))
+    plan = make_plan(target, max(1, min(top, cfg.max_num_seqs // pp or 1)))
     if plan is None:
         log.warning("the KV cache (%d tokens) is too small to profile step costs; using defaults",
-                    engine.block_manager.num_blocks * engine.block_manager.block_size)
-        return limit(StepCostModel(peak_batch=1), engine)
-    return limit(measure_plan(engine, plan), engine)
+                    target.block_manager.num_blocks * target.block_manager.block_size)
+        return limit(StepCostModel(peak_batch=1), target)
+    return limit(measure_plan(target, plan), target)
 
 
 def _pairs(v: Any, name: str) -> list[tuple[int, float]]:
@@ -278,30 +293,30 @@ def _save(path: Path, model: StepCostModel, key: dict) -> None:
         log.warning("could not cache the step profile at %s: %s", path, e)
 
 
-def load_or_measure(engine: "LLMEngine", use_cache: bool = True) -> StepCostModel:
+def load_or_measure(target: ProfileTarget, use_cache: bool = True) -> StepCostModel:
     """The engine's profile, limited to it. A KV cache too small for the standard plan uses the standard
     profile if one is cached (its points do not depend on the capacity), else measures the plan it can
     hold and caches it under that plan's key: the standard profile is never written by such a run."""
-    plan = make_plan(engine)
+    plan = make_plan(target)
     if plan is None:
-        return measure(engine)
-    standard = standard_plan(engine)
-    keys = [profile_key(engine, standard)] if plan != standard else []
-    keys.append(profile_key(engine, plan))
+        return measure(target)
+    standard = standard_plan(target)
+    keys = [profile_key(target, standard)] if plan != standard else []
+    keys.append(profile_key(target, plan))
     if use_cache:
         for key in keys:
             hit = _load(_path(key), key, "measuring it again and overwriting it" if key is keys[-1]
                         else "not using it")
             if hit is not None:
-                return limit(hit, engine)
+                return limit(hit, target)
     t = time.perf_counter()
-    model = measure_plan(engine, plan)
+    model = measure_plan(target, plan)
     log.info("step-cost profile (%.1f s): decode %.4f + %.5f*B s, prefill %.4f + %.6f*T s per stage",
              time.perf_counter() - t, model.d0, model.d1, model.p0, model.p1)
     if use_cache:
         _save(_path(keys[-1]), model, keys[-1])
-    return limit(model, engine)
+    return limit(model, target)
 
 
-__all__ = ["Plan", "cache_dir", "kv_batch", "limit", "load_or_measure", "make_plan", "measure",
+__all__ = ["Plan", "ProfileTarget", "cache_dir", "kv_batch", "limit", "load_or_measure", "make_plan", "measure",
            "measure_plan", "parse_profile", "profile_key", "standard_plan"]

@@ -18,7 +18,8 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "tdpipe":  # the c
 import argparse  # noqa: E402
 import json  # noqa: E402
 
-from tdpipe.entrypoints.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from tdpipe.engine_args import EngineArgs
+from tdpipe.entrypoints.args import add_sampling_args, sampling_kwargs
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
 from tdpipe.entrypoints.results import ResultSink
@@ -102,7 +103,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             return sink.finish(len(recs))
         llm = None
         try:
-            llm = LLM(**engine_kwargs(a))
+            llm = LLM(**EngineArgs.from_cli(a).to_kwargs())
             prompts, errors = _to_prompts(llm.get_tokenizer(), recs, todo, a.chat_template)
             for i, err in errors.items():
                 sink.write(i, _error_record(i, recs[i], err))
@@ -190,7 +191,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from tdpipe import LLM, SamplingParams
 
     sp = SamplingParams(**sampling_kwargs(a))
-    llm = LLM(**engine_kwargs(a))
+    llm = LLM(**EngineArgs.from_cli(a).to_kwargs())
     history: list[dict[str, str]] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
@@ -241,9 +242,31 @@ def cmd_plot_timeline(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    """`tdpipe serve`: both configs checked before the port is taken; the server (FastAPI) imported only now."""
+    from tdpipe.entrypoints.openai.api_server import run_server
+    from tdpipe.entrypoints.openai.serve_args import engine_config, server_config
+
+    return run_server(server_config(a), engine_config(a))
+
+
+def version() -> str:
+    """The installed package's version (its metadata); the source tree's when it runs uninstalled."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tdpipe")
+    except PackageNotFoundError:
+        from tdpipe import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference: paged KV, continuous "
                                 "batching, pipeline parallelism (TD-Pipe, gLLM, SiPipe).")
+    p.add_argument("--version", action="version", version=f"tdpipe {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for a batch of prompts; JSONL out",
@@ -267,13 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user turn of the chat template")
     g.add_argument("--output-token-ids", action="store_true", help="include output token ids in the JSONL")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     add_sampling_args(g)
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the model's chat template")
     c.add_argument("--system", default=None, help="system message")
-    add_engine_args(c)
+    EngineArgs.add_cli_args(c)
     add_sampling_args(c, max_tokens=512, samples=False)
     c.set_defaults(fn=cmd_chat)
 
@@ -304,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--output", "-o", default="timeline.png", help="PNG to write (default timeline.png)")
     t.add_argument("--title", default=None, help="title of the picture")
     t.set_defaults(fn=cmd_plot_timeline)
-    __import__("tdpipe.viz.latency", fromlist=["add_parser"]).add_parser(plsub)
+    __import__("tdpipe.entrypoints.plot_latency", fromlist=["add_parser"]).add_parser(plsub)
 
     from tdpipe.predictor import cli as predictor_cli
 
@@ -313,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tdpipe.sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
-    __import__("tdpipe.entrypoints.openai.serve_args", fromlist=["add_parser"]).add_parser(sub)
+    __import__("tdpipe.entrypoints.openai.serve_args", fromlist=["add_parser"]).add_parser(sub).set_defaults(
+        fn=cmd_serve)
     __import__("tdpipe.entrypoints.run_batch", fromlist=["add_parser"]).add_parser(sub)
     return p
 

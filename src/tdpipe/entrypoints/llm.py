@@ -10,8 +10,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tdpipe.config import EngineConfig
 from tdpipe.core.engine import LLMEngine
+from tdpipe.engine_args import EngineArgs
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.pipeline.executor import PipelineError
 from tdpipe.interrupt import deferred_sigint
@@ -26,85 +27,24 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 def engine_config(kw: dict[str, Any]) -> EngineConfig:
-    """The EngineConfig that LLM()'s keywords describe (LLM and `tdpipe serve` / `run-batch`, whose flags
-    give the same keywords, share this one mapping). Keywords left out take the dataclasses' defaults."""
-    d = kw
-    sched, cache, par = SchedulerConfig, CacheConfig, ParallelConfig
-    future = d.get("future_points", (sched.future_point_step, sched.future_point_max))
-    return EngineConfig(
-        model=d.get("model"), dtype=d.get("dtype", EngineConfig.dtype), seed=d.get("seed", EngineConfig.seed),
-        num_threads=d.get("num_threads"), trace=d.get("trace"), record_history=d.get("record_history"),
-        collect_trace=d.get("collect_trace", EngineConfig.collect_trace),
-        cache=CacheConfig(block_size=d.get("block_size", cache.block_size),
-                          kv_cache_memory=d.get("kv_cache_memory"), num_blocks=d.get("num_kv_blocks"),
-                          enable_prefix_caching=d.get("enable_prefix_caching", cache.enable_prefix_caching)),
-        scheduler=SchedulerConfig(
-            policy=d.get("scheduler", sched.policy), max_num_seqs=d.get("max_num_seqs", sched.max_num_seqs),
-            max_num_batched_tokens=d.get("max_num_batched_tokens"), max_model_len=d.get("max_model_len") or 0,
-            throttle_T=d.get("throttle_T", sched.throttle_T),
-            max_prefill_tokens=d.get("max_prefill_tokens", sched.max_prefill_tokens),
-            min_prefill_tokens=d.get("min_prefill_tokens", sched.min_prefill_tokens),
-            kv_thresh=d.get("kv_thresh", sched.kv_thresh), future_point_step=future[0],
-            future_point_max=future[1], switch_to_decode=d.get("switch_to_decode", sched.switch_to_decode),
-            switch_to_prefill=d.get("switch_to_prefill", sched.switch_to_prefill),
-            work_stealing=d.get("work_stealing", sched.work_stealing),
-            predictor=d.get("predictor", sched.predictor), profile_cache=d.get("profile_cache", sched.profile_cache)),
-        parallel=ParallelConfig(pipeline_parallel_size=d.get("pipeline_parallel_size", par.pipeline_parallel_size),
-                                tensor_parallel_size=d.get("tensor_parallel_size", par.tensor_parallel_size),
-                                layer_partition=d.get("layer_partition"),
-                                lm_head_split=d.get("lm_head_split", par.lm_head_split),
-                                threads_per_stage=d.get("threads_per_stage"), device=d.get("device", par.device)),
-    )
+    """The EngineConfig that LLM()'s keywords describe (EngineArgs.from_kwargs(**kw).create_engine_config())."""
+    return EngineArgs.from_kwargs(**kw).create_engine_config()
 
 
 class LLM:
     """An engine over one model. `model=None` uses the bundled SmolLM2-135M-Instruct (converted once, offline).
 
-    kv_cache_memory: bytes (int) or a fraction of available memory (float); default min(4 GiB, 40%).
-    pipeline_parallel_size: stage worker processes, each with a contiguous slice of layers and their KV
-    (TD-Pipe §3.2); layer_partition overrides the cost-balanced split, e.g. [18, 12].
-    tensor_parallel_size: T worker processes per stage, each holding a Megatron-style shard of it (vLLM's name).
-    lm_head_split: share of the lm_head's vocabulary computed on the first stage (pp > 1, tp = 1); None
-        (default): chosen with the layer partition from the measured stage costs; 0: the whole head last.
-    trace: a file that each generate() call writes its timeline to (`tdpipe plot timeline FILE`);
-    collect_trace: keep the timeline for `trace()` without writing it (off by default: it costs memory).
-    throttle_T, max_prefill_tokens, min_prefill_tokens, kv_thresh: gLLM's #T, #MaxP, #MinP, KVthresh
-    (Eq. 3), used by scheduler="throttle". future_points (step, max), switch_to_decode, switch_to_prefill,
-    work_stealing, predictor ('auto' | 'oracle' | 'constant[:N]' | a file from `tdpipe predictor train`),
-    profile_cache: TD-Pipe's knobs and ablations (§3.3-3.5, §4.4), used by scheduler="td-pipe".
-    enable_prefix_caching: reuse the KV of cached full-block prefixes across requests (on by default).
-    record_history: a JSONL file that every finished request is appended to (tdpipe/predictor/history.py).
-    Use as a context manager, or call shutdown(), to stop stage workers promptly.
+    The keywords are EngineArgs' fields (tdpipe/engine_args.py: each with its default and help, the same as the
+    command line's engine flags) and the registered policies' knobs (core/scheduler/registry.py), e.g.
+    kv_cache_memory (bytes, or a fraction of available memory), pipeline_parallel_size, tensor_parallel_size,
+    layer_partition, lm_head_split, scheduler, trace, collect_trace, record_history; throttle_T,
+    max_prefill_tokens, min_prefill_tokens, kv_thresh (gLLM Eq. 3, scheduler="throttle"); future_points,
+    switch_to_decode, switch_to_prefill, work_stealing (TD-Pipe §3.3-3.5, scheduler="td-pipe"). Any other
+    keyword is a TypeError naming it. Use as a context manager, or call shutdown(), to stop stage workers promptly.
     """
 
-    # every default is the config dataclasses' own (declared once, in tdpipe/config.py)
-    def __init__(self, model: str | None = EngineConfig.model, dtype: str = EngineConfig.dtype, *,
-                 seed: int = EngineConfig.seed, max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens,
-                 max_model_len: int | None = None, block_size: int = CacheConfig.block_size,
-                 kv_cache_memory: int | float | None = CacheConfig.kv_cache_memory,
-                 num_kv_blocks: int | None = CacheConfig.num_blocks,
-                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching, scheduler: str = SchedulerConfig.policy,
-                 num_threads: int | None = EngineConfig.num_threads,
-                 pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size,
-                 tensor_parallel_size: int = ParallelConfig.tensor_parallel_size,
-                 layer_partition: list[int] | None = ParallelConfig.layer_partition,
-                 lm_head_split: float | None = ParallelConfig.lm_head_split,
-                 threads_per_stage: int | None = ParallelConfig.threads_per_stage,
-                 device: str = ParallelConfig.device, trace: str | None = EngineConfig.trace,
-                 throttle_T: float = SchedulerConfig.throttle_T,
-                 max_prefill_tokens: int = SchedulerConfig.max_prefill_tokens,
-                 min_prefill_tokens: int = SchedulerConfig.min_prefill_tokens,
-                 kv_thresh: float = SchedulerConfig.kv_thresh,
-                 future_points: tuple[int, int] = (SchedulerConfig.future_point_step,
-                                                   SchedulerConfig.future_point_max),
-                 switch_to_decode: str = SchedulerConfig.switch_to_decode,
-                 switch_to_prefill: str = SchedulerConfig.switch_to_prefill,
-                 work_stealing: bool = SchedulerConfig.work_stealing, predictor: str = SchedulerConfig.predictor,
-                 profile_cache: bool = SchedulerConfig.profile_cache,
-                 record_history: str | None = EngineConfig.record_history,
-                 collect_trace: bool = EngineConfig.collect_trace) -> None:
-        cfg = engine_config({k: v for k, v in locals().items() if k != "self"})  # the keywords above
+    def __init__(self, model: str | None = EngineArgs.model, dtype: str = EngineArgs.dtype, **kwargs: Any) -> None:
+        cfg = EngineArgs.from_kwargs(model=model, dtype=dtype, **kwargs).create_engine_config()
         self.engine = LLMEngine(cfg)
         self._req_ids = itertools.count()
 
@@ -202,7 +142,7 @@ class LLM:
                 with deferred_sigint():  # Ctrl-C lands between steps, never inside the page table
                     done, stopped = proc.process(engine.step())
                     if stopped:  # a stop string, found by the output processor: the core drops them
-                        engine.abort_request(stopped, reason="stop")
+                        engine.abort_samples(stopped, reason="stop")
                 for out in done:
                     left -= 1
                     if bar is not None:

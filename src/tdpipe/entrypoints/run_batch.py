@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tdpipe import aio
-from tdpipe.entrypoints.args import add_engine_args
+from tdpipe.engine_args import EngineArgs
 from tdpipe.entrypoints.batch_file import BatchLine, BatchSink, error_record, parse_batch, response_record
 from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable, check_writable
 
@@ -51,13 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the model name a body's 'model' must match (default: the model folder's name; a "
                         "body without 'model' always matches)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(fn=cmd_run_batch)
 
 
 def cmd_run_batch(a: argparse.Namespace) -> int:
-    from tdpipe.entrypoints.openai.serve_args import engine_config
-
     check_readable(a.input_file, "--input-file")
     check_writable(a.output_file, "--output-file")
     check_writable(a.trace, "--trace")
@@ -67,7 +65,7 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     check_model(a.model)  # before a line is written
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise PreflightError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
-    ecfg = engine_config(a)  # bad engine flags fail here, before anything is written or loaded
+    ecfg = EngineArgs.from_cli(a).create_engine_config()  # bad engine flags fail here, before anything is written
     with open(a.input_file, "rb") as f:
         lines = parse_batch(f.read())
     sink = BatchSink(a.output_file)
@@ -267,7 +265,7 @@ class BatchRunner:
                 return response_record(bl.custom_id or "", r.status_code, body)
             if self.llm.dead_reason is not None:
                 if self.outcome.dead is None:
-                    self.outcome.dead = self.llm.dead_reason
+                    self.outcome.dead = self.llm.death_detail or self.llm.dead_reason  # the log's words
                 self.stop.set()
                 return None
             code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None

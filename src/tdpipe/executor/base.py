@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tdpipe.core.batch import StepInput
+from tdpipe.step_input import StepInput
 
 # Trace events a stage keeps until the engine collects them: the last ones only, so a stage of an engine that
 # never asks (a server without --trace) does not grow. A busy-ratio sampler collects every second or so.

@@ -6,9 +6,9 @@ from collections import deque
 
 import torch
 
-from tdpipe.core.batch import StepInput
 from tdpipe.executor.base import MAX_STAGE_EVENTS, Executor, StepResult
 from tdpipe.model import cpu_ops as ops
+from tdpipe.step_input import StepInput
 from tdpipe.worker.model_runner import ModelRunner
 
 

@@ -140,7 +140,7 @@ def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType
     """torch's JIT build and import, run under our flock; checks and rebuilds a damaged entry first."""
     from torch.utils import cpp_extension
 
-    from tdpipe.model.bundled import notice
+    from tdpipe.model.cache import notice
 
     def compile_and_import() -> ModuleType:
         return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=LDFLAGS,
@@ -187,7 +187,7 @@ def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType
 def build(name: str, source: str, extra_cflags: list[str] | None = None) -> ModuleType | None:
     """The compiled module, or None (logged once) when TDPIPE_NO_KERNEL=1 or the build fails. A
     TDPIPE_CACHE that cannot hold the kernels is the user's to fix: its CacheDirError propagates."""
-    from tdpipe.model.bundled import CacheDirError, cache_dir
+    from tdpipe.model.cache import CacheDirError, cache_dir
 
     with _lock:
         if name in _built:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tdpipe.model.bundled import cache_dir, check_entry, notice, write_manifest
+from tdpipe.model.cache import cache_dir, check_entry, notice, write_manifest
 
 PREFIX = "random:"
 FORMAT = 2  # bumped when the folder's contents change (2: byte-level BPE tokenizer): older entries are rebuilt

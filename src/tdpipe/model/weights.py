@@ -183,6 +183,26 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+# Any one of these holds a vocabulary transformers can build a tokenizer from (vocab.json also needs
+# merges.txt). tokenizer_config.json alone does not: transformers then falls back to a slow class and
+# reports a missing optional package ("install sentencepiece"), which sends the user the wrong way.
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                "vocab.txt")
+
+
+def check_tokenizer_files(path: str) -> None:
+    """Fail with the folder and the missing file names when a model folder has no tokenizer."""
+    if not os.path.isdir(path):
+        raise MissingModelFile(f"model folder {path} does not exist (no tokenizer to load)")
+    present = set(os.listdir(path))
+    if not present & set(_VOCAB_FILES):
+        raise MissingModelFile(f"model folder {path} has no tokenizer files: none of tokenizer.json, "
+                               "tokenizer.model or vocab.json + merges.txt (copy them from the model's "
+                               "original folder)")
+    if present & set(_VOCAB_FILES) == {"vocab.json"} and "merges.txt" not in present:
+        raise MissingModelFile(f"model folder {path} has vocab.json but no merges.txt: the tokenizer needs both")
+
+
 def check_model_folder(folder: str | Path, tokenizer: bool = True) -> dict[str, Any]:
     """All of a model folder's parts, checked before anything heavy starts: config.json, the weights
     (headers against file sizes) and, when wanted, the tokenizer files. Returns the config. Meant for
@@ -190,11 +210,9 @@ def check_model_folder(folder: str | Path, tokenizer: bool = True) -> dict[str, 
     cfg = load_hf_config(folder)
     check_weights(folder)
     if tokenizer:
-        from tdpipe.tokenizer import check_tokenizer_files
-
         check_tokenizer_files(os.fspath(folder))
     return cfg
 
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "MissingModelFile", "ModelFileError", "check_model_folder",
-           "check_safetensors", "check_weights", "human_size", "iter_safetensors", "load_hf_config"]
+           "check_safetensors", "check_tokenizer_files", "check_weights", "human_size", "iter_safetensors", "load_hf_config"]

@@ -1,31 +1,23 @@
-"""pp > 1 or tp > 1: one worker process per (stage, tp rank), the engine as rank 0 (TD-Pipe §3.2 hierarchy
-controller); tdpipe/pipeline/wire/layout.py numbers the ranks and names the peers.
+"""pp > 1 or tp > 1, the engine side of the data path: the engine is rank 0 (TD-Pipe §3.2 hierarchy
+controller) of one worker process per (stage, tp rank); tdpipe/pipeline/wire/layout.py numbers the ranks
+and names the peers, pipeline/processes.py starts, watches and kills the processes.
 
 submit() sends a micro-batch's metadata to every stage at once and posts the receive for its result;
 collect() waits for the oldest result. Up to pp micro-batches are in flight, so while the engine samples
 one batch's tokens the stages compute the others (SiPipe §5.1).
 
-Launch: by default the engine starts the stages itself (`python -m tdpipe.pipeline.stage`) on this machine,
-each in its own process group, so a Ctrl-C in the terminal reaches the engine alone; the stages exit when
-the engine does, however it dies. Under torchrun (env:// variables set) rank 0 is the engine and ranks
-1..P x T are the workers, on any nodes (a stage's T ranks best on one node: they all-reduce every layer).
-
-Nothing hangs and nothing is left behind: a watchdog thread waits on the stage processes; when one dies the
-engine fails the run with that stage's exit code (and the reason the stage wrote into the store, if any)
-and kills the rest. The engine's main thread never blocks in C++: the gloo groups are built in a helper
-thread over a store whose waits poll, and every wait on a message runs in a waiter thread while the main
-thread waits on an Event in short slices, checking the watchdog and taking Ctrl-C (KeyboardInterrupt)
-within a fraction of a second. After a KeyboardInterrupt out of collect(), drain() empties the pipeline so
-the next submit() starts clean.
+Nothing hangs: when a stage dies the engine fails the run with a PipelineError naming it (the watchdog's
+verdict, pipeline/processes.py). The engine's main thread never blocks in C++: the gloo groups are built
+in a helper thread over a store whose waits poll, and every wait on a message runs in a waiter thread
+while the main thread waits on an Event in short slices, checking the watchdog and taking Ctrl-C
+(KeyboardInterrupt) within a fraction of a second. After a KeyboardInterrupt out of collect(), drain()
+empties the pipeline so the next submit() starts clean.
 """
 from __future__ import annotations
 
 import atexit
-import os
 import queue
-import select
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -35,17 +27,18 @@ from typing import NoReturn
 
 import torch
 
-from tdpipe.core.batch import StepInput
-from tdpipe.pipeline.wire.block_sync import BlockTableSender
-from tdpipe.pipeline.wire.layout import Layout
-from tdpipe.pipeline.wire import messages as m
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.interrupt import deferred_sigint
-from tdpipe.pipeline.wire.transport import (Rendezvous, Transport, failure_reason, serve_rendezvous, tensor_tag,
-                                       torchrun_env, torchrun_rendezvous)
+from tdpipe.pipeline.processes import StageProcesses
+from tdpipe.pipeline.wire import messages as m
+from tdpipe.pipeline.wire.block_sync import BlockTableSender
+from tdpipe.pipeline.wire.layout import Layout
+from tdpipe.pipeline.wire.transport import Rendezvous, Transport, tensor_tag
+from tdpipe.step_input import StepInput
 
 _SLICE = 0.1  # seconds: how often a waiting main thread looks at the watchdog's verdict
 _STOP_GRACE = 5.0  # seconds the stages get to leave on STOP before they are killed
+_VERDICT = 3.0  # seconds a broken connection waits for the watchdog to name the stage that died
 _JOIN = 5.0  # seconds to wait for a helper thread to leave gloo once the stages are gone
 _live: weakref.WeakSet[PipelineExecutor] = weakref.WeakSet()
 
@@ -147,16 +140,13 @@ class PipelineExecutor(Executor):
             self.sources = [(lay.rank(self.num_stages - 1), (0, v))]
         self.vocab = model_config.vocab_size
         self.dtype = dtype
-        self.procs: list[subprocess.Popen] = []
-        self.stage_pids: list[int] = []
-        self._failure: str | None = None
+        self.processes = StageProcesses(lay, [s.threads for s in stages])
+        self.stage_pids: list[int] = []  # from the stages' READY: every rank's, torchrun's too
         self._closing = False
         self._dead = False
         self._start_abandoned = False
-        self._rv: Rendezvous | None = None
         self.t: Transport | None = None
         self._waiter: _Waiter | None = None
-        self._watchdog: threading.Thread | None = None
         self._connecting: threading.Event | None = None  # set when the group-building thread is done
         self.sender = BlockTableSender()
         self._inflight: deque[_InFlight] = deque()
@@ -174,21 +164,7 @@ class PipelineExecutor(Executor):
     def _start(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
                max_num_batched_tokens: int, device: str) -> None:
         lay = self.layout
-        world = lay.world_size
-        if torchrun_env():
-            rv = torchrun_rendezvous()
-            if rv.world_size != world:
-                raise ValueError(f"torchrun started {rv.world_size} processes; pipeline_parallel_size "
-                                 f"{lay.pp} x tensor_parallel_size {lay.tp} needs {world} (the engine plus one "
-                                 "per stage and tensor-parallel rank)")
-            self._rv = rv
-            self.launcher = "torchrun"
-        else:
-            rv, port = serve_rendezvous(world)
-            self._rv = rv
-            self.launcher = "spawn"
-            self._spawn(port, world)
-        self.t = self._connect(rv)
+        self.t = self._connect(self.processes.start())
         self._waiter = _Waiter(self.t.wait)
         dname = "bfloat16" if dtype == torch.bfloat16 else "float32"
         for r in lay.worker_ranks():
@@ -223,98 +199,40 @@ class PipelineExecutor(Executor):
         # an Event, not Thread.join: a join cut short by Ctrl-C marks the thread finished in Python 3.11
         # (it releases the thread's own state lock), and a later join would not wait
         while not done.wait(_SLICE):
-            if self._failure is not None:
+            if self.processes.failure is not None:
                 self._fail()
         if "e" in box:
-            if self._failure is not None:
+            if self.processes.failure is not None:
                 self._fail()
             self._fail(f"connecting to the stages failed: {box['e']}")
         return box["t"]  # type: ignore[return-value]
 
     def _check_start(self) -> None:
         """Called between the polls of the group rendezvous: give up once the start is abandoned."""
-        if self._start_abandoned or self._failure is not None:
+        if self._start_abandoned or self.processes.failure is not None:
             raise RuntimeError("the pipeline's start-up was abandoned")
 
-    # -- processes ---------------------------------------------------------------------------------------
-    def _spawn(self, port: int, world: int) -> None:
-        for r in self.layout.worker_ranks():
-            s = self.stages[self.layout.coords(r)[0]]
-            env = dict(os.environ, OMP_NUM_THREADS=str(s.threads))
-            cmd = [sys.executable, "-m", "tdpipe.pipeline.stage", "--master", f"127.0.0.1:{port}",
-                   "--rank", str(r), "--world-size", str(world), "--parent", str(os.getpid())]
-            # own process group: the terminal's Ctrl-C goes to the engine only, which stops the stages
-            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0))
-        self._watchdog = threading.Thread(target=self._watch, name="tdpipe-watchdog", daemon=True)
-        self._watchdog.start()
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The stage processes this engine spawned (none under torchrun)."""
+        return self.processes.procs
 
-    def _watch(self) -> None:
-        """Block on the stages' pidfds (no polling): the first exit that is not a shutdown fails the run."""
-        fds = {}
-        for k, p in enumerate(self.procs):
-            try:
-                fds[os.pidfd_open(p.pid)] = k
-            except (OSError, AttributeError):
-                fds = {}
-                break
-        try:
-            while not self._closing:
-                if fds:
-                    ready, _, _ = select.select(list(fds), [], [], 1.0)
-                else:
-                    time.sleep(0.2)
-                    ready = []
-                # blame the stage that went first: those select() reported, and a signal over an exit code
-                # (a stage whose neighbour died exits with 1 a moment later)
-                first = [fds[fd] for fd in ready]
-                order = first + [k for k in range(len(self.procs)) if k not in first]
-                dead = [(k, self.procs[k].poll()) for k in order if self.procs[k].poll() is not None]
-                dead.sort(key=lambda kr: kr[1] >= 0)
-                if dead and not self._closing:
-                    k, rc = dead[0]  # procs[k] is worker rank k + 1
-                    how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-                    why = failure_reason(self._rv.store, k + 1) if self._rv is not None else None
-                    rank = f", rank {k + 1}" if self.layout.tp > 1 else ""
-                    self._failure = (f"pipeline {self.layout.name(k + 1)} (pid {self.procs[k].pid}{rank}) {how}"
-                                     + (f" ({why})" if why else "")
-                                     + "; the run is aborted and the other stages stopped")
-                    self._kill_all()
-                    return
-        finally:
-            for fd in fds:
-                os.close(fd)
+    @property
+    def launcher(self) -> str:
+        """How the stages were started: "spawn" or "torchrun"."""
+        return self.processes.launcher
 
-    def _kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def _reported(self) -> str | None:
-        """The first failure a stage wrote into the store (torchrun: the engine cannot see exit codes)."""
-        if self._rv is None:
-            return None
-        for r in self.layout.worker_ranks():
-            why = failure_reason(self._rv.store, r)
-            if why:
-                return why
-        return None
-
+    # -- failures ----------------------------------------------------------------------------------------
     def _fail(self, why: str | None = None, reported: bool = False) -> NoReturn:
         """Turn a broken pipe, closed connection or dead stage into one clear error, after cleaning up.
         `reported`: `why` is the stage's own account (it failed to start), better than an exit code."""
-        if self._watchdog is not None and self._failure is None and not reported:
-            self._watchdog.join(timeout=3)  # the watchdog names the stage that died
+        verdict = None if reported else self.processes.verdict(_VERDICT)
         if reported:
             msg = why
-        elif self._failure is not None:
-            msg = self._failure
+        elif verdict is not None:
+            msg = verdict
         else:
-            stage_says = self._reported()
+            stage_says = self.processes.reported()
             msg = (f"the pipeline broke: {stage_says}" if stage_says else why
                    or "the pipeline broke (a stage on another node died or is unreachable)")
         self._dead = True
@@ -341,7 +259,7 @@ class PipelineExecutor(Executor):
     def _await(self, p: _Pending, what: str) -> None:
         """Wait for the waiter thread to finish `p`, in slices: a dead stage or Ctrl-C ends the wait."""
         while not p.done.wait(_SLICE):
-            if self._failure is not None:
+            if self.processes.failure is not None:
                 self._fail()
             if self._dead:
                 raise PipelineError("the pipeline was shut down")
@@ -367,7 +285,7 @@ class PipelineExecutor(Executor):
     # -- Executor ----------------------------------------------------------------------------------------
     def submit(self, step: StepInput) -> None:
         if self._dead:
-            raise PipelineError(self._failure or "the pipeline was shut down")
+            raise PipelineError(self.processes.failure or "the pipeline was shut down")
         greedy = bool(step.greedy_rows) and all(step.greedy_rows)
         n = step.logit_rows()
         if not greedy:
@@ -407,7 +325,7 @@ class PipelineExecutor(Executor):
         """The oldest micro-batch's result. A KeyboardInterrupt while waiting leaves it in flight (see
         drain()); a dead stage raises PipelineError."""
         if self._dead:
-            raise PipelineError(self._failure or "the pipeline was shut down")
+            raise PipelineError(self.processes.failure or "the pipeline was shut down")
         f = self._inflight[0]
         self._await(f.pending, "waiting for the last stage failed")
         self._inflight.popleft()
@@ -434,7 +352,7 @@ class PipelineExecutor(Executor):
         stopped and every later call raises PipelineError("the pipeline was shut down")."""
         if self._dead:
             self._inflight.clear()
-            raise PipelineError(self._failure or "the pipeline was shut down")
+            raise PipelineError(self.processes.failure or "the pipeline was shut down")
         dropped = 0
         try:
             while self._inflight:
@@ -475,6 +393,7 @@ class PipelineExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        self.processes.stopping()
         try:
             if not self._dead and self.t is not None and self._waiter is not None:
                 try:
@@ -484,15 +403,10 @@ class PipelineExecutor(Executor):
                         p.done.wait(max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - shutting down anyway
                     pass
-                deadline = time.monotonic() + _STOP_GRACE
-                for p in self.procs:
-                    try:
-                        p.wait(timeout=max(0.1, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        pass
+                self.processes.wait(_STOP_GRACE)
         finally:
             self._dead = True
-            self._kill_all()
+            self.processes.kill()
             # a helper thread left inside gloo's C++ at interpreter exit aborts the process ("terminate
             # called without an active exception"): with the stages gone both leave within moments
             if self._waiter is not None:
@@ -512,20 +426,4 @@ def _shutdown_live() -> None:
             pass
 
 
-def run_stage_if_worker(pipeline_parallel_size: int, tensor_parallel_size: int = 1) -> None:
-    """Under torchrun, ranks other than 0 become stage workers here and exit when the engine stops them,
-    so the same script (or `tdpipe generate --pp P --tensor-parallel-size T`) runs on every rank."""
-    if pipeline_parallel_size * tensor_parallel_size <= 1 or not torchrun_env() or int(os.environ["RANK"]) == 0:
-        return
-    from tdpipe.pipeline import stage
-
-    try:
-        stage.serve(torchrun_rendezvous())
-    except KeyboardInterrupt:  # Ctrl-C reaches every rank under torchrun: the engine reports it
-        os._exit(130)
-    except BaseException:  # noqa: BLE001
-        stage._fatal(f"stage rank {os.environ['RANK']}")
-    os._exit(0)
-
-
-__all__ = ["PipelineExecutor", "PipelineError", "StageSpec", "run_stage_if_worker"]
+__all__ = ["PipelineExecutor", "PipelineError", "StageSpec"]

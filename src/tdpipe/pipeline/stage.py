@@ -1,27 +1,8 @@
-"""A pipeline stage worker process (TD-Pipe §3.2 execution plane): one rank of a stage's tensor-parallel
-group (T = 1: the whole stage).
-
-Three threads, so a stage never waits on its own bookkeeping:
-  prep    receives the engine's metadata, rebuilds block tables from deltas, prepares the input tensors
-          and posts the receive for the activations with the shape already known (gLLM §3.3); it runs
-          one micro-batch ahead of compute, into one of two alternating receive buffers (SiPipe §5.2);
-  main    waits for the activations, runs the layer slice, hands the output to the sender;
-  sender  sends hidden states to the next stage, or logits / argmax ids to the engine (SiPipe §5.1).
-Every micro-batch leaves a trace event: compute start/end, time waiting for input, send time, shape, and
-with T > 1 the time spent in the tensor-parallel all-reduces (TD-Pipe Fig. 6's split of TP time).
-Peers come from the layout (tdpipe/pipeline/wire/layout.py): activations from the same tp rank of the previous
-stage, to the same tp rank of the next; the last stage's ranks send the engine their logits shards, or tp
-rank 0 the greedy ids the group agreed on.
-
-The lm_head split across stages (--lm-head-split, T = 1): the last stage normalises the sampled rows,
-sends them to the first stage and computes its vocabulary rows [V0, V); the first stage computes rows
-[0, V0) when they arrive (a head waiter thread queues that work behind the micro-batch it is computing),
-and both send the engine their part: logits, or for greedy batches each row's (max, id) pair. With the head
-balanced across the two ends a decode step and a prefill step both split evenly (the policies issue's
-decode imbalance: the last stage carried the whole head).
+"""A pipeline stage worker process: one rank of a stage's tensor-parallel group, running the stage's
+data path (pipeline/stage_worker.py) until the engine stops it.
 
 Run as `python -m tdpipe.pipeline.stage --master HOST:PORT --rank R --world-size W --parent PID` (the
-engine spawns these), or by torchrun through tdpipe.pipeline.executor.run_stage_if_worker.
+engine spawns these), or by torchrun through tdpipe.pipeline.processes.run_stage_if_worker.
 
 A spawned stage belongs to the engine: it runs in its own process group and ignores SIGINT (a Ctrl-C in
 the terminal is the engine's to handle; the engine then stops the stages), and a thread waits on the
@@ -34,209 +15,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import queue
 import select
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 
-import torch
-
-from tdpipe.core.batch import StepInput
-from tdpipe.pipeline.wire.block_sync import BlockTableMirror
-from tdpipe.pipeline.wire.layout import ENGINE, Layout
+from tdpipe.pipeline.stage_worker import StageWorker
 from tdpipe.pipeline.wire import messages as m
-from tdpipe.executor.base import MAX_STAGE_EVENTS
-from tdpipe.pipeline.wire.transport import (PeerLost, Rendezvous, Transport, head_tag, join_rendezvous,
-                                       report_failure, tensor_tag)
-
-HEAD = 20  # a ready-queue item: normalised rows arrived for this (first) stage's part of a split lm_head
+from tdpipe.pipeline.wire.layout import ENGINE, Layout
+from tdpipe.pipeline.wire.transport import PeerLost, Rendezvous, Transport, join_rendezvous, report_failure
 
 _failure_store: Rendezvous | None = None  # where _fatal reports (set once the store is joined)
 _parent: int | None = None  # the engine's pid, for a stage the engine spawned
-
-
-class StageWorker:
-    def __init__(self, transport: Transport, init: m.StageInit) -> None:
-        from tdpipe.worker.model_runner import ModelRunner
-
-        self.t = transport
-        self.init = init
-        self.layout = Layout(init.num_stages, init.tp_size)
-        self.rank = self.layout.rank(init.stage, init.tp_rank)
-        if self.rank != transport.rank:
-            raise RuntimeError(f"rank {transport.rank} was sent the INIT of rank {self.rank} ({self.layout})")
-        self.name = self.layout.name(self.rank)
-        self.first = init.stage == 0
-        self.last = init.stage == init.num_stages - 1
-        self.prev = self.layout.prev_peer(self.rank)
-        torch.set_num_threads(init.threads)
-        dtype = torch.bfloat16 if init.dtype == "bfloat16" else torch.float32
-        from tdpipe.model.tensor_parallel import SINGLE, GlooTPGroup
-
-        self.tp = SINGLE
-        if init.tp_size > 1:
-            pg = transport.stage_group(init.stage, init.tp_rank, init.tp_size)
-            self.tp = GlooTPGroup(pg, init.tp_rank, init.tp_size)
-        self.runner = ModelRunner(init.model_config, init.model_path, dtype, init.num_blocks, init.block_size,
-                                  init.start_layer, init.end_layer, device=init.device, tp=self.tp,
-                                  head_range=init.head_range)
-        self.head_peer = init.head_peer  # the lm_head split: the last stage's rank (first) / the first's (last)
-        self.dtype = dtype
-        self.hidden = init.model_config.hidden_size
-        # two alternating receive buffers: prep fills one while compute reads the other (SiPipe §5.2)
-        cap = max(1, init.max_num_batched_tokens) * self.hidden
-        self.buffers = [torch.empty(cap, dtype=dtype, device=init.device) for _ in range(2)]
-        self.buffer_free = threading.Semaphore(2)
-        self.mirror = BlockTableMirror()
-        # bounded by the engine's micro-batches in flight (P), and by the two receive buffers below
-        self.ready: queue.Queue = queue.Queue()
-        self.heads: queue.Queue = queue.Queue()  # receives of normalised rows, for the head waiter
-        self.outbox: queue.Queue = queue.Queue()
-        self.events: deque[dict] = deque(maxlen=MAX_STAGE_EVENTS)  # until the engine asks (bounded)
-
-    # -- prep thread -------------------------------------------------------------------------------------
-    def prep_loop(self) -> None:
-        n = 0
-        try:
-            while True:
-                kind, msg = self.t.recv_obj(self.t.ctrl, ENGINE)
-                t_meta = time.time()
-                if kind != m.STEP:
-                    self.ready.put((kind, msg))
-                    if kind == m.STOP:
-                        return
-                    continue
-                tables = self.mirror.apply(msg.seq_ids, msg.deltas, msg.freed)
-                step = StepInput(msg.batch_id, msg.token_ids, msg.query_lens, msg.seq_lens, tables,
-                                 msg.is_prefill, seq_ids=msg.seq_ids, block_copies=msg.block_copies or [],
-                                 all_logits=msg.all_logits or [])
-                inp = self.runner.prepare(step)
-                work = buf = None
-                if not self.first:
-                    numel = step.num_tokens * self.hidden
-                    self.buffer_free.acquire()
-                    slot = n % 2
-                    n += 1
-                    if self.buffers[slot].numel() < numel:
-                        self.buffers[slot] = torch.empty(numel, dtype=self.dtype, device=self.buffers[slot].device)
-                    buf = self.buffers[slot][:numel].view(step.num_tokens, self.hidden)
-                    work = self.t.irecv(buf, self.prev, tensor_tag(msg.batch_id))
-                self.ready.put((m.STEP, (msg, inp, buf, work, t_meta, time.time())))
-                if self.first and self.head_peer is not None and not self.last:
-                    rows = torch.empty(step.logit_rows(), self.hidden, dtype=self.dtype)
-                    self.heads.put((msg, rows, self.t.irecv(rows, self.head_peer, head_tag(msg.batch_id))))
-        except BaseException:  # noqa: BLE001
-            _fatal(f"{self.name} (input preparation)")
-
-    # -- head waiter thread (first stage of a split lm_head) -----------------------------------------------
-    def head_loop(self) -> None:
-        """Wait for each micro-batch's normalised rows in order and queue the head work behind whatever the
-        main thread is computing (a gloo receive reports completion only to a wait)."""
-        try:
-            while True:
-                msg, rows, work = self.heads.get()
-                self.t.wait(work)
-                self.ready.put((HEAD, (msg, rows, time.time())))
-        except BaseException:  # noqa: BLE001
-            _fatal(f"{self.name} (lm_head rows)")
-
-    # -- sender thread ------------------------------------------------------------------------------------
-    def send_loop(self) -> None:
-        try:
-            while True:
-                item = self.outbox.get()
-                if item is None:
-                    return
-                tensor, dst, tag, event = item
-                t0 = time.time()
-                self.t.wait(self.t.isend(tensor, dst, tag))
-                event["send"] = time.time() - t0
-                self.outbox.task_done()
-        except BaseException:  # noqa: BLE001
-            _fatal(f"{self.name} (send)")
-
-    # -- main thread --------------------------------------------------------------------------------------
-    def run(self) -> None:
-        prep = threading.Thread(target=self.prep_loop, name="tdpipe-prep", daemon=True)
-        sender = threading.Thread(target=self.send_loop, name="tdpipe-send", daemon=True)
-        prep.start()
-        sender.start()
-        if self.first and self.head_peer is not None and not self.last:
-            threading.Thread(target=self.head_loop, name="tdpipe-head", daemon=True).start()
-        split_last = self.last and self.head_peer is not None
-        dst = self.layout.next_peer(self.rank)
-        while True:
-            t_wait = time.time()
-            kind, payload = self.ready.get()
-            if kind == m.STOP:
-                self.outbox.put(None)
-                sender.join()
-                return
-            if kind == m.TRACE:
-                self.outbox.join()  # every earlier send finished, so every event has its send time
-                events, self.events = list(self.events), deque(maxlen=MAX_STAGE_EVENTS)
-                self.t.send_obj(self.t.reply, m.TRACE_DATA, events, ENGINE)
-                continue
-            if kind == HEAD:
-                self._head(*payload, t_wait)
-                continue
-            msg, inp, buf, work, t_meta, t_prepared = payload
-            if work is not None:
-                self.t.wait(work)
-            start = time.time()
-            comm0 = self.tp.comm_seconds
-            out = self.runner.execute(inp, buf, normed_rows=split_last)
-            if buf is not None:
-                self.buffer_free.release()
-            if split_last:  # the first stage's part of the head starts as soon as the rows reach it
-                self.outbox.put((out.contiguous(), self.head_peer, head_tag(msg.batch_id), {}))
-                out = self._split_result(self.runner.head(out), msg.greedy)
-            elif self.last:
-                out = self._result(out, msg.greedy)
-            end = time.time()
-            event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
-                     "meta_latency": t_meta - msg.sent_at, "prep": t_prepared - t_meta,
-                     "prefill_tokens": msg.shape[0], "decode_seqs": msg.shape[1], "context_tokens": sum(msg.seq_lens)}
-            if self.tp.size > 1:
-                event["allreduce"] = self.tp.comm_seconds - comm0  # inside compute: TP's share (Fig. 6)
-            self.events.append(event)
-            if out is not None:
-                self.outbox.put((out, dst, tensor_tag(msg.batch_id), event))
-
-    def _head(self, msg: m.StepMessage, rows: torch.Tensor, arrived: float, t_wait: float) -> None:
-        """The first stage's part of a split lm_head for one micro-batch, sent straight to the engine."""
-        start = time.time()
-        out = self._split_result(self.runner.head(rows), msg.greedy)
-        event = {"batch_id": msg.batch_id, "start": start, "end": time.time(), "wait": start - t_wait,
-                 "send": 0.0, "head": True, "rows_latency": start - arrived, "prefill_tokens": 0,
-                 "decode_seqs": 0, "context_tokens": 0}
-        self.events.append(event)
-        self.outbox.put((out, ENGINE, tensor_tag(msg.batch_id), event))
-
-    def _split_result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """A part of a split lm_head: its logits, or for greedy batches each row's (max, id) over this part
-        as float64 pairs (ids < 2^53 are exact) for the engine to pick from."""
-        if not greedy:
-            return logits.contiguous().cpu()
-        from tdpipe.model import cpu_ops as ops
-
-        idx = ops.argmax(logits).to(torch.int64)
-        val = logits.gather(1, idx[:, None]).squeeze(1).to(torch.float64)
-        return torch.stack([val, (idx + self.runner.model.head_range[0]).to(torch.float64)], dim=1).cpu()
-
-    def _result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor | None:
-        """Sampling happens on the engine, off this stage (SiPipe §5.1): greedy batches need only ids, which
-        the group agrees on (every rank takes part) and tp rank 0 sends; otherwise each rank sends its
-        vocabulary shard of the logits. None: nothing for this rank to send."""
-        if greedy:
-            ids = self.runner.greedy(logits)
-            return ids.to(torch.int64).cpu() if self.init.tp_rank == 0 else None
-        return logits.contiguous().cpu()
 
 
 def _debug() -> bool:
@@ -293,7 +86,7 @@ def serve(rv: Rendezvous, device: str = "cpu", abort: Callable[[], None] | None 
         raise RuntimeError(f"stage rank {rv.rank}: expected INIT from the engine, got message kind {kind}")
     name = Layout(init.num_stages, init.tp_size).name(rv.rank)
     try:
-        worker = StageWorker(t, init)
+        worker = StageWorker(t, init, _fatal)
     except Exception as e:  # noqa: BLE001 - one clear line to the engine, no traceback here
         reason = f"{name} failed to start: {e!r}"
         _tell(f"{name} (start-up)", reason)  # first: the engine stops this process on FAILED

@@ -13,7 +13,7 @@ from typing import Callable, Sequence as Seq
 import torch
 from torch import nn
 
-from tdpipe.core.predictor import Predictor
+from tdpipe.predictor.base import Predictor
 from tdpipe.sequence import Sequence
 
 DEFAULT_PERCENTILES = (25.0, 50.0, 75.0, 99.0)

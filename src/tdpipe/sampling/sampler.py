@@ -1,54 +1,15 @@
 """Turns a batch of last-position logits into one next token per row, each row with its own params."""
 
-import numpy as np
+from __future__ import annotations
+
 import torch
 
+from tdpipe.sampling.metadata import RowRandom, SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
+from tdpipe.sampling.seeds import draw_key, draw_keys, sample_seed  # noqa: F401 (re-exported)
 
 # (token id, logprob, rank) triples, the sampled token first (tdpipe.core.delta.TokenLogprobs)
 TokenLogprobs = list[tuple[int, float, int]]
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """A 64-bit avalanche (splitmix64's finaliser): nearby inputs give unrelated outputs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def draw_key(seed: int, index: int) -> int:
-    """The random stream of output token `index` of a request seeded with `seed`, as a generator seed.
-
-    Every token's draw is a pure function of (seed, index), so nothing is lost when a request is preempted
-    and recomputed, whatever was sampled (or sampled and thrown away) meanwhile, and nothing depends on
-    what else shares the batch. Negative seeds are taken modulo 2**64, as torch.manual_seed takes them."""
-    return _mix64(_mix64(seed & _MASK64) ^ (index & _MASK64))
-
-
-def sample_seed(seed: int, sample_index: int) -> int:
-    """The seed of sample `sample_index` of an n > 1 request: sample 0 keeps the request's seed (so n=1
-    draws as before), the others get unrelated streams. A sample's tokens depend on nothing else."""
-    return seed if sample_index == 0 else _mix64((seed & _MASK64) ^ _mix64(sample_index))
-
-
-def draw_keys(seeds: list[int], indices: list[int]) -> list[int]:
-    """`draw_key` for many rows at once (numpy uint64 arithmetic wraps like the & _MASK64 above): a decode
-    step of 256 seeded rows pays ~0.08 ms here instead of ~0.18 ms of Python integer arithmetic."""
-    if len(seeds) < 8:
-        return [draw_key(s, i) for s, i in zip(seeds, indices)]
-    x = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
-    return _mix64_np(_mix64_np(x) ^ np.array(indices, dtype=np.uint64)).tolist()
-
-
-def _mix64_np(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -60,10 +21,6 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     g = torch.Generator(device="cpu")
     g.manual_seed(params.seed)
     return g
-
-
-# Per row: None = the global RNG, an int = a draw key (see draw_key), a Generator = the caller's stream.
-RowRandom = int | torch.Generator | None
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -161,37 +118,29 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 class Sampler:
-    """The per-request state it needs (history, random keys) is passed in by the engine. Its one generator
-    is scratch: reseeded from a row's key before every draw, so it carries nothing from call to call."""
+    """The per-row state it needs (history, random keys, bans) comes in a `SamplingMetadata`. Its one
+    generator is scratch: reseeded from a row's key before every draw, so it carries nothing from call to call."""
 
     def __init__(self) -> None:
         self._scratch = torch.Generator(device="cpu")
 
-    def __call__(self, *args, **kwargs) -> list[int]:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[int]:
         """`sample(...)`'s tokens only."""
-        return self.sample(*args, **kwargs)[0]
+        return self.sample(logits, meta)[0]
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
-        generators: list[RowRandom],
-        banned: list[list[int]] | None = None,
-        num_logprobs: list[int | None] | None = None,
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One token per row. `generators[i]`: None (unseeded: the global RNG), an int from `draw_key`
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row. `meta.keys[i]`: None (unseeded: the global RNG), an int from `draw_key`
         (seeded: the row's draw depends on that key alone), or a torch.Generator the caller keeps.
-        `banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
+        `meta.banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
         vocabulary are ignored. The caller's logits are never modified.
 
-        Also log-probabilities for the rows where `num_logprobs[i]` is an int k: the sampled
+        Also log-probabilities for the rows where `meta.num_logprobs[i]` is an int k: the sampled
         token's (logprob, rank) and the top-k, from the distribution the row samples from after penalties,
         banned tokens and temperature, before top-k / top-p / min-p truncation (vLLM v0's processed
         logprobs; a greedy row's temperature is not applied)."""
+        params, num_logprobs = meta.params, meta.num_logprobs
         vocab = logits.shape[-1]
-        bans = [] if banned is None else [(i, [t for t in b if 0 <= t < vocab]) for i, b in enumerate(banned)]
+        bans = [] if meta.banned is None else [(i, [t for t in b if 0 <= t < vocab]) for i, b in enumerate(meta.banned)]
         bans = [(i, b) for i, b in bans if b]
         want = [] if num_logprobs is None else [i for i, k in enumerate(num_logprobs) if k is not None]
         if all(p.is_greedy and not p.needs_penalties for p in params):  # hot path: plain greedy decoding
@@ -209,7 +158,7 @@ class Sampler:
                 for j, i in enumerate(want):
                     if i in banned_rows:
                         x[j, banned_rows[i]] = float("-inf")
-                self._logprobs(x, tokens, want, num_logprobs, entries)
+                self._fill_logprobs(x, tokens, want, num_logprobs, entries)
             return tokens, entries
 
         logits = logits.to(torch.float32, copy=True)
@@ -219,8 +168,8 @@ class Sampler:
         if rows:
             logits[rows] = apply_penalties(
                 logits[rows],
-                [prompt_ids[i] for i in rows],
-                [output_ids[i] for i in rows],
+                [meta.prompt_ids[i] for i in rows],
+                [meta.output_ids[i] for i in rows],
                 torch.tensor([params[i].repetition_penalty for i in rows]),
                 torch.tensor([params[i].frequency_penalty for i in rows]),
                 torch.tensor([params[i].presence_penalty for i in rows]),
@@ -234,18 +183,27 @@ class Sampler:
                 tokens[i] = tok
         if rows:
             sub = logits if len(rows) == len(params) else logits[rows]
-            sampled = self._sample(sub, [params[i] for i in rows], [generators[i] for i in rows])
+            sampled = self._sample(sub, [params[i] for i in rows], [meta.keys[i] for i in rows])
             for i, tok in zip(rows, sampled):
                 tokens[i] = tok
         entries = [None] * len(params)
         if want:
             temps = torch.tensor([1.0 if params[i].is_greedy else params[i].temperature for i in want])
-            self._logprobs(logits[want] / temps.unsqueeze(1), tokens, want, num_logprobs, entries)
+            self._fill_logprobs(logits[want] / temps.unsqueeze(1), tokens, want, num_logprobs, entries)
         return tokens, entries
 
     @staticmethod
-    def _logprobs(x: torch.Tensor, tokens: list[int], rows: list[int], ks: list[int | None],
-                  out: list[TokenLogprobs | None]) -> None:
+    def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+        """Per row of `logits` (the model's raw distribution): the logprob and rank of `token_ids[row]`, then
+        the row's top-k. What prompt_logprobs reports for each prompt position."""
+        out: list[TokenLogprobs | None] = [None] * len(token_ids)
+        rows = list(range(len(token_ids)))
+        Sampler._fill_logprobs(logits.to(torch.float32), token_ids, rows, [k] * len(rows), out)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _fill_logprobs(x: torch.Tensor, tokens: list[int], rows: list[int], ks: list[int | None],
+                       out: list[TokenLogprobs | None]) -> None:
         """log_softmax of x (the `rows`' processed logits, float32): each row's sampled token with its rank
         (1 + tokens strictly more likely), then its top-k in rank order."""
         lp = torch.log_softmax(x, dim=-1)

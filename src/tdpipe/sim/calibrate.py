@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tdpipe.sim.cost import CostModel, StepShape
-from tdpipe.sim.hardware import GB, Hardware
+from tdpipe.sim.device import GB, Hardware
 
 log = logging.getLogger("tdpipe")
 CALIBRATION_VERSION = 5  # 5: bf16 linears packed for oneDNN (model/packed_linear.py)
@@ -52,7 +52,7 @@ def cache_key(model_path: str, threads: list[int]) -> dict:
     import torch
 
     from tdpipe.config import cpu_name
-    from tdpipe.model.bundled import model_identity
+    from tdpipe.model.cache import model_identity
     from tdpipe.model.packed_linear import packing_available
 
     return {"v": CALIBRATION_VERSION, "model": os.path.abspath(model_path), "threads": sorted(threads),
@@ -62,7 +62,7 @@ def cache_key(model_path: str, threads: list[int]) -> dict:
 
 
 def cache_path(model_path: str, threads: list[int]) -> Path:
-    from tdpipe.model.bundled import cache_dir
+    from tdpipe.model.cache import cache_dir
 
     key = cache_key(model_path, threads)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -98,7 +98,7 @@ def measure_bandwidth(threads: int, nbytes: int = 1 << 30) -> float:
 def measure_steps(threads: int, model: str | None = None) -> tuple[Any, list[dict]]:
     """Time the real model on the calibration shapes; returns (model config, [{query_lens, seq_lens, s}])."""
     from tdpipe.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tdpipe.core.batch import Batch, StepInput
+    from tdpipe.core.batch import Batch
     from tdpipe.core.engine import LLMEngine
     from tdpipe.sampling.params import SamplingParams
     from tdpipe.sequence import Sequence
@@ -124,7 +124,7 @@ def measure_steps(threads: int, model: str | None = None) -> tuple[Any, list[dic
         return out
 
     def timed(group: list[Sequence], lens: list[int], prefill: bool) -> dict:
-        step = StepInput.from_batch(Batch(-1, group, lens, is_prefill=prefill))
+        step = Batch(-1, group, lens, is_prefill=prefill).step_input()
         step.greedy_rows = [True] * len(group)
         times = []
         for _ in range(REPEATS):

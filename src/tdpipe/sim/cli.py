@@ -5,8 +5,7 @@ import argparse
 import json
 from typing import Any
 
-from tdpipe.config import CacheConfig
-from tdpipe.entrypoints.args import _memory, _partition, add_scheduler_args, field_default, scheduler_kwargs
+from tdpipe.engine_args import EngineArgs, parse_memory, parse_partition
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -48,18 +47,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--recalibrate", action="store_true", help="cpu: measure this machine again")
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences running (default 256 per pipeline stage: each of vLLM's virtual engines "
-                        "had its own 256)")
+                   help=f"most sequences running (default {EngineArgs.max_num_seqs} per pipeline stage: each of "
+                        f"vLLM's virtual engines had its own {EngineArgs.max_num_seqs})")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
-    g.add_argument("--block-size", type=int, default=field_default(CacheConfig, "block_size"),
+    g.add_argument("--block-size", type=int, default=EngineArgs.block_size,
                    help="tokens per KV block (default: %(default)s)")
-    g.add_argument("--kv-cache-memory", type=_memory, default=None,
+    g.add_argument("--kv-cache-memory", type=parse_memory, default=None,
                    help="KV cache bytes in all (e.g. 2GiB); default: device memory x mem_util minus weights and "
                         "reserve (GPUs); the real engine's default budget (cpu)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    g.add_argument("--layer-partition", type=_partition, default=None,
+    g.add_argument("--layer-partition", type=parse_partition, default=None,
                    help="layers per stage (default: balanced by FLOPs, embedding and lm_head counted)")
-    add_scheduler_args(g)
+    EngineArgs.add_scheduler_cli_args(g)
     g = p.add_argument_group("workload (as tdpipe bench throughput)")
     g.add_argument("--workload", choices=["sharegpt", "fixed"], default="sharegpt",
                    help="sharegpt: log-normal lengths shaped like vLLM's ShareGPT sampling; fixed: --input-len, "
@@ -98,9 +97,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _scheduler_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return EngineArgs.from_cli(a).scheduler_kwargs()
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
-    return scheduler_kwargs(a) | {"max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
-                                  "block_size": a.block_size, "layer_partition": a.layer_partition}
+    """LLM-style keywords for SimConfig.engine: the scheduler's flags and the engine flags simulate has (None:
+    the simulator's default)."""
+    return _scheduler_kwargs(a) | {"max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len,
+                                   "block_size": a.block_size, "layer_partition": a.layer_partition}
 
 
 def preflight(a: argparse.Namespace) -> None:
@@ -126,7 +131,7 @@ def run(a: argparse.Namespace) -> int:
     if a.figure6 or a.sweep_layouts:
         from tdpipe.sim import layouts
 
-        return layouts.run_study(a)
+        return layouts.run_study(a, _engine_kwargs(a), _NoTokenizer())
     from tdpipe.bench.throughput import build_workload
     from tdpipe.config import ModelConfig, default_threads
     from tdpipe.sim.cost import check_tensor_parallel, model_bytes
@@ -212,7 +217,7 @@ def _figure11(a: argparse.Namespace) -> int:
     from tdpipe.sim import grid
 
     t = time.perf_counter()
-    kw = scheduler_kwargs(a)
+    kw = _scheduler_kwargs(a)
     kw.pop("scheduler")
     engine = {k: v for k, v in kw.items() if v is not None} | {"block_size": a.block_size}
     if a.max_num_seqs:

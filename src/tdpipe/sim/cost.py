@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tdpipe.config import ModelConfig
-from tdpipe.sim.hardware import Hardware
+from tdpipe.sim.device import Hardware
 
 
 def check_tensor_parallel(mc: ModelConfig, tp: int, model: str | None = None) -> None:

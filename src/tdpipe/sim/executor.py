@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from tdpipe.core.batch import StepInput
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.sim.cost import CostModel, StepShape
+from tdpipe.step_input import StepInput
 
 SIM_TOKEN = 0  # the token every simulated step "samples" (simulated requests ignore EOS)
 

@@ -185,8 +185,9 @@ def plot_figure6(rows: list[dict], meta: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def run_study(a: argparse.Namespace) -> int:
-    """`tdpipe simulate --sweep-layouts N` or `--figure6`: table, --json, --markdown, --plot."""
+def run_study(a: argparse.Namespace, engine_kwargs: dict[str, Any], tokenizer: Any) -> int:
+    """`tdpipe simulate --sweep-layouts N` or `--figure6`: table, --json, --markdown, --plot. The command
+    (sim/cli.py) hands over the engine keywords its flags give and the stand-in tokenizer of its workloads."""
     t0 = time.perf_counter()
     if a.figure6:
         model = a.model or "llama-30b"  # the paper's own setting
@@ -202,18 +203,17 @@ def run_study(a: argparse.Namespace) -> int:
         md, plot = figure6_markdown(rows, meta), plot_figure6
     else:
         from tdpipe.bench.throughput import build_workload
-        from tdpipe.sim.cli import _NoTokenizer, _engine_kwargs
         from tdpipe.sim.runner import sim_model_config
 
         model = a.model or "llama-3.1-405b"
         hardware = a.hardware or "h100-nvl"
         n_prompts = a.num_prompts or 2000
-        engine = {k: v for k, v in _engine_kwargs(a).items() if v is not None}
+        engine = {k: v for k, v in engine_kwargs.items() if v is not None}
         engine["max_num_seqs"] = a.max_num_seqs or 1024
         _, hf = sim_model_config(model)
         max_len = min(a.max_model_len or 4096, hf.get("max_position_embeddings", 4096))
         ns = argparse.Namespace(**(vars(a) | {"num_prompts": n_prompts, "history": None}))
-        name, reqs = build_workload(ns, hf["vocab_size"], max_len, _NoTokenizer())
+        name, reqs = build_workload(ns, hf["vocab_size"], max_len, tokenizer)
         policies = [p.strip() for p in a.policies.split(",") if p.strip()]
         rows = sweep(a.sweep_layouts, hardware, model, policies, reqs, engine)
         meta = {"study": "sweep-layouts", "devices": a.sweep_layouts, "hardware": hardware, "model": model,

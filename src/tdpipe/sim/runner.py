@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tdpipe.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tdpipe.config import ModelConfig
+from tdpipe.engine_args import EngineArgs
 from tdpipe.sim.cost import CostModel, kv_heads_per_device, model_bytes, stage_weight_bytes
 from tdpipe.sim.hardware import Hardware
 
@@ -54,7 +55,7 @@ def _config_folder(path: Path) -> str:
     """A config file not named config.json: copied into a cache folder the engine can read."""
     import hashlib
 
-    from tdpipe.model.bundled import cache_dir
+    from tdpipe.model.cache import cache_dir
 
     data = path.read_bytes()
     out = cache_dir() / "sim-models" / hashlib.sha1(data).hexdigest()[:16]
@@ -74,7 +75,7 @@ class SimConfig:
     # otherwise a budget as CacheConfig takes it; None: from device memory (GPU rows), the engine's default
     # budget (CPU rows, whose memory is the host's)
     kv_cache_memory: int | float | None = None
-    engine: dict[str, Any] = field(default_factory=dict)  # LLM-style scheduler kwargs
+    engine: dict[str, Any] = field(default_factory=dict)  # LLM-style keywords (EngineArgs'); None: the default
     tensor_parallel: int | None = None  # a P x T layout: T devices per stage, P = num_devices / T (overrides
     # `parallel`, which then only names the extremes)
 
@@ -132,30 +133,23 @@ def build_engine(cfg: SimConfig):
     from tdpipe.sim.executor import SimExecutor
     from tdpipe.worker.partition import resolve_partition
 
-    kw = dict(cfg.engine)
-    fp = kw.pop("future_points", (32, 1024))
-    block_size = kw.pop("block_size", 16)
-    layer_partition = kw.pop("layer_partition", None)
-    sched = SchedulerConfig(policy=kw.pop("scheduler", "separate"),
-                            max_num_seqs=kw.pop("max_num_seqs", None) or 256 * cfg.pp,
-                            max_model_len=kw.pop("max_model_len", None) or 0,
-                            future_point_step=fp[0], future_point_max=fp[1], **kw)
+    kw = {k: v for k, v in cfg.engine.items() if v is not None}  # None: the default
+    # each of vLLM's virtual engines (one per stage) had its own max_num_seqs
+    kw.setdefault("max_num_seqs", EngineArgs.max_num_seqs * cfg.pp)
     path, hf = sim_model_config(cfg.model)
+    # KV bytes per token follow dtype_bytes, not the host CPU's dtype
+    args = EngineArgs.from_kwargs(**kw, model=path, dtype="bfloat16" if cfg.dtype_bytes == 2 else "float32",
+                                  pipeline_parallel_size=cfg.pp, kv_cache_memory=cfg.kv_cache_memory,
+                                  num_kv_blocks=cfg.num_kv_blocks, collect_trace=True)
     mc = ModelConfig.from_hf(hf)
-    blocks = cfg.num_kv_blocks
-    if blocks is None and cfg.kv_cache_memory is None and not cfg.hardware.threads:
-        partition = resolve_partition(mc, cfg.pp, layer_partition)
-        blocks = kv_blocks_from_memory(mc, cfg.hardware, partition, cfg.tp, block_size, cfg.dtype_bytes)
-        if blocks < 1:
+    if args.num_kv_blocks is None and cfg.kv_cache_memory is None and not cfg.hardware.threads:
+        partition = resolve_partition(mc, cfg.pp, args.layer_partition)
+        args.num_kv_blocks = kv_blocks_from_memory(mc, cfg.hardware, partition, cfg.tp, args.block_size,
+                                                   cfg.dtype_bytes)
+        if args.num_kv_blocks < 1:
             raise DoesNotFit(f"no KV block fits beside the weights of {Path(path).name} on {cfg.num_devices}x "
                              f"{cfg.hardware.name}")
-    # KV bytes per token follow dtype_bytes, not the host CPU's dtype
-    engine_cfg = EngineConfig(model=path, dtype="bfloat16" if cfg.dtype_bytes == 2 else "float32",
-                              cache=CacheConfig(block_size=block_size, kv_cache_memory=cfg.kv_cache_memory,
-                                                num_blocks=blocks),
-                              scheduler=sched,
-                              parallel=ParallelConfig(pipeline_parallel_size=cfg.pp, layer_partition=layer_partition),
-                              collect_trace=True)
+    engine_cfg = args.create_engine_config()
 
     def factory(engine) -> SimExecutor:
         cost = CostModel(engine.model_config, cfg.hardware, engine.partition, cfg.tp, cfg.dtype_bytes)

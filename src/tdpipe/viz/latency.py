@@ -13,7 +13,6 @@ measure, or where no request succeeded, is a gap in its line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -119,22 +118,4 @@ def plot_latency(runs: list[dict[str, Any]], out_path: str | os.PathLike, title:
     return os.fspath(out_path)
 
 
-def cmd_plot_latency(a: argparse.Namespace) -> int:
-    from tdpipe.entrypoints.preflight import check_writable
-
-    check_writable(a.output, "--output")
-    print(f"wrote {plot_latency(load_runs(a.json), a.output, title=a.title)}")
-    return 0
-
-
-def add_parser(plsub: Any) -> argparse.ArgumentParser:
-    p = plsub.add_parser(
-        "latency", help="mean TTFT and TPOT against request rate per policy (PNG), from bench serve --json",
-        description="Draw gLLM Fig. 10's latency panels from a `tdpipe bench serve --json` file: mean TTFT "
-                    "and mean TPOT against request rate, one line per run label (e.g. per scheduling "
-                    "policy).")
-    p.add_argument("--json", required=True, metavar="FILE", help="results of `tdpipe bench serve --json`")
-    p.add_argument("--output", "-o", default="latency.png", help="PNG to write (default latency.png)")
-    p.add_argument("--title", default=None, help="title of the picture")
-    p.set_defaults(fn=cmd_plot_latency)
-    return p
+__all__ = ["FORMAT", "load_runs", "plot_latency", "series", "validate_runs"]

@@ -6,15 +6,16 @@ the pipeline runtime runs it for micro-batch i+1 while micro-batch i computes (S
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from tdpipe.config import ModelConfig
-from tdpipe.core.batch import StepInput
 from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
 from tdpipe.model.packed_linear import pack_linears
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup
 from tdpipe.model.weights import iter_safetensors
+from tdpipe.step_input import StepInput
 
 
 @dataclass
@@ -82,9 +83,11 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
-                 device: str = "cpu", tp: TPGroup = SINGLE, head_range: tuple[int, int] | None = None) -> None:
+                 device: str = "cpu", tp: TPGroup = SINGLE, head_range: tuple[int, int] | None = None,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         """`tp`: this rank's tensor-parallel group; it then holds its shard of the slice and the KV cache of
-        its KV heads (model/tensor_parallel.py). `head_range`: its part of an lm_head split across stages."""
+        its KV heads (model/tensor_parallel.py). `head_range`: its part of an lm_head split across stages.
+        `weights`: (HF name, tensor) pairs in memory instead of model_path's checkpoint (a whole model)."""
         keep_freed_memory()
         self.cfg = model_config
         self.dtype = dtype
@@ -97,7 +100,8 @@ class ModelRunner:
         model.rotary.__init__(model_config.head_dim, model_config.max_position_embeddings,
                               model_config.rope_theta, model_config.rope_scaling)  # buffers were on meta
         model.rotary.to(self.device)
-        model.load_weights(iter_safetensors(model_path, names=model.wants, slicer=model.shard_of))
+        model.load_weights(weights if weights is not None
+                           else iter_safetensors(model_path, names=model.wants, slicer=model.shard_of))
         self.model = model.to(dtype).eval()
         pack_linears(self.model)  # bf16 on CPU: weights packed for oneDNN once, not per call
         self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32

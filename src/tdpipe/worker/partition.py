@@ -14,7 +14,7 @@ decode. `auto` (the default) picks it with the layers (choose_head_split), and o
 saves more than SPLIT_MIN_GAIN: the split adds a hop (last stage -> first -> engine) per micro-batch that
 the model does not price. AMD EPYC, float32, 256 ShareGPT-like requests, throttle, pp = 2: 16/14 unsplit ->
 15/15 with half the head on stage 0, bubble 0.085 -> 0.067 (decode phase 0.063 -> 0.039); against pp = 1 in
-the same run, 0.947x -> 0.966x (README, "Pipeline efficiency").
+the same run, 0.947x -> 0.966x (docs/benchmarks.md, "Pipeline efficiency").
 StageCosts.of is the FLOP-count model, for tests and machines where timing is not wanted.
 """
 from __future__ import annotations
@@ -186,7 +186,7 @@ class LlamaLike:
 
         import torch
 
-        from tdpipe.core.batch import StepInput
+        from tdpipe.step_input import StepInput
         from tdpipe.worker.model_runner import prepare_input
 
         bs, cfg = 16, self.cfg

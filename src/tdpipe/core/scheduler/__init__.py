@@ -8,9 +8,9 @@ from tdpipe.core.scheduler.throttle import ThrottleScheduler
 from tdpipe.core.scheduler.td_pipe import TDPipeScheduler
 
 
-def make_scheduler(config, block_manager, predictor=None) -> Scheduler:
+def make_scheduler(config, block_manager, predictor=None, eos_token_ids=(), costs=None) -> Scheduler:
     """The scheduler for `config.policy`; `predictor` is handed only to policies that ask for one."""
-    return get_policy(config.policy).build(config, block_manager, predictor)
+    return get_policy(config.policy).build(config, block_manager, predictor, eos_token_ids, costs)
 
 
 __all__ = ["HybridScheduler", "PolicySpec", "PolicyStat", "Scheduler", "SeparateScheduler", "TDPipeScheduler",

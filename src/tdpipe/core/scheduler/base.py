@@ -1,16 +1,14 @@
-"""The policy interface: the scheduler never knows what runs its batches (ARCHITECTURE.md)."""
+"""The policy interface: the scheduler never knows what runs its batches (docs/design.md)."""
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from typing import Iterable
 
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.batch import Batch
 from tdpipe.core.block_manager import BlockManager, PrefixPlan
 from tdpipe.sequence import Sequence, SequenceStatus
-
-# (child, its first token) per forking parent's seq_id: the samples of an n > 1 request forked this step
-Forks = dict[int, list[tuple[Sequence, int]]]
 
 
 class Scheduler:
@@ -22,10 +20,9 @@ class Scheduler:
     Sequences in a batch that has not returned are `in_flight` and are never scheduled twice.
     """
 
-    eos_token_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids (the engine sets them)
-
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)  # the model's end-of-sequence ids
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -52,13 +49,14 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         raise NotImplementedError
 
-    def update_from_output(self, batch: Batch, token_ids: list[int], forks: Forks | None = None) -> list[Sequence]:
+    def update_from_output(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
         """`batch` ran and `token_ids[j]` was sampled for row `batch.sampled_rows()[j]`: the KV of every row
         advances (full blocks are named for the prefix cache), each sampled row gets its token, a row that
         hits an end-of-sequence id, a stop token id, max_tokens or max_model_len finishes (stop strings are
-        the frontend's: it aborts such a request). `forks`: the other samples of an n > 1 request whose
-        prompt just finished, each with its own first token; they share the parent's blocks (fork).
-        Returns the sequences finished now (forked ones included); their blocks are already free."""
+        the frontend's: it aborts such a request). The other samples of an n > 1 request whose prompt just
+        finished come from its group (core/sample_group.py), each with its own first token; they share the
+        parent's blocks (fork). Returns the sequences finished now (forked ones included); their blocks are
+        already free."""
         rows = batch.sampled_rows()
         if len(rows) != len(token_ids):
             raise ValueError(f"batch {batch.batch_id}: {len(token_ids)} tokens for {len(rows)} sampled rows")
@@ -70,16 +68,14 @@ class Scheduler:
         finished = []
         for i, tok in zip(rows, token_ids):
             seq = batch.seqs[i]
-            if seq.samples_to_fork:
-                for child, ctok in (forks or {}).get(seq.seq_id, []):
-                    self._fork(seq, child)
-                    child.output_token_ids.append(ctok)
-                    if self._stops(child, ctok):
-                        child.status = SequenceStatus.FINISHED
-                        finished.append(child)
-                        self.running.remove(child)
-                        self.bm.free(child)
-                seq.samples_to_fork = 0
+            for child, ctok in seq.group.take_forks(seq) if seq.group is not None else ():
+                self._fork(seq, child)
+                child.output_token_ids.append(ctok)
+                if self._stops(child, ctok):
+                    child.status = SequenceStatus.FINISHED
+                    finished.append(child)
+                    self.running.remove(child)
+                    self.bm.free(child)
             seq.output_token_ids.append(tok)
             if self._stops(seq, tok):
                 seq.status = SequenceStatus.FINISHED

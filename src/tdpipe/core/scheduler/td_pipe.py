@@ -14,22 +14,26 @@ micro-batches that cycle through the pipeline.
     temporal intensity (1 - bubble / total of switching now, Eq. 2). Replacement: `finish-ratio:R`
     (switch once R of the phase's requests finished). Variant: `reachable-intensity`, Eq. 1's Peak at the
     decode batch a switch can reach rather than the profile's largest (no thrash when KV is the limit).
-Predicted output lengths come from a `Predictor` (core/predictor.py; kept in `Sequence.predicted_output_len`
+The knobs (futurePoints, the two switch rules, work stealing) are TDPipeKnobs, the policy's own.
+Predicted output lengths come from a `Predictor` (predictor/base.py; kept in `Sequence.predicted_output_len`
 once asked). Step costs come from a `StepCostModel`, profiled on the real executor at start-up
 (core/step_profile.py). Pure Python.
 """
 from __future__ import annotations
 
+import argparse
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from tdpipe.config import SchedulerConfig
 from tdpipe.core.batch import Batch
 from tdpipe.core.block_manager import BlockManager
-from tdpipe.core.predictor import AutoPredictor, Predictor
 from tdpipe.core.scheduler.registry import PolicyStat, register_policy
 from tdpipe.core.scheduler.separate import SeparateScheduler
+from tdpipe.options import option
+from tdpipe.predictor.base import AutoPredictor, Predictor
 from tdpipe.sequence import Sequence
 
 
@@ -95,29 +99,76 @@ def parse_switch(rule: str, default: str, flag: str) -> tuple[str, float]:
     return kind, r
 
 
+def _future_points(v: str) -> tuple[int, int]:
+    """`--future-points STEP,MAX`."""
+    try:
+        step, top = (int(x) for x in v.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--future-points {v!r}: expected STEP,MAX, e.g. 32,1024") from None
+    return step, top
+
+
+@dataclass
+class TDPipeKnobs:
+    """TD-Pipe's own settings and its ablation switches (§3.3-3.5, §4.4): flags of the command line, keywords
+    of LLM()."""
+
+    future_points: tuple[int, int] = option(
+        (32, 1024), "td-pipe: futurePoints, the decode steps where predicted KV usage is checked: every STEP steps "
+                    "up to MAX (TD-Pipe §3.3, Algorithm 1; default: %(default)s)",
+        "--future-points", type=_future_points, metavar="STEP,MAX", shown=lambda v: f"{v[0]},{v[1]}")
+    switch_to_decode: str = option(
+        "predict", "td-pipe: 'predict' (Approach 1, Algorithm 1) or 'kv-ratio:R', switch once KV usage reaches R "
+                   "(the §4.4.1 ablation; default: %(default)s)", "--switch-to-decode")
+    # "reachable-intensity": Eq. 1 with Peak at the batch a switch can reach (docs/simulator.md)
+    switch_to_prefill: str = option(
+        "intensity", "td-pipe: 'intensity' (Approach 3, spatial < temporal intensity, Eq. 1-2), "
+                     "'reachable-intensity' (Eq. 1's Peak taken at the decode batch a switch would reach, "
+                     "running + admissible requests / pp, not at the profile's largest batch), or "
+                     "'finish-ratio:R', switch once R of the phase's requests finished (§4.4.3 ablation; default: "
+                     "%(default)s)", "--switch-to-prefill")
+    work_stealing: bool = option(
+        True, "td-pipe: turn off Approach 2, inter-batch work stealing (§3.4; §4.4.2 ablation)",
+        "--no-work-stealing", action="negate")
+
+    def __post_init__(self) -> None:
+        fp = self.future_points = tuple(self.future_points)  # a list from JSON is fine
+        if len(fp) != 2 or not all(isinstance(x, int) for x in fp) or not 1 <= fp[0] <= fp[1]:
+            raise ValueError(f"future_points must be (STEP, MAX) with 1 <= STEP <= MAX, got {fp!r}")
+        parse_switch(self.switch_to_decode, "predict", "switch_to_decode")  # ValueErrors naming the field
+        parse_switch(self.switch_to_prefill, "intensity", "switch_to_prefill")
+
+    @property
+    def points(self) -> list[int]:
+        """The futurePoints themselves: STEP, 2 STEP, ... up to MAX (§3.3)."""
+        step, top = self.future_points
+        return list(range(step, top + 1, step))
+
+
 def _uses_intensity(config: SchedulerConfig) -> bool:
     """Approach 3 (Eq. 1-2) compares step costs: only the intensity switches need them profiled."""
-    return parse_switch(config.switch_to_prefill, "intensity", "switch_to_prefill")[0].endswith("intensity")
+    return config.knobs.switch_to_prefill.endswith("intensity")
 
 
 # The budget is prompt tokens per prefill batch: small enough that the first batch of a prefill phase, which
-# the later stages wait for, is short; 2048 measured 8% faster than 8192 (README, TD-Pipe ablations).
+# the later stages wait for, is short; 2048 measured 8% faster than 8192 (docs/benchmarks.md, ablations).
 @register_policy(
-    "td-pipe", default_token_budget=2048, needs_predictor=True, needs_step_costs=_uses_intensity,
+    "td-pipe", default_token_budget=2048, knobs=TDPipeKnobs, needs_predictor=True, needs_step_costs=_uses_intensity,
     stats=(PolicyStat("phase_switches", "num_switches", "PREFILL <-> DECODE phase switches (TD-Pipe §3.3-3.5)"),),
     help="TD-Pipe (§3.3-3.5): long prefill and decode phases, greedy prefill by predicted KV (Algorithm 1), "
          "inter-batch work stealing, spatial-temporal intensity switch (Eq. 1-2)",
     budget_help="prompt tokens per prefill batch, a longer prompt runs alone")
 class TDPipeScheduler(SeparateScheduler):
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 costs: StepCostModel | None = None, predictor: Predictor | None = None) -> None:
-        super().__init__(config, block_manager)
+                 costs: StepCostModel | None = None, predictor: Predictor | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        super().__init__(config, block_manager, eos_token_ids)
+        self.knobs: TDPipeKnobs = config.knobs or TDPipeKnobs()  # PolicySpec.build configured them
         self.costs = costs or StepCostModel()
         self.predictor = predictor or AutoPredictor()
-        self.to_decode = parse_switch(config.switch_to_decode, "predict", "switch_to_decode")
-        self.to_prefill = parse_switch(config.switch_to_prefill, "intensity", "switch_to_prefill")
-        step, top = config.future_point_step, config.future_point_max
-        self.future_points = list(range(step, top + 1, step))  # futurePoints (§3.3)
+        self.to_decode = parse_switch(self.knobs.switch_to_decode, "predict", "switch_to_decode")
+        self.to_prefill = parse_switch(self.knobs.switch_to_prefill, "intensity", "switch_to_prefill")
+        self.future_points = self.knobs.points  # futurePoints (§3.3)
         self.phase = Phase.PREFILL
         self.kv_usage = [0] * len(self.future_points)  # predicted blocks at each futurePoint
         self.initial: deque[list[Sequence]] = deque()  # the even split at the switch to DECODE
@@ -155,7 +206,7 @@ class TDPipeScheduler(SeparateScheduler):
         # blocks it shares rather than allocates: a cached prefix (or the prompt it forked from); and the
         # samples it will fork (n > 1) each grow their own blocks past the shared prompt
         shared = (seq.num_cached_tokens if seq.block_table else self.prefill_plan(seq).num_cached_tokens) // bs
-        forks, full = seq.samples_to_fork, n // bs
+        forks, full = seq.num_samples_pending - 1, n // bs
         for i, fp in enumerate(self.future_points):
             if remaining <= prev:
                 break
@@ -204,7 +255,7 @@ class TDPipeScheduler(SeparateScheduler):
         if self.initial:
             ids = {s.seq_id for s in ready}
             chosen = [s for s in self.initial.popleft() if s.seq_id in ids] or ready
-        elif self.config.work_stealing:
+        elif self.knobs.work_stealing:
             # the sliding window's average (the last pp batch sizes, finished requests dropped) is the live
             # requests over pp batches, so it is computed from them directly rather than kept as state
             live = sum(1 for s in self.running if s.num_computed_tokens >= s.num_tokens - 1)
@@ -329,4 +380,4 @@ class TDPipeScheduler(SeparateScheduler):
         self.kv_usage = [0] * len(self.future_points)
 
 
-__all__ = ["Phase", "StepCostModel", "TDPipeScheduler", "parse_switch"]
+__all__ = ["Phase", "StepCostModel", "TDPipeKnobs", "TDPipeScheduler", "parse_switch"]

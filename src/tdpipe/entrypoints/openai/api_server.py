@@ -1,16 +1,21 @@
 """`tdpipe serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn, as vLLM).
 
-`build_app(engine, config)` builds the app around an AsyncLLM-like engine and starts nothing, so other code
-(`tdpipe run-batch`, the tests) can drive it in-process through httpx.ASGITransport. `serve` binds the port,
-answers /health with 503 while AsyncLLM starts, serves, and on SIGTERM or Ctrl-C stops accepting, lets the
-requests in flight finish for up to --shutdown-grace seconds, aborts the rest, stops the engine, exits 0.
+`build_app(engine, config)` builds the app around an EngineClient (core/engine_client.py: AsyncLLM, or a
+test's fake) and starts nothing, so other code (`tdpipe run-batch`, the tests) can drive it in-process
+through httpx.ASGITransport. `serve` binds the port, answers /health with 503 while AsyncLLM starts, serves,
+and on SIGTERM or Ctrl-C stops accepting, lets the requests in flight finish for up to --shutdown-grace
+seconds, aborts the rest, stops the engine, exits 0. If the engine core dies, the open requests fail (503,
+or an error event on a stream), the server logs one line and exits 1: a supervisor restarts it, instead of a
+server that answers 503 forever.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -27,16 +32,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tdpipe import aio
+from tdpipe.core.engine_client import EngineClient
 from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, error_body,
                                               from_validation_error)
 from tdpipe.entrypoints.openai.metrics import ServerMetrics
 from tdpipe.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                 TokenizeResponse)
+from tdpipe.entrypoints.openai.ignored_fields import ignored_fields_header
 from tdpipe.entrypoints.openai.serving import OpenAIServing
 from tdpipe.entrypoints.openai.serving_chat import ChatServing, apply_template
 from tdpipe.entrypoints.openai.serving_completion import CompletionServing
 from tdpipe.entrypoints.openai.serve_args import ServerConfig
+from tdpipe.entrypoints.openai.tokenizer_thread import off_loop
 
 __all__ = ["ServerConfig", "build_app", "set_engine", "run_server", "serve"]
 
@@ -44,12 +52,15 @@ log = logging.getLogger("tdpipe.serve")
 
 M = TypeVar("M", bound=BaseModel)
 
+MAX_JSON_DEPTH = 64  # nesting deeper than any OpenAI body needs is a 400, before anything walks it
+BODY_READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way gets 408 and loses its connection
+SLOW_SHUTDOWN_S = 5.0  # after the core died: how long the failed requests get to send their answers
+
 
 # -- the app ---------------------------------------------------------------------------------------------
-def build_app(engine: Any | None, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app around `engine` (AsyncLLM or anything with its methods). It starts nothing: no
-    uvicorn, no engine. `engine=None` means "starting": /health and the /v1 routes answer 503 until
-    set_engine(app, engine)."""
+def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app around `engine` (an EngineClient). It starts nothing: no uvicorn, no engine.
+    `engine=None` means "starting": /health and the /v1 routes answer 503 until set_engine(app, engine)."""
     config = config or ServerConfig()
     app = FastAPI(title="tdpipe", summary="OpenAI-compatible server", openapi_url=None, docs_url=None,
                   redoc_url=None)
@@ -87,16 +98,17 @@ def build_app(engine: Any | None, config: ServerConfig | None = None) -> FastAPI
 
     @app.get("/health")
     async def health() -> Response:
-        eng = app.state.engine
-        reason = getattr(eng, "dead_reason", None)  # first: a dead engine is not ready either
-        if eng is not None and reason is None and getattr(eng, "ready", True):
+        # no key on this route: the reason is EngineClient's client-safe text, never the core's exception
+        eng: EngineClient | None = app.state.engine
+        reason = eng.dead_reason if eng is not None else None  # first: a dead engine is not ready either
+        if eng is not None and reason is None and eng.ready:
             try:
                 eng.check_health()
             except EngineDeadError as e:
                 reason = str(e) or "the engine core died"
         if reason is not None:
             return JSONResponse({"status": "dead", "reason": reason}, status_code=503)
-        if eng is None or not getattr(eng, "ready", True):
+        if eng is None or not eng.ready:
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
@@ -109,36 +121,45 @@ def build_app(engine: Any | None, config: ServerConfig | None = None) -> FastAPI
         req = await parse_body(request, TokenizeRequest, limit)
         eng = serving.engine()
         serving.check_model(req.model, eng)
-        serving.warn_ignored(req.unknown_fields())
+        ignored = serving.ignored(req)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' (text) and 'messages' (a chat)", "prompt")
-        tok = eng.tokenizer
-        if req.prompt is not None:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tok.encode(req.prompt, add_special_tokens=add)
-        else:
+
+        def encode() -> list[int]:  # on the tokenizer thread
+            tok = eng.tokenizer
+            if req.prompt is not None:
+                add = True if req.add_special_tokens is None else req.add_special_tokens
+                return tok.encode(req.prompt, add_special_tokens=add)
             conv = ChatCompletionRequest(messages=req.messages).conversation()
-            ids = apply_template(tok, conv, req.add_generation_prompt, bool(req.add_special_tokens))
+            return apply_template(tok, conv, req.add_generation_prompt, bool(req.add_special_tokens))
+
+        ids = await off_loop(encode)
         return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),
-                                             max_model_len=int(eng.max_model_len)).model_dump())
+                                             max_model_len=int(eng.max_model_len)).model_dump(),
+                            headers=ignored_fields_header(ignored))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await parse_body(request, DetokenizeRequest, limit)
         eng = serving.engine()
         serving.check_model(req.model, eng)
-        serving.warn_ignored(req.unknown_fields())
-        size = len(eng.tokenizer)
-        bad = next((t for t in req.tokens if not 0 <= t < size), None)
-        if bad is not None:
-            raise bad_request(f"'tokens' has {bad}, outside the vocabulary (ids are in [0, {size}))",
-                              "tokens", "invalid_value")
-        return JSONResponse(DetokenizeResponse(prompt=eng.tokenizer.decode(req.tokens)).model_dump())
+        ignored = serving.ignored(req)
+        size = int(eng.vocab_size) or len(eng.tokenizer)
+
+        def decode() -> str:  # on the tokenizer thread
+            bad = next((t for t in req.tokens if not 0 <= t < size), None)
+            if bad is not None:
+                raise bad_request(f"'tokens' has {bad}, outside the vocabulary (ids are in [0, {size}))",
+                                  "tokens", "invalid_value")
+            return eng.tokenizer.decode(req.tokens)
+
+        return JSONResponse(DetokenizeResponse(prompt=await off_loop(decode)).model_dump(),
+                            headers=ignored_fields_header(ignored))
 
     return app
 
 
-def set_engine(app: FastAPI, engine: Any) -> None:
+def set_engine(app: FastAPI, engine: EngineClient) -> None:
     """Attach the engine once it has started (serve builds the app first, so /health answers 503
     meanwhile)."""
     app.state.engine = engine
@@ -147,8 +168,7 @@ def set_engine(app: FastAPI, engine: Any) -> None:
 def _model_card(serving: OpenAIServing) -> ModelCard:
     eng = serving.engine()
     return ModelCard(id=serving.served_name(eng), created=int(time.time()),
-                     root=getattr(eng, "model_name", None) or serving.served_name(eng),
-                     max_model_len=int(eng.max_model_len))
+                     root=eng.model_name or serving.served_name(eng), max_model_len=int(eng.max_model_len))
 
 
 async def parse_body(request: Request, model: type[M], limit: int) -> M:
@@ -171,11 +191,16 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
             raise OpenAIError(413, f"the request body has {declared} bytes; the limit is {limit} "
                               "(--max-request-body-bytes)", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise OpenAIError(413, f"the request body is over the limit of {limit} bytes "
-                              "(--max-request-body-bytes)", code="request_too_large")
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise OpenAIError(413, f"the request body is over the limit of {limit} bytes "
+                                      "(--max-request-body-bytes)", code="request_too_large")
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
+                          code="request_timeout", headers={"Connection": "close"}) from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -183,10 +208,11 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
                           code="invalid_encoding") from None
     if not text.strip():
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    obj = parse_json(text)
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and \
+            await off_loop(_depth_over, obj, MAX_JSON_DEPTH, tokenizer=False):  # a walk of every container
+        raise bad_request(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                          code="invalid_json")
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}",
                           code="invalid_json")
@@ -194,6 +220,38 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
         return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(text: str) -> Any:
+    """Strict JSON as a 400, never a 500: no NaN or Infinity literals, integers of at most 4300 digits
+    (Python's limit). Nesting too deep for the parser is a 400 here; parse_body checks MAX_JSON_DEPTH."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                          code="invalid_json") from None
+    except ValueError as e:  # a NaN literal, an integer with too many digits
+        raise bad_request(f"the request body is not valid JSON: {str(e).split(';')[0]}",
+                          code="invalid_json") from None
+    return obj
+
+
+def _depth_over(obj: Any, limit: int) -> bool:
+    """Whether containers nest deeper than `limit` (iterative: a deep value cannot exhaust the stack)."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        x, d = stack.pop()
+        if d > limit:
+            return True
+        children = x.values() if isinstance(x, dict) else x
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 class APIKeyMiddleware:
@@ -261,10 +319,48 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether a bound address is reachable from this machine only (127.0.0.0/8, ::1)."""
+    try:
+        ip = ipaddress.ip_address(addr.split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def warn_if_open(config: ServerConfig, sock: socket.socket) -> bool:
+    """A warning when the port is reachable beyond this machine and no API key guards the /v1 routes."""
+    host, port = sock.getsockname()[:2]
+    if config.api_key or is_loopback(host):
+        return False
+    log.warning("listening on %s:%d, beyond this machine, without --api-key: anyone who reaches the port can "
+                "run the model (set --api-key or $TDPIPE_API_KEY, or --host 127.0.0.1)", host, port)
+    return True
+
+
+def raise_fd_limit(connections: int) -> None:
+    """Each connection is a file descriptor: lift the soft limit towards what --max-connections needs (the
+    engine's sockets and files need some too), as far as the hard limit allows."""
+    need = connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if want < need:
+        log.warning("the open-files limit (%d) is below what --max-connections %d needs (%d): connections "
+                    "beyond it are refused by the kernel", want, connections, need)
+
+
 def run_server(config: ServerConfig, engine_config: Any) -> int:
-    """`tdpipe serve`: bind, start the engine, serve until SIGTERM/Ctrl-C, exit 0."""
+    """`tdpipe serve`: bind, start the engine, serve until SIGTERM/Ctrl-C (exit 0) or until the engine core
+    dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     sock = bind(config.host, config.port)
+    warn_if_open(config, sock)
+    raise_fd_limit(config.max_connections)
     # uvicorn catches SIGINT/SIGTERM while it serves and raises them again once it has shut down; these
     # handlers take that second delivery, so a clean shutdown exits 0 instead of dying by the signal
     previous = {s: signal.signal(s, _after_shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -279,16 +375,34 @@ def _after_shutdown(signum: int, frame: object) -> None:
     log.debug("signal %d after shutdown (uvicorn passes on the one it caught)", signum)
 
 
+def uvicorn_config(app: FastAPI, config: ServerConfig) -> Any:
+    """uvicorn's settings for `tdpipe serve`. limit_concurrency: beyond --max-connections open connections
+    (or requests in flight) uvicorn answers 503 at once. Connections that send nothing are closed after the
+    keep-alive timeout, like idle keep-alive ones (uvicorn arms that timer only after a first response), so
+    idle sockets cannot hold every place of the limit."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class IdleClosingProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    return uvicorn.Config(app, lifespan="off", access_log=config.access_log, http=IdleClosingProtocol,
+                          timeout_graceful_shutdown=config.shutdown_grace_s,
+                          limit_concurrency=config.max_connections, log_level="info")
+
+
 async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -> int:
-    """Serve until SIGTERM/Ctrl-C. The port answers at once (/health: 503 while the engine starts)."""
+    """Serve until SIGTERM/Ctrl-C (returns 0) or the engine core's death (returns 1, after the open requests
+    got their error). The port answers at once (/health: 503 while the engine starts)."""
     import uvicorn
 
     from tdpipe.core.async_llm import AsyncLLM
 
     app = build_app(None, config)
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", access_log=config.access_log,
-                                           timeout_graceful_shutdown=config.shutdown_grace_s,
-                                           log_level="info"))
+    server = uvicorn.Server(uvicorn_config(app, config))
     server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
     start_task = asyncio.ensure_future(AsyncLLM.start(engine_config))
     await asyncio.wait({server_task, start_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -303,12 +417,22 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
         server.should_exit = True
         await asyncio.gather(server_task, return_exceptions=True)
         raise start_task.exception()  # type: ignore[misc]
-    engine = start_task.result()
+    engine: AsyncLLM = start_task.result()
+    engine.log_death = False  # a death is reported below, in one line
     set_engine(app, engine)
     host, port = sock.getsockname()[:2]
     print(f"tdpipe: serving {app.state.serving.served_name(engine)} on http://{host}:{port} (max_model_len "
           f"{engine.max_model_len})", file=sys.stderr, flush=True)
+    death = asyncio.ensure_future(engine.wait_dead())
     try:
+        await asyncio.wait({server_task, death}, return_when=asyncio.FIRST_COMPLETED)
+        if death.done() and not server_task.done():
+            # every open request already has its EngineDeadError: let them answer (503, an error event),
+            # then stop serving, so a supervisor restarts the server instead of it answering 503 forever
+            left = [t for t in server.server_state.tasks if not t.done()]
+            if left:
+                await asyncio.wait(left, timeout=SLOW_SHUTDOWN_S)
+            server.should_exit = True
         await server_task
         # uvicorn waited up to the grace period, then cancelled what was left: let those end their
         # responses (a final error event) and close their engine requests (which aborts them)
@@ -319,7 +443,13 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
             t.cancel()
         await asyncio.gather(*left, return_exceptions=True)
     finally:
+        death.cancel()
         t0 = time.monotonic()
-        await engine.shutdown(grace_s=1.0)
-        log.info("engine stopped in %.1f s", time.monotonic() - t0)
+        await engine.shutdown(grace_s=0.0 if engine.death_detail else 1.0)
+        if engine.death_detail is None:
+            log.info("engine stopped in %.1f s", time.monotonic() - t0)
+    if engine.death_detail is not None:
+        log.error("the engine core died (%s); %d open requests failed; exiting with status 1",
+                  engine.death_detail, engine.failed_on_death)
+        return 1
     return 0

@@ -8,13 +8,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tdpipe.core.async_llm import EngineDeadError
+from tdpipe.core.engine_client import EngineDeadError
+from tdpipe.core.validation import RequestError
 
 __all__ = ["EngineDeadError", "OpenAIError", "bad_request", "engine_dead", "error_body", "error_json",
-           "from_sampling_error", "from_validation_error"]
+           "from_request_error", "from_sampling_error", "from_validation_error"]
 
 # OpenAI's "type" for each status (what its own API returns)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          408: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_server_error", 503: "service_unavailable_error"}
 
@@ -65,11 +67,12 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def from_validation_error(e: ValidationError) -> OpenAIError:
-    """The first pydantic error as a 400 naming the field (the others follow in the message)."""
+def from_validation_error(e: ValidationError, prefix: tuple[Any, ...] = ()) -> OpenAIError:
+    """The first pydantic error as a 400 naming the field (the others follow in the message); `prefix` is
+    where the validated object sits in the request (("messages", 2) for one message)."""
     errors = e.errors(include_url=False)
     first = errors[0]
-    param = _param(first["loc"])
+    param = _param(prefix + tuple(first["loc"]))
     if first["type"] == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
     if first["type"] == "model_type" and param is None:
@@ -79,7 +82,7 @@ def from_validation_error(e: ValidationError) -> OpenAIError:
     msg = f"Invalid value for '{param}': {first['msg'].rstrip('.')}" if param else first["msg"]
     if "input" in first and first["type"] != "value_error":
         msg += f" (got {_short(first['input'])})"
-    others = {_param(x["loc"]) for x in errors[1:]} - {param, None}
+    others = {_param(prefix + tuple(x["loc"])) for x in errors[1:]} - {param, None}
     if others:
         msg += f"; also invalid: {', '.join(sorted(others))}"
     return bad_request(msg, param, "invalid_value" if first["type"] == "value_error" else "invalid_type")
@@ -102,6 +105,11 @@ def from_sampling_error(e: ValueError, rename: dict[str, str] | None = None) -> 
         msg = rename[param] + msg[len(param):]
         param = rename[param]
     return bad_request(msg, param, "invalid_value")
+
+
+def from_request_error(e: RequestError) -> OpenAIError:
+    """core/validation.py's RequestError (it already names the field the route uses) as a 400."""
+    return bad_request(str(e), e.param, e.code)
 
 
 def engine_dead(e: BaseException | str) -> OpenAIError:

@@ -6,9 +6,18 @@ with echo the prompt's positions come first, the first prompt token's logprob nu
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tdpipe.outputs import Logprob
+
+# what OpenAI (and vLLM) report for a token with no probability: JSON has no -Infinity (it would be a 500)
+MIN_LOGPROB = -9999.0
+
+
+def _lp(x: float) -> float:
+    """A logprob JSON can carry: -inf (a banned token) and NaN become MIN_LOGPROB."""
+    return max(x, MIN_LOGPROB) if math.isfinite(x) else (0.0 if x > 0 else MIN_LOGPROB)
 
 
 def _text(tok: Any, token_id: int, lp: Logprob | None) -> str:
@@ -27,13 +36,13 @@ def completion_logprobs(tok: Any, token_ids: list[int], positions: list[dict[int
         out["tokens"].append(text)
         out["text_offset"].append(offset)
         offset += len(text)
-        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
         if entry is None:
             out["top_logprobs"].append(None)
         else:
             top = sorted(((x.rank or 0, i, x) for i, x in entry.items() if (x.rank or 0) <= k or i == t),
                          key=lambda r: r[0])
-            out["top_logprobs"].append({_text(tok, i, x): x.logprob for _, i, x in top})
+            out["top_logprobs"].append({_text(tok, i, x): _lp(x.logprob) for _, i, x in top})
     return out
 
 
@@ -44,7 +53,7 @@ def chat_logprobs(tok: Any, token_ids: list[int], positions: list[dict[int, Logp
         text = _text(tok, t, lp)
         top = sorted(((x.rank, i, x) for i, x in entry.items() if x.rank is not None and x.rank <= k),
                      key=lambda r: r[0])[:k]
-        content.append({"token": text, "logprob": lp.logprob if lp else None, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": _text(tok, i, x), "logprob": x.logprob,
+        content.append({"token": text, "logprob": _lp(lp.logprob) if lp else None, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": _text(tok, i, x), "logprob": _lp(x.logprob),
                                           "bytes": list(_text(tok, i, x).encode())} for _, i, x in top]})
     return {"content": content}

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tdpipe.core.engine_client import EngineClient
 
 log = logging.getLogger("tdpipe.serve")
 
@@ -27,15 +29,14 @@ class _EngineCollector:
     """Reads engine.stats() at scrape time; nothing while the engine is starting or dead (engine_ready says
     which)."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(self, engine: Callable[[], EngineClient | None]) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
         eng = self.engine()
         ready = GaugeMetricFamily("tdpipe:engine_ready", "1 when the engine answers requests, 0 while it "
                                   "starts or after its core died")
-        ok = eng is not None and bool(getattr(eng, "ready", False)) and \
-            getattr(eng, "dead_reason", None) is None
+        ok = eng is not None and eng.ready and eng.dead_reason is None
         ready.add_metric([], 1.0 if ok else 0.0)
         yield ready
         if not ok:
@@ -75,7 +76,7 @@ class _EngineCollector:
 class ServerMetrics:
     """The registry of one app: the engine's gauges and counters plus the frontend's latency histograms."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(self, engine: Callable[[], EngineClient | None]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         r = self.registry

@@ -1,18 +1,18 @@
 """The OpenAI API's request and response bodies, with OpenAI's field names (and vLLM's extra sampling fields).
 
 Requests are validated strictly: "max_tokens": "10" or "stream": 1 is a 400 naming the field, never a silent
-coercion. Unknown top-level fields are ignored with a warning (vLLM's behaviour: clients send newer fields),
-except the ones in UNSUPPORTED, which would change the result if ignored (logit_bias, tools,
-response_format...): those are a 400 unless they hold their neutral value.
+coercion. Unknown top-level fields are ignored and named in the answer (ignored_fields.py; vLLM's
+behaviour: clients send newer fields), except the ones in UNSUPPORTED, which would change the result if
+ignored (logit_bias, tools, response_format...): those are a 400 unless they hold their neutral value.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, model_serializer
+from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
 
 from tdpipe.entrypoints.conversation import ROLES
-from tdpipe.entrypoints.openai.errors import bad_request
+from tdpipe.entrypoints.openai.errors import bad_request, from_validation_error
 
 
 class _Request(BaseModel):
@@ -126,26 +126,27 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def prompts(self) -> list[str | list[int]]:
-        """The prompt as a batch: one entry per choice (OpenAI: a list of prompts is a batch)."""
+    def prompts(self, max_prompts: int) -> list[str | list[int]]:
+        """The prompt as a batch: one entry per choice (OpenAI: a list of prompts is a batch), at most
+        `max_prompts` of them. Only the shape is checked here, in time proportional to the number of prompts;
+        the token ids themselves are checked with the rest of the prompt, off the event loop."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if isinstance(p, list) and p:
-            if all(isinstance(x, str) for x in p):
-                return list(p)
-            if all(_is_token(x) for x in p):
-                return [list(p)]
-            if all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in p):
-                return [list(x) for x in p]
         if isinstance(p, list) and not p:
             raise bad_request("'prompt' must not be empty", "prompt", "invalid_value")
+        if isinstance(p, list):
+            if type(p[0]) is int:  # one prompt of token ids
+                return [p]
+            if len(p) > max_prompts:
+                raise bad_request(f"'prompt' has {len(p)} prompts; at most {max_prompts} are allowed in one "
+                                  "request (--max-prompts-per-request)", "prompt", "invalid_value")
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(isinstance(x, list) for x in p):
+                return list(p)
         raise bad_request("'prompt' must be a string, a list of strings, a list of token ids (integers >= 0) "
                           "or a list of such lists", "prompt", "invalid_type")
-
-
-def _is_token(x: Any) -> bool:
-    return type(x) is int and x >= 0
 
 
 class ChatMessage(_Request):
@@ -172,8 +173,21 @@ class ChatMessage(_Request):
         return "".join(parts)
 
 
+def chat_messages(raw: list[Any]) -> list[ChatMessage]:
+    """Each message validated as a ChatMessage, one at a time: `messages` is only checked to be a list
+    when the body is parsed (on the event loop), so a body of 100,000 messages is validated here, off it,
+    with the loop free between messages. A bad message is a 400 naming it (messages[2].role)."""
+    out = []
+    for i, m in enumerate(raw):
+        try:
+            out.append(m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m))
+        except ValidationError as e:
+            raise from_validation_error(e, ("messages", i)) from None
+    return out
+
+
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
+    messages: list[Any]  # ChatMessage each, checked by conversation() (chat_messages)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # vLLM: end the template with the assistant's turn header
@@ -192,7 +206,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if not self.messages:
             raise bad_request("'messages' must contain at least one message", "messages", "invalid_value")
         conv = []
-        for i, m in enumerate(self.messages):
+        for i, m in enumerate(chat_messages(self.messages)):
             where = f"messages[{i}]"
             if m.role not in ROLES:
                 raise bad_request(f"'{where}.role': unknown role {m.role!r} (expected one of "
@@ -218,7 +232,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[Any] | None = None  # ChatMessage each, checked with the template, off the event loop
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
 

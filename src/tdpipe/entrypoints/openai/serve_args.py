@@ -1,13 +1,14 @@
 """The `tdpipe serve` command line: ServerConfig and the flags that fill it. Light on purpose (no FastAPI,
-no torch): every `tdpipe` command builds this parser; the server itself is imported only to serve."""
+no torch): every `tdpipe` command builds this parser; the command itself (entrypoints/cli.py) imports the
+server only to serve, so the server may import ServerConfig from here without a circle."""
 from __future__ import annotations
 
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any
 
-from tdpipe.entrypoints.args import add_engine_args
+from tdpipe.config import EngineConfig
+from tdpipe.engine_args import EngineArgs
 
 
 @dataclass
@@ -18,6 +19,8 @@ class ServerConfig:
     api_key: str | None = None  # when set, every /v1 route needs "Authorization: Bearer <api_key>"
     max_waiting_requests: int = 1024  # a request that would queue beyond this gets 503 + Retry-After
     max_request_body_bytes: int = 8 << 20  # larger bodies get 413 (Content-Length and the bytes read)
+    max_prompts_per_request: int = 256  # a completions prompt list longer than this gets 400
+    max_connections: int = 2048  # beyond this many open connections (or requests) uvicorn answers 503
     host: str = "127.0.0.1"  # loopback only unless asked
     port: int = 8000
     shutdown_grace_s: float = 30.0  # on SIGTERM/Ctrl-C: how long requests in flight may take to finish
@@ -26,7 +29,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
-        for name in ("max_waiting_requests", "max_request_body_bytes"):
+        for name in ("max_waiting_requests", "max_request_body_bytes", "max_prompts_per_request",
+                     "max_connections"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -36,7 +40,8 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The `serve` parser, server flags then engine flags; the caller sets its handler (`fn`)."""
     d = ServerConfig()
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
@@ -61,31 +66,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"Retry-After (default {d.max_waiting_requests})")
     g.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                    help=f"larger request bodies get 413 (default {d.max_request_body_bytes})")
+    g.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="most prompts one /v1/completions request may batch; more is a 400 (default "
+                        f"{d.max_prompts_per_request})")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="most open HTTP connections (and requests in flight); beyond it new requests get 503 "
+                        f"(default {d.max_connections})")
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long requests in flight may take to finish before they are "
                         f"aborted (default {d.shutdown_grace_s:g})")
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
-    add_engine_args(p)
-    p.set_defaults(fn=cmd_serve)
+    EngineArgs.add_cli_args(p)
+    return p
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
     key = a.api_key if a.api_key is not None else os.environ.get("TDPIPE_API_KEY") or None
     return ServerConfig(served_model_name=a.served_model_name, api_key=key,
                         max_waiting_requests=a.max_waiting_requests,
-                        max_request_body_bytes=a.max_request_body_bytes, host=a.host, port=a.port,
+                        max_request_body_bytes=a.max_request_body_bytes,
+                        max_prompts_per_request=a.max_prompts_per_request, max_connections=a.max_connections,
+                        host=a.host, port=a.port,
                         shutdown_grace_s=a.shutdown_grace, access_log=not a.no_access_log)
 
 
-def engine_config(a: argparse.Namespace) -> Any:
-    """The EngineConfig the engine flags describe: the mapping `LLM(...)` applies to the same keywords."""
-    from tdpipe.entrypoints.args import engine_kwargs
-    from tdpipe.entrypoints.llm import engine_config as from_keywords
-
-    return from_keywords(engine_kwargs(a))
-
-
-def cmd_serve(a: argparse.Namespace) -> int:
-    from tdpipe.entrypoints.openai.api_server import run_server
-
-    return run_server(server_config(a), engine_config(a))  # both checked before the port is taken
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags describe (the same EngineArgs that `LLM(...)`'s keywords fill)."""
+    return EngineArgs.from_cli(a).create_engine_config()

@@ -1,14 +1,18 @@
-"""What completions and chat share: a validated request becomes SamplingParams and prompt token ids, passes
-admission control, and drives `AsyncLLM.generate`; the outputs come back as one response or an SSE stream.
+"""What completions and chat share: a request's fields become SamplingParams (checked by core/validation.py,
+the one validation the engine client shares), it passes admission control, its prompts are tokenised and
+validated off the event loop, and it drives the engine client's `generate`; the outputs come back as one
+response or an SSE stream.
 
-Every path that stops early (a client that hangs up, an error in one prompt of a batch, a server shutting
-down) closes the engine's generators, which aborts the requests in the core and frees their KV blocks.
+The order protects the other clients: the cheap checks and admission (503 when the queue is full) come
+before any tokenising, and tokenising and chat templates run on one worker thread, so megabytes of prompt
+never freeze the event loop. Every path that stops early (a client that hangs up, an error in one prompt of
+a batch, a server shutting down) closes the engine's generators, which aborts the requests in the core and
+frees their KV blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -19,10 +23,17 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tdpipe.core.engine_client import EngineClient
+from tdpipe.core.validation import (EngineRequest, RequestError, RequestLimits, check_params, check_stops,
+                                    validate_prompt)
+from tdpipe.entrypoints.openai.admission import Admission, Ticket
 from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, engine_dead,
-                                              error_json, from_sampling_error)
+                                              error_json, from_request_error, from_sampling_error)
 from tdpipe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
-from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest
+from tdpipe.entrypoints.openai.ignored_fields import IgnoredFieldsLog, ignored_fields_header, ignored_names
+from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest, _Request
+from tdpipe.entrypoints.openai.serve_args import ServerConfig
+from tdpipe.entrypoints.openai.tokenizer_thread import off_loop
 from tdpipe.outputs import RequestOutput
 from tdpipe.sampling.params import SamplingParams
 
@@ -33,13 +44,23 @@ DONE = b"data: [DONE]\n\n"
 
 @dataclass
 class Item:
-    """One prompt of a request: one choice of the response and one request in the engine."""
+    """One prompt of a request: one choice of the response and one (validated) request in the engine."""
 
     index: int
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest
     prompt_text: str | None = None  # for echo; decoded from the ids when the prompt came as ids
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
 
 @dataclass
@@ -53,165 +74,114 @@ class Prepared:
     include_usage: bool = False
     continuous_usage: bool = False
     return_token_ids: bool = False
+    ignored: list[str] = field(default_factory=list)  # unknown fields, escaped for a header
     created: int = field(default_factory=lambda: int(time.time()))
 
-
-class Admission:
-    """Bounds the requests queued in this server (--max-waiting-requests): a request that would make the
-    queue longer gets 503 + Retry-After instead of waiting in memory.
-
-    Waiting = the larger of the engine's waiting queue (its last snapshot, one step old) and what this server
-    knows without delay: its requests that have no output token yet, and its open requests beyond the most
-    the engine can run at once (max_num_seqs)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.unstarted = 0  # accepted, no output token yet
-        self.open = 0  # accepted, not finished
-
-    def waiting(self, engine: Any) -> int:
-        try:
-            engine_waiting = int(engine.stats().get("num_waiting", 0))
-        except Exception:  # noqa: BLE001 - a dying engine: the local counts still hold
-            engine_waiting = 0
-        return max(engine_waiting, self.unstarted, self.open - int(getattr(engine, "max_num_seqs", 0) or 0))
-
-    def admit(self, engine: Any, n: int) -> list["Ticket"]:
-        waiting = self.waiting(engine)
-        if waiting + n > self.limit:
-            raise OpenAIError(503, f"the server is busy: {waiting} requests are waiting (at most "
-                              f"{self.limit}, --max-waiting-requests); retry later", code="server_busy",
-                              headers={"Retry-After": "1"})
-        return [Ticket(self) for _ in range(n)]
-
-
-class Ticket:
-    """One admitted prompt's place in the counts; `release` is idempotent and also runs when the ticket is
-    garbage-collected, so no path (a cancelled task, a response never sent) leaves a count behind."""
-
-    __slots__ = ("adm", "unstarted", "open")
-
-    def __init__(self, adm: Admission) -> None:
-        self.adm = adm
-        self.unstarted = self.open = True
-        adm.unstarted += 1
-        adm.open += 1
-
-    def started(self) -> None:
-        if self.unstarted:
-            self.unstarted = False
-            self.adm.unstarted -= 1
-
-    def release(self) -> None:
-        self.started()
-        if self.open:
-            self.open = False
-            self.adm.open -= 1
-
-    __del__ = release
+    def headers(self) -> dict[str, str]:
+        return ignored_fields_header(self.ignored)
 
 
 class OpenAIServing:
     """Shared by the completions and chat handlers: engine access, parameter building, running, streaming."""
 
-    def __init__(self, get_engine: Callable[[], Any], config: Any, metrics: ServerMetrics) -> None:
+    def __init__(self, get_engine: Callable[[], EngineClient | None], config: ServerConfig,
+                 metrics: ServerMetrics) -> None:
         self.get_engine = get_engine
         self.config = config
         self.metrics = metrics
         self.admission = Admission(config.max_waiting_requests)
-        self._warned: set[str] = set()
+        self.log_ignored = IgnoredFieldsLog()
 
     # -- engine and model ------------------------------------------------------------------------------
-    def engine(self) -> Any:
+    def engine(self) -> EngineClient:
         """The engine, or 503 while it starts or after its core died."""
         eng = self.get_engine()
-        if getattr(eng, "dead_reason", None):  # first: a dead engine is not ready either
+        if eng is not None and eng.dead_reason:  # first: a dead engine is not ready either
             raise engine_dead(eng.dead_reason)
-        if eng is None or not getattr(eng, "ready", True):
+        if eng is None or not eng.ready:
             raise OpenAIError(503, "the engine is starting; retry shortly", code="engine_starting",
                               headers={"Retry-After": "5"})
         return eng
 
-    def served_name(self, eng: Any | None = None) -> str:
+    def served_name(self, eng: EngineClient | None = None) -> str:
         if self.config.served_model_name:
             return self.config.served_model_name
         eng = eng if eng is not None else self.get_engine()
-        return getattr(eng, "model_name", None) or "tdpipe"
+        return (eng.model_name if eng is not None else None) or "tdpipe"
 
-    def check_model(self, model: str | None, eng: Any) -> str:
+    def check_model(self, model: str | None, eng: EngineClient) -> str:
         """404 unless `model` is omitted or the served name."""
         name = self.served_name(eng)
         if model is not None and model != name:
-            raise OpenAIError(404, f"The model '{model}' does not exist; this server serves '{name}'",
+            shown = model if len(model) <= 100 else model[:97] + "..."
+            raise OpenAIError(404, f"The model '{shown}' does not exist; this server serves '{name}'",
                               "model", "model_not_found")
         return name
 
-    def warn_ignored(self, fields: list[str]) -> None:
-        new = [f for f in fields if f not in self._warned]
-        if new:
-            self._warned.update(new)
-            log.warning("ignoring unknown request fields (logged once per name): %s", ", ".join(new))
+    def ignored(self, req: _Request) -> list[str]:
+        """The request's ignorable unknown fields, escaped (named in the answer's header), logged sparingly."""
+        names = ignored_names(req)
+        self.log_ignored(names)
+        return names
 
     # -- parameters ------------------------------------------------------------------------------------
-    def common_checks(self, req: _GenerationRequest, eng: Any) -> str:
+    def common_checks(self, req: _GenerationRequest, eng: EngineClient) -> tuple[str, list[str]]:
+        """The cheap checks, before admission: model, unknown fields, stream options, n. Returns the served
+        name and the ignored fields."""
         name = self.check_model(req.model, eng)
-        self.warn_ignored(req.unknown_fields())
+        ignored = self.ignored(req)
         req.check_stream_options()
         n = 1 if req.n is None else req.n
         if n < 1:
             raise bad_request(f"n must be >= 1, got {req.n}", "n", "invalid_value")
-        most = getattr(eng, "max_num_seqs", 0) or None
-        for field, v in (("n", n), ("best_of", req.best_of)):
-            if v is not None and most is not None and v > most:
-                raise bad_request(f"{field} is {v}, more samples than this server runs at once "
-                                  f"(--max-num-seqs {most})", field, "invalid_value")
         if req.stream and req.best_of is not None and req.best_of != n:
             raise bad_request(f"best_of ({req.best_of}) must equal n ({n}) when streaming: the best samples are "
                               "known only once all have finished", "best_of", "invalid_value")
-        return name
+        return name, ignored
 
     @staticmethod
-    def sampling_params(req: _GenerationRequest, max_tokens: int | None, max_field: str) -> SamplingParams:
-        """SamplingParams from the request's fields (its ValueError, naming the field, becomes a 400)."""
+    def sampling_params(req: _GenerationRequest, max_tokens: int | None, max_field: str,
+                        eng: EngineClient) -> SamplingParams:
+        """SamplingParams from the request's fields, checked against the engine (core/validation.py:
+        check_params); every failure is a 400 naming the field."""
         kw = req.sampling_kwargs()
         try:
-            return SamplingParams(**kw, max_tokens=max_tokens, logprobs=req.num_logprobs())
+            check_stops(kw.get("stop"), kw.get("stop_token_ids"))  # first: a huge list is not echoed back
+            sp = SamplingParams(**kw, max_tokens=max_tokens, logprobs=req.num_logprobs())
+            check_params(sp, RequestLimits.of(eng))
+        except RequestError as e:
+            raise from_request_error(e) from None
         except ValueError as e:  # chat's k is top_logprobs
             raise from_sampling_error(e, {"max_tokens": max_field, "logprobs": req.LOGPROBS_FIELD}) from None
+        return sp
 
     @staticmethod
-    def fit(eng: Any, ids: list[int], sp: SamplingParams, max_field: str,
-            prompt_field: str) -> SamplingParams:
-        """The params with max_tokens set: what fits after the prompt when the request left it null; a 400
-        when the prompt, or the prompt plus max_tokens, exceeds max_model_len."""
-        n, limit = len(ids), int(eng.max_model_len)
-        if n == 0:
-            raise bad_request(f"'{prompt_field}' is empty: at least one token is needed", prompt_field,
-                              "invalid_value")
-        if n >= limit:
-            raise bad_request(f"'{prompt_field}' has {n} tokens, but this model's maximum context "
-                              f"length is {limit} tokens (max_model_len) and the prompt must leave room for "
-                              "at least one output token", prompt_field, "context_length_exceeded")
-        if sp.max_tokens is None:
-            try:
-                return dataclasses.replace(sp, max_tokens=limit - n)
-            except ValueError as e:  # min_tokens above what fits
-                raise _sampling_error(e, max_field) from None
-        if n + sp.max_tokens > limit:
-            raise bad_request(f"this model's maximum context length is {limit} tokens, but "
-                              f"{n + sp.max_tokens} were requested ({n} in the {prompt_field}, "
-                              f"{sp.max_tokens} in the completion); reduce the {prompt_field} or "
-                              f"'{max_field}'", max_field, "context_length_exceeded")
-        return sp
+    def validated(request_id: str, ids: list[int], sp: SamplingParams, eng: EngineClient, prompt_field: str,
+                  max_field: str, text: str | None = None) -> EngineRequest:
+        """One prompt validated (core/validation.py): ids in the vocabulary, max_tokens resolved to what fits."""
+        try:
+            return validate_prompt(request_id, ids, sp, RequestLimits.of(eng), text, prompt_field=prompt_field,
+                                   max_tokens_field=max_field)
+        except RequestError as e:
+            raise from_request_error(e) from None
 
     @staticmethod
     def new_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
     # -- running ---------------------------------------------------------------------------------------
-    def start(self, eng: Any, prep: Prepared, prompt_field: str) -> "Run":
-        """Admit the request (503 when the queue is full) and return its run; the caller must close it."""
-        tickets = self.admission.admit(eng, len(prep.items))
+    async def admitted(self, eng: EngineClient, n: int, prepare: Callable[[], Prepared], prompt_field: str,
+                       tokenizer: bool = True) -> "Run":
+        """Admit n prompts (503 when the queue is full), then run `prepare` (tokenising, templating,
+        validating) off the event loop (on the tokenizer thread if it uses the tokenizer); returns the run,
+        which the caller must close."""
+        tickets = self.admission.admit(eng, n)
+        try:
+            prep = await off_loop(prepare, tokenizer=tokenizer)
+        except BaseException:
+            for t in tickets:
+                t.release()
+            raise
         return Run(self, eng, prep, tickets, prompt_field)
 
     async def until_disconnect(self, receive: Receive, work: Any) -> Any:
@@ -235,7 +205,7 @@ class Run:
     """The engine requests of one HTTP request: iterate `outputs()` for (choice index, RequestOutput) as they
     advance, from all prompts at once; `close()` aborts whatever has not finished and releases admission."""
 
-    def __init__(self, serving: OpenAIServing, eng: Any, prep: Prepared, tickets: list[Ticket],
+    def __init__(self, serving: OpenAIServing, eng: EngineClient, prep: Prepared, tickets: list[Ticket],
                  prompt_field: str) -> None:
         self.serving = serving
         self.eng = eng
@@ -259,11 +229,12 @@ class Run:
     async def _one(self, it: Item, ticket: Ticket) -> AsyncIterator[tuple[int, RequestOutput]]:
         timer: RequestTimer = self.serving.metrics.timer()
         try:
-            async with contextlib.aclosing(self.eng.generate(it.prompt_ids, it.params, it.request_id)) as gen:
+            async with contextlib.aclosing(self.eng.generate(it.request)) as gen:
                 async for out in gen:
                     ticket.started()
                     timer.tokens_seen(sum(len(c.token_ids) for c in out.outputs))
                     if out.finished:
+                        ticket.release()  # done in the engine: a client slow to read its end holds no place
                         for c in out.outputs:
                             if c.finish_reason not in ("stop", "length"):
                                 raise OpenAIError(503 if c.finish_reason == "abort" else 500,
@@ -274,6 +245,8 @@ class Run:
                     yield it.index, out
         except EngineDeadError as e:
             raise engine_dead(e) from None
+        except RequestError as e:
+            raise from_request_error(e) from None
         except ValueError as e:  # the engine refused the request before its first output
             raise bad_request(str(e), self.prompt_field, "invalid_value") from None
         finally:
@@ -318,26 +291,28 @@ class StreamCursor:
 
 async def _merge(gens: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     """Items of several async generators as they come; the first error ends all of them. One generator is
-    iterated directly (no task, no queue: the common case costs nothing extra)."""
+    iterated directly (no task, no queue: the common case costs nothing extra). The queue holds at most one
+    item per generator: a consumer that stops reading stops the pumps, so each request's newer outputs
+    merge in its engine-side slot instead of piling up here."""
     if len(gens) == 1:
         async with contextlib.aclosing(gens[0]) as g:
             async for x in g:
                 yield x
         return
-    q: asyncio.Queue = asyncio.Queue()
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
     end = object()
 
     async def pump(g: AsyncIterator[Any]) -> None:
         try:
             async with contextlib.aclosing(g):
                 async for x in g:
-                    q.put_nowait((x, None))
+                    await q.put((x, None))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((None, e))
+            await q.put((None, e))
             return
-        q.put_nowait((end, None))
+        await q.put((end, None))
 
     tasks = [asyncio.ensure_future(pump(g)) for g in gens]
     try:
@@ -380,10 +355,6 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-def _sampling_error(e: ValueError, max_field: str) -> OpenAIError:
-    return from_sampling_error(e, {"max_tokens": max_field})
-
-
 async def sse_events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """An SSE body: the events, then `data: [DONE]`. A failure after the stream began (the engine core died,
     the server is stopping, a bug) becomes an error event before [DONE], so the client sees it: never a hang,
@@ -405,9 +376,9 @@ def sse_error(e: BaseException) -> bytes:
     """An error as an SSE event: the `openai` client raises an APIError with its message."""
     if isinstance(e, OpenAIError):
         body = error_json(e.status, e.message, e.param, e.code)
-    else:
+    else:  # the details go to the log, not to the client
         log.exception("error while streaming", exc_info=e)
-        body = error_json(500, f"internal error while streaming: {type(e).__name__}: {e}")
+        body = error_json(500, f"internal error while streaming: {type(e).__name__}")
     return b"data: " + body.encode() + b"\n\n"
 
 
@@ -416,9 +387,10 @@ class SSEResponse(StreamingResponse):
     queued): a watcher on `receive` cancels the stream, whose generators close and abort their requests.
     `on_close` runs in every case, even if the stream never started."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} | (headers or {}))
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tdpipe.core.engine_client import EngineClient
 from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.logprobs import chat_logprobs
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -32,31 +33,33 @@ class ChatServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
 
-    def prepare(self, req: ChatCompletionRequest, eng: Any) -> Prepared:
-        name = self.s.common_checks(req, eng)
-        max_tokens, max_field = req.output_limit()
-        sp = self.s.sampling_params(req, max_tokens, max_field)
+    def prepare(self, req: ChatCompletionRequest, eng: EngineClient, name: str, ignored: list[str], sp: Any,
+                max_field: str) -> Prepared:
+        """The conversation through the chat template, validated (on the tokenizer thread)."""
         conv = req.conversation()
         ids = apply_template(eng.tokenizer, conv, req.add_generation_prompt, req.add_special_tokens)
-        params = self.s.fit(eng, ids, sp, max_field, "messages")
         rid = self.s.new_id("chatcmpl")
+        er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options
-        return Prepared(rid, name, [Item(0, rid, ids, params)], req.stream,
-                        include_usage=bool(so and so.include_usage),
+        return Prepared(rid, name, [Item(0, er)], req.stream, include_usage=bool(so and so.include_usage),
                         continuous_usage=bool(so and so.continuous_usage_stats),
-                        return_token_ids=req.return_token_ids)
+                        return_token_ids=req.return_token_ids, ignored=ignored)
 
     async def handle(self, req: ChatCompletionRequest, raw: Request) -> Response | None:
         eng = self.s.engine()
-        prep = self.prepare(req, eng)
-        run = self.s.start(eng, prep, "messages")
+        name, ignored = self.s.common_checks(req, eng)
+        max_tokens, max_field = req.output_limit()
+        sp = self.s.sampling_params(req, max_tokens, max_field, eng)
+        run = await self.s.admitted(eng, 1, lambda: self.prepare(req, eng, name, ignored, sp, max_field),
+                                    "messages")
+        prep = run.prep
         if prep.stream:
-            return SSEResponse(sse_events(self._stream(prep, run)), on_close=run.close)
+            return SSEResponse(sse_events(self._stream(prep, run)), on_close=run.close, headers=prep.headers())
         try:
             body = await self.s.until_disconnect(raw.receive, self._full(prep, run))
         finally:
             run.close()
-        return None if body is None else JSONResponse(body)
+        return None if body is None else JSONResponse(body, headers=prep.headers())
 
     async def _full(self, prep: Prepared, run: Run) -> dict:
         last = None

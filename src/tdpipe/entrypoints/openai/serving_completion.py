@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tdpipe.core.engine_client import EngineClient
 from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.logprobs import completion_logprobs
 from tdpipe.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionRequest,
@@ -19,10 +20,9 @@ class CompletionServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
 
-    def prepare(self, req: CompletionRequest, eng: Any) -> Prepared:
-        name = self.s.common_checks(req, eng)
-        prompts = req.prompts()
-        sp = self.s.sampling_params(req, req.max_tokens, "max_tokens")
+    def prepare(self, req: CompletionRequest, eng: EngineClient, name: str, ignored: list[str],
+                prompts: list[str | list[int]], sp: Any) -> Prepared:
+        """Tokenise and validate each prompt (on the tokenizer thread: megabytes of text take a while)."""
         rid = self.s.new_id("cmpl")
         tok = eng.tokenizer
         items = []
@@ -32,10 +32,10 @@ class CompletionServing:
                     raise bad_request("'prompt' must not be an empty string", "prompt", "invalid_value")
                 ids, text = tok.encode(p, add_special_tokens=req.add_special_tokens), p
             else:
-                _check_vocab(eng, p)
                 ids, text = p, None
-            params = self.s.fit(eng, ids, sp, "max_tokens", "prompt")
-            items.append(Item(i, rid if len(prompts) == 1 else f"{rid}-{i}", ids, params, text))
+            er = self.s.validated(rid if len(prompts) == 1 else f"{rid}-{i}", ids, sp, eng, "prompt",
+                                  "max_tokens", text)
+            items.append(Item(i, er, text))
         if req.echo:
             for it in items:
                 if it.prompt_text is None:
@@ -43,20 +43,25 @@ class CompletionServing:
         so = req.stream_options
         return Prepared(rid, name, items, req.stream, include_usage=bool(so and so.include_usage),
                         continuous_usage=bool(so and so.continuous_usage_stats),
-                        return_token_ids=req.return_token_ids)
+                        return_token_ids=req.return_token_ids, ignored=ignored)
 
     async def handle(self, req: CompletionRequest, raw: Request) -> Response | None:
         eng = self.s.engine()
-        prep = self.prepare(req, eng)
-        echo = req.echo
-        run = self.s.start(eng, prep, "prompt")
+        name, ignored = self.s.common_checks(req, eng)
+        prompts = req.prompts(self.s.config.max_prompts_per_request)
+        sp = self.s.sampling_params(req, req.max_tokens, "max_tokens", eng)
+        text = req.echo or any(isinstance(p, str) for p in prompts)  # token ids alone need no tokenizer
+        run = await self.s.admitted(eng, len(prompts), lambda: self.prepare(req, eng, name, ignored, prompts, sp),
+                                    "prompt", tokenizer=text)
+        prep, echo = run.prep, req.echo
         if prep.stream:
-            return SSEResponse(sse_events(self._stream(prep, run, echo)), on_close=run.close)
+            return SSEResponse(sse_events(self._stream(prep, run, echo)), on_close=run.close,
+                               headers=prep.headers())
         try:
             body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo))
         finally:
             run.close()
-        return None if body is None else JSONResponse(body)
+        return None if body is None else JSONResponse(body, headers=prep.headers())
 
     def _logprobs(self, prep: Prepared, it: Item, out: Any, c: Any, echo: bool) -> dict | None:
         """The legacy logprobs object of choice c; with echo the prompt's positions first (vLLM)."""
@@ -127,15 +132,6 @@ class CompletionServing:
                 yield sse(chunk([choice], prep.continuous_usage))
         if prep.include_usage:
             yield sse(chunk([], True))
-
-
-def _check_vocab(eng: Any, ids: list[int]) -> None:
-    """Token ids outside the model's vocabulary are a 400 here, before any stream starts."""
-    size = getattr(eng, "vocab_size", 0) or len(eng.tokenizer)
-    bad = next((t for t in ids if t >= size), None)
-    if bad is not None:
-        raise bad_request(f"'prompt' has token id {bad}, outside the vocabulary (ids are in [0, {size}))",
-                          "prompt", "invalid_value")
 
 
 def _decode(tok: Any, ids: list[int]) -> str:

@@ -37,7 +37,7 @@ class StageInit:
 
 @dataclass
 class StepMessage:
-    """One micro-batch's metadata (ARCHITECTURE.md data flow step 2). Stages after the first get no
+    """One micro-batch's metadata (docs/design.md, data flow step 2). Stages after the first get no
     token ids; every stage gets block-table deltas instead of whole tables (pipeline/wire/block_sync.py)."""
 
     batch_id: int

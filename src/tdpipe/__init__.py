@@ -1,8 +1,7 @@
 """tdpipe: throughput-first LLM inference with bubble-free pipeline parallelism."""
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
-
-__version__ = "0.1.0"
+from tdpipe.version import __version__
 
 
 def __getattr__(name: str):

@@ -144,7 +144,8 @@ class SchedulerConfig:
     # output lengths for policies that ask for them (PolicySpec.needs_predictor; TD-Pipe's Algorithm 1):
     # auto | oracle | constant[:N] | a file (tdpipe/predictor/factory.py)
     predictor: str = "auto"
-    profile_cache: bool = True  # reuse the start-up step-cost profile (PolicySpec.needs_step_costs; core/step_profile.py)
+    # reuse the start-up step-cost profile, for policies that use one (PolicySpec.needs_step_costs)
+    profile_cache: bool = True
     knobs: Any = None  # the policy's knob object; None or a dict: PolicySpec.configure makes it
 
     def __post_init__(self) -> None:

@@ -77,7 +77,8 @@ class EngineArgs:
                             "a published config for throughput benchmarks: qwen2.5-0.5b, llama-3.2-1b); default: "
                             "bundled SmolLM2-135M-Instruct", "--model")
     dtype: str = option(EngineConfig.dtype, "auto = bfloat16 where the CPU has bf16 instructions, else float32 "
-                                            "(default: %(default)s)", "--dtype", choices=["auto", "bfloat16", "float32"])
+                                            "(default: %(default)s)", "--dtype",
+                        choices=["auto", "bfloat16", "float32"])
     seed: int = option(EngineConfig.seed, "engine seed for unseeded random sampling (default: %(default)s)",
                        "--seed", type=int)
     max_num_seqs: int = option(SchedulerConfig.max_num_seqs, "most sequences in one batch (default: %(default)s)",

@@ -438,7 +438,7 @@ def test_torchrun_two_nodes_loopback(tmp_path, pp1_tokens):
 @pytest.mark.slow
 def test_cli_layer_partition_wrong_sum(tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "tdpipe")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tdpipe.entrypoints.cli"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "tdpipe.cli"]
     args = ["generate", "hello", "--pp", "2", "--layer-partition", "20,5", "--dtype", "float32",
             "--kv-cache-memory", "64MiB", "--max-tokens", "2", "--no-progress"]
     r = subprocess.run(cmd + args, capture_output=True, text=True, timeout=120, check=False)
@@ -449,7 +449,7 @@ def test_cli_layer_partition_wrong_sum(tmp_path):
 
 
 def test_cli_layer_partition_bad_values(capsys):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["generate", "hello", "--pp", "2", "--layer-partition", "a,b"])

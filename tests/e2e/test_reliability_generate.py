@@ -11,7 +11,7 @@ import weakref
 import pytest
 
 from tdpipe import SamplingParams
-from tdpipe.entrypoints.cli import main
+from tdpipe.cli import main
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 

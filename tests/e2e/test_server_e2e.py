@@ -32,7 +32,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def start_server(log_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`tdpipe serve` on a free port (--port 0); returns once it says where it listens."""
     log = open(log_path, "w+")
-    cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "serve", "--port", "0", "--dtype", "float32",
+    cmd = [sys.executable, "-m", "tdpipe.cli", "serve", "--port", "0", "--dtype", "float32",
            "--kv-cache-memory", str(64 << 20), "--no-access-log", *flags]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     for _ in range(1500):  # model load and, at pp > 1, the stage processes

@@ -38,7 +38,7 @@ def rss_mib(pids: list[int]) -> float:
 def server(tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("srv") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tdpipe.entrypoints.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "tdpipe.cli", "serve", "--port", str(port),
                              "--dtype", "float32", "--kv-cache-memory", str(128 << 20), "--max-num-seqs", "64"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -239,7 +239,7 @@ def test_ctrl_c_ends_the_cli_quietly(tiny, tmp_path, when):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"story {i} once upon a time\n" for i in range(64)))
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "generate", "--model", tiny[0], "--pp", "2",
+    cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", tiny[0], "--pp", "2",
            "--layer-partition", "2,1", "--dtype", "float32", "--kv-cache-memory", "16MiB",
            "--max-tokens", "32", "--max-num-seqs", "2", "--ignore-eos", "--no-progress",
            "-i", str(prompts), "-o", str(out)]
@@ -418,7 +418,7 @@ def test_stage_that_cannot_start_gives_one_error(tiny, tmp_path, monkeypatch, ca
     """Stage 1 cannot load its layers: the CLI prints the engine's one line with the stage's reason, no
     traceback, and the reason once; with TDPIPE_DEBUG=1 the stage adds its traceback."""
     broken = _broken_copy(tiny[0], tmp_path / "broken")
-    cmd = [sys.executable, "-m", "tdpipe.entrypoints.cli", "generate", "--model", broken, "--pp", "2",
+    cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", broken, "--pp", "2",
            "--layer-partition", "2,1", "--dtype", "float32", "--kv-cache-memory", "16MiB",
            "--max-tokens", "4", "--no-progress", "-o", str(tmp_path / "out.jsonl"), "hello"]
     env = dict(os.environ)

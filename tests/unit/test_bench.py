@@ -173,7 +173,7 @@ def test_bench_throughput_end_to_end(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
     from tdpipe.model.bundled import bundled_model_path
 
     src = bundled_model_path()
@@ -234,7 +234,7 @@ def test_compare_pp1_drops_layout_only_settings():
 
     from tdpipe.bench import fresh
     from tdpipe.bench.throughput import side_command
-    from tdpipe.entrypoints.cli import build_parser
+    from tdpipe.cli import build_parser
     from tdpipe.entrypoints.llm import engine_config
 
     root = build_parser()

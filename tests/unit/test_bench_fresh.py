@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from tdpipe.bench import fresh
-from tdpipe.entrypoints.cli import build_parser, main
+from tdpipe.cli import build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THROUGHPUT_TEMPLATE = os.path.join(ROOT, "bench_results", "pp_efficiency", "throttle_pp2_amd_fp32_attn.json")

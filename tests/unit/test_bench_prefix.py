@@ -6,7 +6,7 @@ import pytest
 
 from tdpipe.bench import prefix as bp
 from tdpipe.bench import workload as wl
-from tdpipe.entrypoints.cli import build_parser, main
+from tdpipe.cli import build_parser, main
 
 VOCAB = 49152
 

@@ -173,7 +173,7 @@ def model_dir(tmp_path):
 
 
 def bench(argv: list[str]) -> int:
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     return main(["bench", "serve", "--no-progress", *argv])
 
@@ -306,7 +306,7 @@ def test_latency_validation_names_the_problem(tmp_path):
 
 
 def test_plot_latency_and_cli(tmp_path):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     j = tmp_path / "r.json"
     j.write_text(json.dumps(_doc(_run("separate pp=2", ["1", "2", "inf"], [10.0, 20.0, 90.0]),

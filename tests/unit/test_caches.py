@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tdpipe.config import SchedulerConfig
 from tdpipe.core import step_profile as sp
 from tdpipe.core.block_manager import BlockManager
+from tdpipe.core.scheduler.registry import scheduler_config
 from tdpipe.core.scheduler.td_pipe import StepCostModel
 from tdpipe.model import bundled, jit
 from tdpipe.model import cache as model_cache
@@ -70,7 +70,7 @@ def test_cache_that_is_a_file_is_one_clear_error(tmp_path: Path, monkeypatch: py
 
 def test_cli_reports_a_bad_cache_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture) -> None:
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     f = tmp_path / "file"
     f.write_text("x")
@@ -98,14 +98,15 @@ def test_cache_is_created_when_missing(tmp_path: Path, monkeypatch: pytest.Monke
 # -- the step profile (td-pipe, core/step_profile.py) ----------------------------------------------------
 def fake_engine(model: Path, num_blocks: int, max_num_seqs: int = 256, budget: int | None = None,
                 pp: int = 1) -> SimpleNamespace:
-    """What profile_key / load_or_measure read from an engine; measuring is faked (`fake_measure`)."""
+    """What profile_key / load_or_measure read from an engine's parts (sp.ProfileTarget); measuring is faked
+    (`fake_measure`)."""
     return SimpleNamespace(
         model_path=str(model), dtype="torch.float32", pp=pp, partition=[(0, 30)], stage_threads=[2] * pp,
         block_manager=BlockManager(num_blocks, 16),
-        scheduler=SimpleNamespace(config=SchedulerConfig(policy="td-pipe", max_num_seqs=max_num_seqs,
-                                                         max_num_batched_tokens=budget)),
+        scheduler_config=scheduler_config(policy="td-pipe", max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=budget),
         executor=SimpleNamespace(num_stages=pp), model_config=SimpleNamespace(vocab_size=100),
-        _seq_ids=itertools.count())
+        new_seq_id=itertools.count().__next__)
 
 
 @pytest.fixture
@@ -359,14 +360,15 @@ def test_small_kv_engine_leaves_the_normal_profile_alone(cache: Path,
     linked_cache(cache)
     with LLM(scheduler="td-pipe", num_kv_blocks=3, dtype="float32") as llm:
         small = llm.engine.scheduler.costs
-        small_key = sp.profile_key(llm.engine)
+        small_key = sp.profile_key(sp.ProfileTarget.of(llm.engine))
         assert small.peak_batch == 1 and max(b for b, _ in small.points["decode"]) == 1
     with LLM(scheduler="td-pipe", kv_cache_memory=64 << 20, dtype="float32") as llm:
         normal = llm.engine.scheduler.costs
-        key = sp.profile_key(llm.engine)
-        assert key == sp.profile_key(llm.engine, sp.standard_plan(llm.engine)) != small_key
+        target = sp.ProfileTarget.of(llm.engine)
+        key = sp.profile_key(target)
+        assert key == sp.profile_key(target, sp.standard_plan(target)) != small_key
         assert normal.source == "profile" and normal.peak_batch == 8  # measured now, not the small run's
-        assert [b for b, _ in normal.points["decode"]] == list(sp.standard_plan(llm.engine).decode)
+        assert [b for b, _ in normal.points["decode"]] == list(sp.standard_plan(target).decode)
     assert sorted(p.name for p in (cache / "profiles").iterdir()) == sorted([sp._path(key).name,
                                                                              sp._path(small_key).name])
     with LLM(scheduler="td-pipe", num_kv_blocks=3, dtype="float32") as llm:  # now it takes the standard one

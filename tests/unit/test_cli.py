@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tdpipe.entrypoints.cli import main
+from tdpipe.cli import main
 
 
 @pytest.mark.parametrize("cmd", [[], ["generate"], ["chat"], ["bench"], ["bench", "throughput"], ["predictor"],
@@ -77,7 +77,7 @@ def test_generate_messages_through_the_chat_template_and_record_history(tmp_path
 
 
 def test_generate_stdin_subprocess(bundled_path):
-    r = subprocess.run([sys.executable, "-m", "tdpipe.entrypoints.cli", "generate", "--max-tokens", "3",
+    r = subprocess.run([sys.executable, "-m", "tdpipe.cli", "generate", "--max-tokens", "3",
                         "--kv-cache-memory", "64MiB", "--no-progress", "--chat-template"],
                        input="Say hello\nName a fruit\n", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

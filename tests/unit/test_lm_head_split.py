@@ -113,7 +113,7 @@ def test_split_head_trace_shows_the_head_work(tmp_path):
 
 
 def test_cli_takes_auto_or_a_fraction():
-    from tdpipe.entrypoints.cli import build_parser
+    from tdpipe.cli import build_parser
 
     p = build_parser()
     parse = lambda *v: p.parse_args(["bench", "throughput", "--pp", "2", *v]).lm_head_split  # noqa: E731

@@ -16,7 +16,7 @@ from tdpipe.core.scheduler.registry import (PolicyStat, get_policy, knob_owners,
 from tdpipe.core.scheduler.td_pipe import TDPipeKnobs
 from tdpipe.core.scheduler.throttle import ThrottleKnobs
 from tdpipe.engine_args import EngineArgs
-from tdpipe.entrypoints.cli import build_parser
+from tdpipe.cli import build_parser
 from tdpipe.options import flagged, option
 
 BUILTIN = {"separate": (SeparateScheduler, 8192), "hybrid": (HybridScheduler, 512),

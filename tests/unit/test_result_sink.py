@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tdpipe.entrypoints.cli import main
+from tdpipe.cli import main
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
 from tdpipe.entrypoints.results import ResultSink

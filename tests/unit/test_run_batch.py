@@ -20,7 +20,7 @@ import pytest
 from fake_engine_client import FakeAsyncLLM
 from procs import alive
 from tdpipe.entrypoints.batch_file import BatchSink, parse_batch, record_key
-from tdpipe.entrypoints.cli import main
+from tdpipe.cli import main
 from tdpipe.entrypoints.run_batch import BatchRunner, Outcome, write_unsendable
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -200,7 +200,7 @@ def test_engine_without_tokenizer_rejects_text():
 
 # -- CLI -----------------------------------------------------------------------------------------------------
 def test_cli_simulate_json_trace_and_plot(tmp_path, capsys):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     j, t, png = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "t.png"
     assert main(["simulate", "--hardware", "l20", "--num-devices", "2", "--model", "13b", "--scheduler", "td-pipe",
@@ -213,7 +213,7 @@ def test_cli_simulate_json_trace_and_plot(tmp_path, capsys):
 
 
 def test_cli_simulate_errors_name_the_problem(capsys):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     assert main(["simulate", "--hardware", "a100-80g", "--num-devices", "1", "--model", "70b",
                  "--num-prompts", "5"]) == 2

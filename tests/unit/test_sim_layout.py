@@ -16,7 +16,7 @@ from tdpipe.sim.runner import SimConfig, sim_model_config, simulate
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    from tdpipe.entrypoints.cli import build_parser
+    from tdpipe.cli import build_parser
 
     return build_parser().parse_args(["simulate", *argv])
 
@@ -132,7 +132,7 @@ def test_figure6_rows_split_compute_and_all_reduce(tmp_path):
 
 
 def test_figure6_command_writes_json_markdown_and_plot(tmp_path):
-    from tdpipe.entrypoints.cli import main
+    from tdpipe.cli import main
 
     out = tmp_path / "f6"
     code = main(["simulate", "--figure6", "--hardware", "l20", "--json", f"{out}.json", "--markdown",

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tdpipe.entrypoints.cli import main
+from tdpipe.cli import main
 from tdpipe.viz import timeline as tl
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -152,7 +152,7 @@ def test_cli_plot_timeline_subprocess(tmp_path):
     f = tmp_path / "trace.json"
     f.write_text(json.dumps(two_stage()))
     out = tmp_path / "out.png"
-    r = subprocess.run([sys.executable, "-m", "tdpipe.entrypoints.cli", "plot", "timeline", str(f), "-o", str(out)],
+    r = subprocess.run([sys.executable, "-m", "tdpipe.cli", "plot", "timeline", str(f), "-o", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "stage 0 (layers 0-9)" in r.stdout and "stage 1 (layers 10-19)" in r.stdout
@@ -163,7 +163,7 @@ def test_cli_plot_timeline_subprocess(tmp_path):
 def test_cli_plot_timeline_bad_file(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text(json.dumps({"format": "nope"}))
-    r = subprocess.run([sys.executable, "-m", "tdpipe.entrypoints.cli", "plot", "timeline", str(f),
+    r = subprocess.run([sys.executable, "-m", "tdpipe.cli", "plot", "timeline", str(f),
                         "-o", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     err = r.stderr.strip()

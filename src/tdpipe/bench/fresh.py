@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # the program a side runs: this interpreter, the CLI module (not a console script that may be absent)
-CLI = [sys.executable, "-m", "tdpipe.entrypoints.cli"]
+CLI = [sys.executable, "-m", "tdpipe.cli"]
 STOP_TIMEOUT_S = 60.0  # an interrupted comparison gives its running side this long to stop its engine
 
 

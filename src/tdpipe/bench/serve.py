@@ -478,7 +478,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     g.add_argument("--serve-args", default="",
                    help="engine flags for --launch as one string (added before those after --)")
     g.add_argument("--launch-command", default=None,
-                   help="program --launch runs instead of `python -m tdpipe.entrypoints.cli serve` (it gets "
+                   help="program --launch runs instead of `python -m tdpipe.cli serve` (it gets "
                         "--host, --port and the engine flags appended)")
     g.add_argument("--startup-timeout", type=float, default=LaunchConfig.startup_timeout_s,
                    help="--launch: seconds to wait for /health")
@@ -678,7 +678,7 @@ def run(a: argparse.Namespace) -> int:
     try:
         if a.launch:
             cmd = shlex.split(a.launch_command) if a.launch_command else [sys.executable, "-m",
-                                                                          "tdpipe.entrypoints.cli", "serve"]
+                                                                          "tdpipe.cli", "serve"]
             old_term = signal.signal(signal.SIGTERM, _terminated)  # so `finally` stops the server
             server = LaunchedServer(LaunchConfig(cmd, serve_args, a.startup_timeout, a.shutdown_timeout,
                                                  a.server_log), a.base_url, api_key)

@@ -102,6 +102,7 @@ class EngineBuilder:
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         policy = get_policy(sched.policy)  # what the policy needs: a length predictor, measured step costs
+        policy.configure(sched)  # its token budget and knobs: the executor and the profile read them
         self.predictor = make_predictor(sched.predictor, None if hf is not None else self.model_path)
         history = self._history_writer()
         self.executor = self._make_executor(num_blocks, hf)

@@ -63,6 +63,13 @@ class ProfileTarget:
     stage_threads: list[int]
     new_seq_id: Callable[[], int]  # the engine's sequence ids: the dummy requests take their own
 
+    @classmethod
+    def of(cls, engine: Any) -> "ProfileTarget":
+        """A built engine's parts (an LLMEngine has them all): what its profile was keyed by."""
+        return cls(engine.executor, engine.block_manager, engine.scheduler.config, engine.model_config,
+                   engine.model_path, engine.dtype, engine.pp, engine.partition, engine.stage_threads,
+                   engine._seq_ids.__next__)
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

@@ -39,7 +39,10 @@ from tdpipe.step_input import StepInput
 
 HEAD = 20  # a ready-queue item: normalised rows arrived for this (first) stage's part of a split lm_head
 
+
 class StageWorker:
+    """One rank's threads: prep, sender, the split head's waiter where it has one, and compute (run())."""
+
     def __init__(self, transport: Transport, init: m.StageInit, fatal: Callable[[str], None]) -> None:
         """`fatal(where)`: what a helper thread calls when it fails (pipeline/stage.py reports why and ends
         the process: a stage never limps on with a thread gone)."""

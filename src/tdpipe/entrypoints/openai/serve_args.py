@@ -1,5 +1,5 @@
 """The `tdpipe serve` command line: ServerConfig and the flags that fill it. Light on purpose (no FastAPI,
-no torch): every `tdpipe` command builds this parser; the command itself (entrypoints/cli.py) imports the
+no torch): every `tdpipe` command builds this parser; the command itself (tdpipe/cli.py) imports the
 server only to serve, so the server may import ServerConfig from here without a circle."""
 from __future__ import annotations
 

@@ -84,7 +84,8 @@ def _check_generate_paths(a: argparse.Namespace) -> None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from tdpipe import LLM, SamplingParams
+    from tdpipe.entrypoints.llm import LLM
+    from tdpipe.sampling.params import SamplingParams
 
     _check_generate_paths(a)
     recs = _read_prompts(a)
@@ -188,7 +189,8 @@ def _error_record(i: int, r: dict, error: str) -> dict:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    from tdpipe import LLM, SamplingParams
+    from tdpipe.entrypoints.llm import LLM
+    from tdpipe.sampling.params import SamplingParams
 
     sp = SamplingParams(**sampling_kwargs(a))
     llm = LLM(**EngineArgs.from_cli(a).to_kwargs())
@@ -252,15 +254,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def version() -> str:
     """The installed package's version (its metadata); the source tree's when it runs uninstalled."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from tdpipe.version import __version__
 
-    try:
-        return installed("tdpipe")
-    except PackageNotFoundError:
-        from tdpipe import __version__
-
-        return __version__
+    return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -49,6 +49,15 @@ def lines(path) -> list[dict]:
 
 
 # -- the bundled model -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm_tiny(qwen2_tiny):
+    """One engine on the tiny random model for the tests that interrupt and abort calls on it."""
+    from tdpipe import LLM
+
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=64 << 20) as llm:
+        yield llm
+
+
 @pytest.mark.slow
 def test_jsonl_errors_are_per_line(tmp_path, bundled_path):
     inp = tmp_path / "in.jsonl"
@@ -70,26 +79,26 @@ def test_jsonl_errors_are_per_line(tmp_path, bundled_path):
 
 
 @pytest.mark.slow
-def test_keyboard_interrupt_in_generate_then_next_call_works(llm_fp32):
+def test_keyboard_interrupt_in_generate_then_next_call_works(llm_tiny):
     """Ctrl-C (SIGINT, as Jupyter's interrupt sends) lands at a step boundary; the call's requests are
     aborted, every block comes back, and the next call gives the same tokens as before."""
-    ref = llm_fp32.generate(PROMPTS, greedy(), use_tqdm=False)
-    ctrl_c_during_generate(llm_fp32, 24, 64)
-    eng = llm_fp32.engine
+    ref = llm_tiny.generate(PROMPTS, greedy(), use_tqdm=False)
+    ctrl_c_during_generate(llm_tiny, 24, 64)
+    eng = llm_tiny.engine
     assert not eng.has_unfinished() and not eng.requests
     eng.block_manager.check_no_leaks()
-    again = llm_fp32.generate(PROMPTS, greedy(), use_tqdm=False)
+    again = llm_tiny.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
     eng.block_manager.check_no_leaks()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["collect", "schedule", "sample"])
-def test_interrupt_anywhere_inside_a_step_recovers(llm_fp32, monkeypatch, where):
+def test_interrupt_anywhere_inside_a_step_recovers(llm_tiny, monkeypatch, where):
     """A KeyboardInterrupt raised inside the step itself (a second Ctrl-C, or a signal handler of the user's),
     not at its boundary: still no block held and the next call right."""
-    eng = llm_fp32.engine
-    ref = llm_fp32.generate(PROMPTS, greedy(), use_tqdm=False)
+    eng = llm_tiny.engine
+    ref = llm_tiny.generate(PROMPTS, greedy(), use_tqdm=False)
     target = {"collect": (eng.executor, "collect"), "schedule": (eng.scheduler, "schedule"),
               "sample": (eng, "_sample")}[where]
     real = getattr(*target)
@@ -104,16 +113,16 @@ def test_interrupt_anywhere_inside_a_step_recovers(llm_fp32, monkeypatch, where)
     monkeypatch.setattr(*target, boom)
     sp = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=1)
     with pytest.raises(KeyboardInterrupt):
-        llm_fp32.generate(["Tell me a story"] * 24, sp, use_tqdm=False)
+        llm_tiny.generate(["Tell me a story"] * 24, sp, use_tqdm=False)
     monkeypatch.setattr(*target, real)
     eng.block_manager.check_no_leaks()
-    again = llm_fp32.generate(PROMPTS, greedy(), use_tqdm=False)
+    again = llm_tiny.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
 
 
 @pytest.mark.slow
-def test_abort_request_frees_blocks_and_the_rest_finish(llm_fp32):
-    eng = llm_fp32.engine
+def test_abort_request_frees_blocks_and_the_rest_finish(llm_tiny):
+    eng = llm_tiny.engine
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     seqs = [eng.add_request(f"a{i}", p, sp) for i, p in enumerate(PROMPTS)]
     eng.step()

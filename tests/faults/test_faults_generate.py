@@ -28,9 +28,9 @@ def model(qwen2_tiny) -> str:
 
 
 def _cmd(out, inp, pp: int, model: str, resume: bool = False, seeded: bool = False) -> list[str]:
-    # two at a time, 128 tokens each: the run lasts a few seconds, answers arrive one pair at a time
+    # four at a time, 64 tokens each: the run lasts seconds, its answers arrive four at a time
     cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", model, "-i", str(inp),
-           "-o", str(out), "--max-tokens", "128", "--ignore-eos", "--max-num-seqs", "2",
+           "-o", str(out), "--max-tokens", "64", "--ignore-eos", "--max-num-seqs", "4",
            "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--no-progress"]
     if seeded:  # no prefix caching: a cached prefix's KV was computed in another batch shape (ulps apart),
         # which can move a temperature-0.8 draw; the run and its resumption must compute the same numbers

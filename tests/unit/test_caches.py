@@ -333,14 +333,16 @@ def test_damaged_kernel_is_built_again(cache: Path, monkeypatch: pytest.MonkeyPa
 
 
 # -- td-pipe with a small KV cache (start-up profile) ------------------------------------------------------
+# (on the tiny random model: profiling it at every start-up takes a fraction of the bundled model's time)
 @pytest.mark.slow
-def test_td_pipe_with_tiny_kv_runs_to_completion(cache: Path) -> None:
+def test_td_pipe_with_tiny_kv_runs_to_completion(qwen2_tiny, cache: Path) -> None:
     from tdpipe import LLM, SamplingParams
 
     linked_cache(cache)
-    block = 30 * 3 * 64 * 2 * 4 * 16  # SmolLM2, float32: layers x kv heads x head dim x (k, v) x 4 B x 16
+    block = 3 * 2 * 16 * 2 * 4 * 16  # float32: layers x kv heads x head dim x (k, v) x 4 B x 16 tokens
     for blocks in (1, 11):  # 16 tokens: a shorter profiling prompt; 176: one standard profiling request
-        with LLM(scheduler="td-pipe", kv_cache_memory=blocks * block, dtype="float32") as llm:
+        with LLM(model=qwen2_tiny[0], scheduler="td-pipe", kv_cache_memory=blocks * block,
+                 dtype="float32") as llm:
             assert llm.engine.block_manager.num_blocks == blocks
             outs = llm.generate(["hello", "The sea"], SamplingParams(temperature=0, max_tokens=6),
                                 use_tqdm=False)
@@ -350,7 +352,7 @@ def test_td_pipe_with_tiny_kv_runs_to_completion(cache: Path) -> None:
 
 
 @pytest.mark.slow
-def test_small_kv_engine_leaves_the_normal_profile_alone(cache: Path,
+def test_small_kv_engine_leaves_the_normal_profile_alone(qwen2_tiny, cache: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The bar on real engines (a short standard plan keeps it quick): a normal engine after a small one
     measures the standard plan under the standard key; the small run cached only under its own key."""
@@ -358,11 +360,12 @@ def test_small_kv_engine_leaves_the_normal_profile_alone(cache: Path,
 
     monkeypatch.setattr(sp, "MAX_BATCH", 8)
     linked_cache(cache)
-    with LLM(scheduler="td-pipe", num_kv_blocks=3, dtype="float32") as llm:
+    model = qwen2_tiny[0]
+    with LLM(model=model, scheduler="td-pipe", num_kv_blocks=3, dtype="float32") as llm:
         small = llm.engine.scheduler.costs
         small_key = sp.profile_key(sp.ProfileTarget.of(llm.engine))
         assert small.peak_batch == 1 and max(b for b, _ in small.points["decode"]) == 1
-    with LLM(scheduler="td-pipe", kv_cache_memory=64 << 20, dtype="float32") as llm:
+    with LLM(model=model, scheduler="td-pipe", kv_cache_memory=64 << 20, dtype="float32") as llm:
         normal = llm.engine.scheduler.costs
         target = sp.ProfileTarget.of(llm.engine)
         key = sp.profile_key(target)
@@ -371,7 +374,7 @@ def test_small_kv_engine_leaves_the_normal_profile_alone(cache: Path,
         assert [b for b, _ in normal.points["decode"]] == list(sp.standard_plan(target).decode)
     assert sorted(p.name for p in (cache / "profiles").iterdir()) == sorted([sp._path(key).name,
                                                                              sp._path(small_key).name])
-    with LLM(scheduler="td-pipe", num_kv_blocks=3, dtype="float32") as llm:  # now it takes the standard one
+    with LLM(model=model, scheduler="td-pipe", num_kv_blocks=3, dtype="float32") as llm:  # the standard one
         costs = llm.engine.scheduler.costs
         assert costs.source == str(sp._path(key)) and costs.peak_batch == 1
 

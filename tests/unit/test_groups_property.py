@@ -650,7 +650,7 @@ def _forked(model: str, n: int = 3, max_tokens: int = 8, **kw) -> tuple[LLMEngin
 def test_forked_samples_join_their_request_group(model_dir):
     """The children forked for n > 1 must be in their request's group: `abort_request`, `_observe` and the
     engine's bookkeeping of the request all go through `engine.requests[rid].samples`.
-    Bug: `Sequence.fork` passes `group=self.group` but nobody appends the child to it."""
+    (Once a bug: the fork named the group but was never appended to it; SampleGroup.fork appends.)"""
     engine, _, r = _forked(model_dir)
     assert [s.sample_index for s in engine.requests["r"].samples] == [0, 1, 2]
 

@@ -163,3 +163,19 @@ def test_every_policy_on_a_random_weight_model_in_memory(policy):
     while alone.has_unfinished():
         ref += [t for d in alone.step() for t in d.new_token_ids]
     assert ref == out["3"]
+
+
+def test_abort_takes_request_ids_and_samples_apart():
+    """abort_request takes request ids only; one sample of an n > 1 request is abort_samples' (its group
+    cancels a sample not forked yet, so it never runs)."""
+    engine = build("separate", num_blocks=64, block_size=4, max_seqs=8, pp=1)
+    engine.add_request("r", [1, 2, 3], SamplingParams(n=3, temperature=0.0, max_tokens=4))
+    with pytest.raises(TypeError, match="abort_samples"):
+        engine.abort_request([("r", 1)])
+    assert engine.abort_samples([("r", 2)], reason="abort") == []  # not forked yet: cancelled
+    got: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            got.setdefault(d.index, []).extend(d.new_token_ids)
+    assert sorted(got) == [0, 1] and "r" not in engine.requests
+    engine.block_manager.check_no_leaks()

@@ -247,3 +247,18 @@ def test_fast_path_samples_the_same_distribution():
     expect = torch.tensor([0.4, 0.25, 0.15, 0.1]) / 0.9  # smallest prefix reaching 0.85: 4 tokens
     assert counts[4:].sum() == 0
     assert torch.allclose(counts[:4], expect, atol=0.025)
+
+
+def test_sampling_metadata_from_samples():
+    """One row per (sequence, sample index): stop tokens banned before min_tokens, a seeded row keyed by (its
+    sample's seed, the position), history only for penalised rows, logprob k only where asked."""
+    from tdpipe.sampling.seeds import draw_key, sample_seed
+    from tdpipe.sequence import Sequence
+
+    a = Sequence(0, "a", [1, 2], SamplingParams(min_tokens=2, stop_token_ids=[9], seed=5, n=2, temperature=1.0))
+    b = Sequence(1, "b", [3], SamplingParams(repetition_penalty=1.2, logprobs=2), output_token_ids=[4])
+    meta = SamplingMetadata.from_samples([(a, 0), (a, 1), (b, 0)], eos_token_ids={0})
+    assert meta.banned == [[0, 9], [0, 9], []]
+    assert meta.keys == [draw_key(5, 0), draw_key(sample_seed(5, 1), 0), None]
+    assert meta.prompt_ids == [[], [], [3]] and meta.output_ids == [[], [], [4]]
+    assert meta.num_logprobs == [None, None, 2] and len(meta) == 3

@@ -456,14 +456,14 @@ async def test_a_chat_of_100k_messages_never_freezes_the_event_loop():
     assert len(gaps) > 5 and max(gaps) < total / 3, (max(gaps), total, len(gaps))
 
 
-async def test_a_connection_that_sends_nothing_is_closed():
+async def test_a_connection_that_sends_nothing_is_closed(monkeypatch):
     import socket
 
     import uvicorn
 
     cfg = api_server.uvicorn_config(build_app(FakeAsyncLLM(), ServerConfig()), ServerConfig(max_connections=7))
     assert cfg.limit_concurrency == 7
-    cfg.timeout_keep_alive = 0.3
+    monkeypatch.setattr(api_server, "FIRST_REQUEST_TIMEOUT_S", 0.3)
     cfg.log_level = "warning"
     server = uvicorn.Server(cfg)
     listen = api_server.bind("127.0.0.1", 0)

@@ -54,6 +54,9 @@ M = TypeVar("M", bound=BaseModel)
 
 MAX_JSON_DEPTH = 64  # nesting deeper than any OpenAI body needs is a 400, before anything walks it
 BODY_READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way gets 408 and loses its connection
+# a connection that sends no request at all is closed after this long: generous, because under a burst of
+# new connections a busy event loop may read a first request late, and closing then fails a good client
+FIRST_REQUEST_TIMEOUT_S = 60.0
 SLOW_SHUTDOWN_S = 5.0  # after the core died: how long the failed requests get to send their answers
 
 
@@ -377,16 +380,16 @@ def _after_shutdown(signum: int, frame: object) -> None:
 
 def uvicorn_config(app: FastAPI, config: ServerConfig) -> Any:
     """uvicorn's settings for `tdpipe serve`. limit_concurrency: beyond --max-connections open connections
-    (or requests in flight) uvicorn answers 503 at once. Connections that send nothing are closed after the
-    keep-alive timeout, like idle keep-alive ones (uvicorn arms that timer only after a first response), so
-    idle sockets cannot hold every place of the limit."""
+    (or requests in flight) uvicorn answers 503 at once. Connections that send nothing are closed after
+    FIRST_REQUEST_TIMEOUT_S (uvicorn arms its keep-alive timer only after a first response), so idle sockets
+    cannot hold every place of the limit."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class IdleClosingProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+            self.timeout_keep_alive_task = self.loop.call_later(FIRST_REQUEST_TIMEOUT_S,
                                                                 self.timeout_keep_alive_handler)
 
     return uvicorn.Config(app, lifespan="off", access_log=config.access_log, http=IdleClosingProtocol,

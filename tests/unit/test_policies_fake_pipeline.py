@@ -179,3 +179,22 @@ def test_abort_takes_request_ids_and_samples_apart():
             got.setdefault(d.index, []).extend(d.new_token_ids)
     assert sorted(got) == [0, 1] and "r" not in engine.requests
     engine.block_manager.check_no_leaks()
+
+
+@pytest.mark.parametrize("bad, field", [(dict(repetition_penalty=1e-50), "repetition_penalty"),
+                                        (dict(temperature=1e39), "temperature"),
+                                        (dict(stop_token_ids=list(range(300))), "stop_token_ids"),
+                                        (dict(stop=["x"] * 100), "stop")])
+def test_engine_refuses_what_breaks_float32_or_the_stop_caps(bad, field):
+    """Direct LLMEngine users (LLM included) get the frontend's float32 range and stop caps too: valid as
+    float64, 1e-50 is 0.0 in the sampler's float32 logits; nothing is queued then."""
+    engine = build("separate", num_blocks=64, block_size=4, max_seqs=8, pp=1)
+    with pytest.raises(ValueError, match=field):
+        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, **bad))
+    assert not engine.has_unfinished() and "r" not in engine.requests
+
+
+def test_stop_token_ids_are_looked_up_in_a_set():
+    p = SamplingParams(stop_token_ids=[5, 7, 5])
+    assert p.stop_token_ids == [5, 7, 5] and p.stop_token_set == frozenset({5, 7})
+    assert "stop_token_set" not in __import__("dataclasses").asdict(p)  # the history records fields only

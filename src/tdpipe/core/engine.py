@@ -22,6 +22,7 @@ from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.delta import RequestDelta, TokenLogprobs
 from tdpipe.core.engine_builder import EngineParts, build_engine_parts
 from tdpipe.core.sample_group import SampleGroup, SampleId, apply_draws
+from tdpipe.core.validation import check_floats, check_stops
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.sampling.metadata import SamplingMetadata, may_argmax
 from tdpipe.sampling.params import SamplingParams
@@ -82,6 +83,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_stops(params.stop, params.stop_token_ids)  # what SamplingParams alone cannot bound: stop caps,
+        check_floats(params)  # floats in float32, the range the sampler uses them at
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):

@@ -83,6 +83,8 @@ class SamplingParams:
         _require(isinstance(ids, (list, tuple)) and all(_is_int(t) and 0 <= t < (1 << 63) for t in ids),
                  f"stop_token_ids must be None or a list of ints >= 0, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in ids]
+        # looked up for every sampled token: a set (an attribute, not a field: asdict() and the history skip it)
+        self.stop_token_set = frozenset(self.stop_token_ids)
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""

@@ -99,7 +99,7 @@ class Scheduler:
             if not p.ignore_eos and tok in self.eos_token_ids:
                 seq.finish_reason = "stop"
                 return True
-            if p.stop_token_ids and tok in p.stop_token_ids:
+            if tok in p.stop_token_set:
                 seq.finish_reason, seq.stop_reason = "stop", tok
                 return True
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:

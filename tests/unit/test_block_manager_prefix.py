@@ -563,11 +563,11 @@ class PagedKVMachineTight(PagedKVMachine):
     NUM_BLOCKS = 9  # constant pressure: evictions and preemptions on most steps
 
 
-_settings = settings(max_examples=150, stateful_step_count=40, deadline=None, database=None,
+_settings = settings(max_examples=100, stateful_step_count=40, deadline=None, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPagedKV = PagedKVMachine.TestCase
 TestPagedKV.settings = _settings
 TestPagedKVNoCache = PagedKVMachineNoCache.TestCase
-TestPagedKVNoCache.settings = settings(_settings, max_examples=60)
+TestPagedKVNoCache.settings = settings(_settings, max_examples=40)
 TestPagedKVTight = PagedKVMachineTight.TestCase
 TestPagedKVTight.settings = _settings

@@ -527,7 +527,7 @@ PHASES = (list(Phase) if os.environ.get("TDPIPE_SHRINK")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@settings(max_examples=80, deadline=None, database=None, phases=PHASES,
+@settings(max_examples=50, deadline=None, database=None, phases=PHASES,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_groups_forks_aborts_preemption_and_caching_keep_every_invariant(model_dir, policy, data):

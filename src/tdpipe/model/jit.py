@@ -143,6 +143,11 @@ def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType
     from tdpipe.model.cache import notice
 
     def compile_and_import() -> ModuleType:
+        # torch versions a name it already built in this process from another build_directory
+        # (name_v1.so): forget it, so the entry here is always {name}.so, the file the manifest describes
+        versions = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+        if versions is not None:
+            versions.entries.pop(name, None)
         return cpp_extension.load(name=name, sources=[str(src)], extra_cflags=flags, extra_ldflags=LDFLAGS,
                                   build_directory=str(build_dir), verbose=False)
 
@@ -173,9 +178,6 @@ def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType
         notice(f"the cached {name} kernel in {build_dir} does not load ({type(e).__name__}: "
                f"{str(e).splitlines()[0] if str(e) else ''}); building it again")
         _clear(build_dir)
-        versions = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
-        if versions is not None:  # torch skips the build for a name it already tried in this process
-            versions.entries.pop(name, None)
         fresh, t = True, time.perf_counter()
         mod = compile_and_import()
     if fresh:

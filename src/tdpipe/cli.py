@@ -24,6 +24,7 @@ from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
 from tdpipe.entrypoints.results import ResultSink
 from tdpipe.tokenizer import chat_prompt
+from tdpipe.version import __version__
 
 
 def _read_prompts(a: argparse.Namespace) -> list[dict]:
@@ -252,17 +253,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(server_config(a), engine_config(a))
 
 
-def version() -> str:
-    """The installed package's version (its metadata); the source tree's when it runs uninstalled."""
-    from tdpipe.version import __version__
-
-    return __version__
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference: paged KV, continuous "
                                 "batching, pipeline parallelism (TD-Pipe, gLLM, SiPipe).")
-    p.add_argument("--version", action="version", version=f"tdpipe {version()}")
+    p.add_argument("--version", action="version", version=f"tdpipe {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for a batch of prompts; JSONL out",

@@ -22,7 +22,7 @@ from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.delta import RequestDelta, TokenLogprobs
 from tdpipe.core.engine_builder import EngineParts, build_engine_parts
 from tdpipe.core.sample_group import SampleGroup, SampleId, apply_draws
-from tdpipe.core.validation import check_floats, check_stops
+from tdpipe.core.validation import RequestLimits, check_floats, check_prompt, check_stops
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.sampling.metadata import SamplingMetadata, may_argmax
 from tdpipe.sampling.params import SamplingParams
@@ -93,16 +93,12 @@ class LLMEngine:
                                      "prompt_token_ids")
                 prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             else:
-                prompt_token_ids = list(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+                prompt_token_ids = prompt
+        prompt_token_ids = list(prompt_token_ids)
         max_len = self.scheduler.config.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {max_len} "
-                             "(the prompt must leave room for at least one output token)")
+        # the frontend's prompt check (one token at least, ids in the vocabulary, room for one output token)
+        check_prompt(prompt_token_ids, RequestLimits(max_len, self.scheduler.config.max_num_seqs,
+                                                     self.model_config.vocab_size))
         room = max_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if self.tokenizer is None and params.stop:  # they would never match: no output processor can decode
@@ -110,7 +106,7 @@ class LLMEngine:
         if params.num_samples > self.scheduler.config.max_num_seqs:
             raise ValueError(f"{'best_of' if params.best_of else 'n'} is {params.num_samples}, more samples than "
                              f"max_num_seqs ({self.scheduler.config.max_num_seqs}) lets run at once")
-        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), params, prompt=text,
+        seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, prompt=text,
                        max_tokens=max_tokens, arrival_time=self.clock())
         self.requests[request_id] = SampleGroup(seq)  # n / best_of: forked from seq once its prompt is prefilled
         self.scheduler.add(seq)

@@ -85,3 +85,23 @@ def torchrun_two_nodes(script, cwd, nprocs: tuple[int, int] = (2, 1), timeout: f
     lines = [ln for ln in out0.splitlines() if ln.startswith("TOKENS ")]
     assert len(lines) == 1, (out0, err0[-3000:])
     return json.loads(lines[0][len("TOKENS "):]), out1
+
+
+def broken_model_copy(src: str, dst) -> str:
+    """A copy of a sharded model folder with layer 2's tensors missing: the stage that holds layer 2 fails
+    while loading (the pipeline's start-up failure tests)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    index_path = dst / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    dropped = [k for k in index["weight_map"] if k.startswith("model.layers.2.")]
+    from safetensors.torch import load_file, save_file
+
+    for shard in {index["weight_map"][k] for k in dropped}:
+        tensors = {k: v for k, v in load_file(dst / shard).items() if k not in dropped}
+        save_file(tensors, dst / shard, metadata={"format": "pt"})
+    for k in dropped:
+        del index["weight_map"][k]
+    index_path.write_text(json.dumps(index))
+    return str(dst)

@@ -7,7 +7,6 @@ generate() quickly with a clear PipelineError and leave no process behind; torch
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 import pytest
 import torch
 from conftest import hf_greedy, save_random_qwen2
-from procs import alive, stage_pids_of, torchrun_two_nodes
+from procs import alive, broken_model_copy, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.pipeline.executor import PipelineError
@@ -347,20 +346,7 @@ def test_killed_stage_fails_generate(victim):
 def test_stage_that_raises_at_startup_fails_cleanly(qwen2_folder, tmp_path):
     """A stage whose weights are incomplete raises while loading: the engine reports the stage's error and
     leaves no process behind."""
-    src, _ = qwen2_folder
-    broken = tmp_path / "broken"
-    shutil.copytree(src, broken)
-    index_path = broken / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    dropped = [k for k in index["weight_map"] if k.startswith("model.layers.2.")]
-    from safetensors.torch import load_file, save_file
-
-    for shard in {index["weight_map"][k] for k in dropped}:
-        tensors = {k: v for k, v in load_file(broken / shard).items() if k not in dropped}
-        save_file(tensors, broken / shard, metadata={"format": "pt"})
-    for k in dropped:
-        del index["weight_map"][k]
-    index_path.write_text(json.dumps(index))
+    broken = broken_model_copy(qwen2_folder[0], tmp_path / "broken")
     before = set(stage_pids_of(os.getpid()))  # stages of other engines this test process holds
     t0 = time.time()
     with pytest.raises(PipelineError, match=r"stage 1 failed to start.*missing tensors"):

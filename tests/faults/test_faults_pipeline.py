@@ -10,7 +10,6 @@ store and the gloo groups listen on 127.0.0.1 only. A stage that cannot start gi
 All on a random 3-layer Qwen2 (starts in seconds); run with `-m faults`.
 """
 import ipaddress
-import json
 import os
 import shutil
 import signal
@@ -21,7 +20,7 @@ import time
 
 import pytest
 from conftest import hf_greedy, save_random_qwen2
-from procs import alive, stage_pids_of
+from procs import alive, broken_model_copy, stage_pids_of
 
 from tdpipe import LLM, SamplingParams
 from tdpipe.pipeline.executor import PipelineError
@@ -397,27 +396,10 @@ def test_engine_from_a_thread_listens_on_loopback_only(tiny, no_stage_left):
 # --------------------------------------------------------------------------------------------- bad start
 
 
-def _broken_copy(src: str, dst) -> str:
-    """The model with layer 2's tensors missing: stage 1 (layers 2..3) fails while loading."""
-    shutil.copytree(src, dst)
-    index_path = dst / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    dropped = [k for k in index["weight_map"] if k.startswith("model.layers.2.")]
-    from safetensors.torch import load_file, save_file
-
-    for shard in {index["weight_map"][k] for k in dropped}:
-        tensors = {k: v for k, v in load_file(dst / shard).items() if k not in dropped}
-        save_file(tensors, dst / shard, metadata={"format": "pt"})
-    for k in dropped:
-        del index["weight_map"][k]
-    index_path.write_text(json.dumps(index))
-    return str(dst)
-
-
 def test_stage_that_cannot_start_gives_one_error(tiny, tmp_path, monkeypatch, capfd, no_stage_left):
     """Stage 1 cannot load its layers: the CLI prints the engine's one line with the stage's reason, no
     traceback, and the reason once; with TDPIPE_DEBUG=1 the stage adds its traceback."""
-    broken = _broken_copy(tiny[0], tmp_path / "broken")
+    broken = broken_model_copy(tiny[0], tmp_path / "broken")
     cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", broken, "--pp", "2",
            "--layer-partition", "2,1", "--dtype", "float32", "--kv-cache-memory", "16MiB",
            "--max-tokens", "4", "--no-progress", "-o", str(tmp_path / "out.jsonl"), "hello"]

@@ -329,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("tdpipe.entrypoints.openai.serve_args", fromlist=["add_parser"]).add_parser(sub).set_defaults(
         fn=cmd_serve)
     __import__("tdpipe.entrypoints.run_batch", fromlist=["add_parser"]).add_parser(sub)
+    gpu_check = __import__("tdpipe.bench.gpu_check", fromlist=["add_parser"]).add_parser(sub)
+    __import__("tdpipe.sim.gpu_cli", fromlist=["add_parser"]).add_parser(gpu_check)
     return p
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 GiB = 1 << 30
+DEVICES = ("auto", "cpu", "cuda")  # --device; tdpipe/platforms resolves auto and builds the platforms
+SAMPLING_DEVICES = ("auto", "stage", "engine")  # --sampling-device (tdpipe/sampling/stage_rows.py)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -92,6 +94,15 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
         return 2 * per_layer * self.num_layers
 
+    def num_params(self) -> int:
+        """Weights of the whole model: decoder layers (with q/k/v biases where the model has them), norms,
+        the embedding and an untied lm_head."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return per_layer * self.num_layers + embed + h
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -101,11 +112,16 @@ class CacheConfig:
     """Paged KV cache: block size in tokens and the memory budget that sets the number of blocks."""
 
     block_size: int = 16
-    kv_cache_memory: int | float | None = None  # bytes, a fraction of available memory, or None: min(4 GiB, 40%)
+    # bytes, a fraction of available memory, or None: the platform's default (CPU: min(4 GiB, 40%); CUDA:
+    # what gpu_memory_utilization leaves; tdpipe/platforms/)
+    kv_cache_memory: int | float | None = None
     num_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     # automatic prefix caching (PagedAttention's prefix sharing, lecture 001 §3.3; on by default, as in vLLM):
     # full blocks are named by a hash of their prefix and reused by later requests (core/prefix_cache.py)
     enable_prefix_caching: bool = True
+    # CUDA: the share of the device's total memory this engine may use, weights and KV cache included (vLLM's
+    # meaning; tdpipe/platforms/cuda.py); ignored on CPU
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _check(isinstance(self.block_size, int) and self.block_size >= 1,
@@ -119,15 +135,9 @@ class CacheConfig:
                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.num_blocks is not None:
             _check(self.num_blocks >= 1, f"num_blocks must be >= 1, got {self.num_blocks}")
-
-    def budget_bytes(self) -> int:
-        avail = available_memory()
-        m = self.kv_cache_memory
-        if m is None:
-            return int(min(4 * GiB, 0.4 * avail))
-        if isinstance(m, float):
-            return int(m * avail)
-        return m
+        u = self.gpu_memory_utilization
+        _check(isinstance(u, (int, float)) and not isinstance(u, bool) and 0.0 < u <= 1.0,
+               f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
 
 
 @dataclass
@@ -170,7 +180,9 @@ class ParallelConfig:
     # the normalised rows; 0 keeps the whole head on the last stage; None (auto) picks it with the layers
     # from the measured stage costs (tdpipe/worker/partition.py: choose_head_split)
     lm_head_split: float | None = None
-    device: str = "cpu"  # stages on CPU, activations over gloo (CUDA + NCCL: not built yet)
+    # auto | cpu | cuda; auto: cuda where torch sees a CUDA device (tdpipe/platforms/resolve_device). The CUDA
+    # path (NCCL between stage GPUs) has not yet run on a GPU
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         pp = self.pipeline_parallel_size
@@ -192,8 +204,7 @@ class ParallelConfig:
             _check(pp > 1 and tp == 1, f"lm_head_split {f} needs pipeline_parallel_size > 1 and "
                                        f"tensor_parallel_size 1 (got {pp} and {tp}); with tensor parallelism "
                                        "the last stage's ranks split the head already")
-        _check(self.device == "cpu", f"device must be 'cpu', got {self.device!r} (the CUDA pipeline, NCCL between "
-                                     "stages, is not built yet)")
+        _check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
     @property
     def world_size(self) -> int:
@@ -221,6 +232,13 @@ class EngineConfig:
     # runs for weeks
     collect_trace: bool = False
     trace_max_events: int = 1_000_000
+    # decode steps as CUDA graphs of these batch sizes (None: 1, 2, 4 and every multiple of 8 up to
+    # max_num_seqs, at most 256; tdpipe/worker/cuda_graph.py) unless enforce_eager; CUDA only
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
+    # who samples plain rows: auto | stage (the last stage, on its device) | engine (SiPipe §5.1's CPU
+    # sampling); auto = stage on CUDA, engine on CPU (tdpipe/sampling/stage_rows.py)
+    sampling_device: str = "auto"
 
     DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 
@@ -231,6 +249,13 @@ class EngineConfig:
         _check(self.trace_max_events >= 1, f"trace_max_events must be >= 1, got {self.trace_max_events}")
         if self.trace:
             self.collect_trace = True
+        _check(isinstance(self.enforce_eager, bool), f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        sizes = self.cuda_graph_sizes
+        _check(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0 and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)),
+            f"cuda_graph_sizes must be None or a non-empty list of batch sizes >= 1, got {sizes!r}")
+        _check(self.sampling_device in SAMPLING_DEVICES,
+               f"sampling_device must be one of {', '.join(SAMPLING_DEVICES)}, got {self.sampling_device!r}")
 
 
 def available_memory() -> int:

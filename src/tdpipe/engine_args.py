@@ -15,9 +15,10 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tdpipe.config import DEVICES, SAMPLING_DEVICES, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
 from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
+from tdpipe.platforms import check_device
 from tdpipe.predictor.factory import check_predictor_spec
 
 
@@ -56,6 +57,18 @@ def parse_head_split(v: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1) or 'auto', got {v!r}") from None
 
 
+def parse_graph_sizes(v: str) -> list[int]:
+    """'1,2,4,8': the decode batch sizes captured as CUDA graphs."""
+    try:
+        sizes = [int(x) for x in v.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cuda-graph-sizes {v!r}: expected comma-separated batch sizes, "
+                                         "e.g. 1,2,4,8") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"--cuda-graph-sizes {v!r}: every batch size must be >= 1")
+    return sizes
+
+
 def _policy_help() -> str:
     helps = "; ".join(f"{s.name} = {s.help}" for s in policies()).replace("%", "%%")  # argparse formats help
     return "batching policy (default: %(default)s): " + helps
@@ -76,9 +89,13 @@ class EngineArgs:
         EngineConfig.model, "HF folder (config.json + safetensors), .gguf file, or random:NAME (random weights of "
                             "a published config for throughput benchmarks: qwen2.5-0.5b, llama-3.2-1b); default: "
                             "bundled SmolLM2-135M-Instruct", "--model")
-    dtype: str = option(EngineConfig.dtype, "auto = bfloat16 where the CPU has bf16 instructions, else float32 "
-                                            "(default: %(default)s)", "--dtype",
-                        choices=["auto", "bfloat16", "float32"])
+    dtype: str = option(EngineConfig.dtype, "auto = the device's: on CPU bfloat16 where the CPU has bf16 "
+                                            "instructions, else float32; on CUDA bfloat16 (default: %(default)s)",
+                        "--dtype", choices=["auto", "bfloat16", "float32"])
+    device: str = option(ParallelConfig.device, "where the model runs: auto = cuda where torch sees a CUDA device, "
+                                                "else cpu. The cuda path (Triton attention, NCCL between stage "
+                                                "GPUs) has not yet run on a GPU (default: %(default)s)",
+                         "--device", choices=list(DEVICES))
     seed: int = option(EngineConfig.seed, "engine seed for unseeded random sampling (default: %(default)s)",
                        "--seed", type=int)
     max_num_seqs: int = option(SchedulerConfig.max_num_seqs, "most sequences in one batch (default: %(default)s)",
@@ -90,6 +107,11 @@ class EngineArgs:
     kv_cache_memory: int | float | None = option(
         CacheConfig.kv_cache_memory, "KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. "
                                      "0.3); default min(4 GiB, 40%%)", "--kv-cache-memory", type=parse_memory)
+    gpu_memory_utilization: float = option(
+        CacheConfig.gpu_memory_utilization, "cuda: the share of the GPU's total memory the engine may use, weights "
+                                            "and KV cache included (vLLM's meaning); the KV cache gets what the "
+                                            "weights and other processes leave of it. Ignored on cpu "
+                                            "(default: %(default)s)", "--gpu-memory-utilization", type=float)
     num_kv_blocks: int | None = option(CacheConfig.num_blocks, "exact number of KV blocks (overrides the budget)",
                                        "--num-kv-blocks", type=int)
     enable_prefix_caching: bool = option(
@@ -152,8 +174,24 @@ class EngineArgs:
                                      "finish reason, sampling params, model) to this JSONL file: the history "
                                      "`tdpipe predictor train` learns output lengths from", "--record-history",
         metavar="FILE", group="")
+    enforce_eager: bool = option(
+        EngineConfig.enforce_eager, "cuda: run every step eagerly instead of replaying decode steps as CUDA "
+                                    "graphs; cpu runs eagerly anyway. CUDA graphs have not yet run on a GPU "
+                                    "(default: off)", "--enforce-eager", action="bool")
+    cuda_graph_sizes: list[int] | None = option(
+        EngineConfig.cuda_graph_sizes, "cuda: decode batch sizes captured as CUDA graphs, comma-separated; a "
+                                       "decode batch runs padded to the next one, a larger one or a prefill "
+                                       "eagerly (default: 1,2,4 and every multiple of 8 up to --max-num-seqs, "
+                                       "at most 256)", "--cuda-graph-sizes", type=parse_graph_sizes,
+        metavar="N,N,...")
+    sampling_device: str = option(
+        EngineConfig.sampling_device, "who samples: engine = the engine process from the logits the last stage "
+                                      "sends (SiPipe §5.1; the last stage sends argmax ids when every row is "
+                                      "greedy); stage = the last stage also samples plain-temperature rows (no "
+                                      "top-k/top-p/min-p, penalties, logprobs or seed) on its device and sends "
+                                      "ids; auto = stage on cuda, engine on cpu (default: %(default)s)",
+        "--sampling-device", choices=list(SAMPLING_DEVICES))
     # keywords only
-    device: str = option(ParallelConfig.device, "where the stages run (only 'cpu' is built)")
     collect_trace: bool = option(EngineConfig.collect_trace, "keep the timeline for LLM.trace() without writing it "
                                                              "(it costs memory)")
     knobs: dict[str, Any] = field(default_factory=dict)  # policy knobs by name: throttle_T, future_points, ...
@@ -238,12 +276,16 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """The EngineConfig the engine consumes, every part validated (a bad value fails here, naming its field,
-        before any model loads)."""
+        before any model loads; so does a device this machine lacks: --device cuda without CUDA)."""
+        check_device(self.device)  # DeviceUnavailable, one line; the engine builder resolves auto
         return EngineConfig(
             model=self.model, dtype=self.dtype, seed=self.seed, num_threads=self.num_threads, trace=self.trace,
             record_history=self.record_history, collect_trace=self.collect_trace,
+            enforce_eager=self.enforce_eager, cuda_graph_sizes=self.cuda_graph_sizes,
+            sampling_device=self.sampling_device,
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                              num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching),
+                              num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=self.scheduler_config(),
             parallel=ParallelConfig(pipeline_parallel_size=self.pipeline_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
@@ -251,4 +293,4 @@ class EngineArgs:
                                     threads_per_stage=self.threads_per_stage, device=self.device))
 
 
-__all__ = ["EngineArgs", "parse_head_split", "parse_memory", "parse_partition"]
+__all__ = ["EngineArgs", "parse_graph_sizes", "parse_head_split", "parse_memory", "parse_partition"]

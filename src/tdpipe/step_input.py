@@ -26,6 +26,10 @@ class StepInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step runs
     # per sequence: logits for every new token (prompt_logprobs) instead of the last one only; [] = none
     all_logits: list[bool] = field(default_factory=list)
+    # stage sampling (--sampling-device, sampling/stage_rows.py): per sampled row, the temperature the last
+    # stage samples a greedy_rows row at (0.0: argmax); [] = argmax every such row. stage_seed: the step's draws
+    temperatures: list[float] = field(default_factory=list)
+    stage_seed: int = 0
 
     def logit_rows(self) -> int:
         """Rows of the logits the last stage returns: one per sequence, or one per new token of a sequence

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tdpipe.config import ModelConfig
-from tdpipe.model.tensor_parallel import SINGLE, GlooTPGroup, greedy_ids, head_split, shard_range
+from tdpipe.model.tensor_parallel import SINGLE, ProcessGroupTP, greedy_ids, head_split, shard_range
+from tdpipe.pipeline.wire.groups import GLOO, gloo_options, new_group
 from tdpipe.step_input import StepInput
 from tdpipe.worker.model_runner import ModelRunner
 
@@ -42,15 +43,15 @@ def test_head_split_follows_gqa_groups():
 
 # ------------------------------------------------------------------------------------------- thread ranks
 
-def _groups(size: int) -> list[GlooTPGroup]:
+def _groups(size: int) -> list[ProcessGroupTP]:
+    """The stage's group as the pipeline builds it (pipeline/wire/groups.py's new_group), on gloo."""
     store = dist.HashStore()
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=60)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    timeout = datetime.timedelta(seconds=60)
+    opts = gloo_options(True, timeout)
     out: list = [None] * size
 
     def make(r: int) -> None:
-        out[r] = GlooTPGroup(dist.ProcessGroupGloo(dist.PrefixStore("tp", store), r, size, opts), r, size)
+        out[r] = ProcessGroupTP(new_group(GLOO, dist.PrefixStore("tp", store), r, size, opts, timeout), r, size)
 
     ts = [threading.Thread(target=make, args=(r,)) for r in range(size)]
     for t in ts:

@@ -3,7 +3,9 @@
 Decode at the SmolLM2-135M shape by default (batch 256, context 1024, Hq=9, Hkv=3, D=64, bf16): ms per
 layer, effective bandwidth (K+V bytes read / time), the pure-torch reference for comparison, store_kv,
 and a chunked-prefill case. The 30-layer run cycles through 30 distinct layer caches (as the engine does),
-so nothing stays in the last-level cache between calls.
+so nothing stays in the last-level cache between calls. `--device cuda` times the Triton kernels
+(model/triton_attention.py; not yet run on a GPU); `--backend triton` runs them on CPU tensors through
+Triton's interpreter (correctness of the bench's own path only: use tiny shapes, the times mean nothing).
 """
 from __future__ import annotations
 
@@ -19,14 +21,22 @@ from tdpipe.model import paged_attention as pa
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def _sync() -> None:
+    """Wait for queued CUDA work, so a host timer measures it; nothing on CPU."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time(fn: Callable[[], object], iters: int, warmup: int = 1) -> tuple[float, float]:
     """(median, best) seconds per call; best is the better guide on a machine shared with other jobs."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), min(times)
 
@@ -50,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--no-ref", action="store_true", help="skip the (slow) reference implementation")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the Triton kernels")
+    p.add_argument("--backend", choices=list(pa.BACKENDS), default="auto",
+                   help="triton: the Triton kernels on CPU tensors too (interpreted: tiny shapes only)")
     args = p.parse_args(argv)
 
     if args.threads:
@@ -58,23 +71,28 @@ def main(argv: list[str] | None = None) -> None:
     b, ctx, hq, hkv, d, bs, nl = (args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim,
                                   args.block_size, args.layers)
     gen = torch.Generator().manual_seed(0)
+    dev = torch.device(args.device)
+    pa.set_attention_backend(args.backend)
 
-    t0 = time.perf_counter()
-    kern = pa.load_kernel()
-    print(f"kernel: {'unavailable (pure-torch path)' if kern is None else kern.kernel_info()}, "
-          f"load/build {time.perf_counter() - t0:.1f} s")
+    if pa.use_triton(torch.empty(0, device=dev)):
+        print(f"kernel: triton ({'interpreted' if dev.type == 'cpu' else 'compiled'})")
+    else:
+        t0 = time.perf_counter()
+        kern = pa.load_kernel()
+        print(f"kernel: {'unavailable (pure-torch path)' if kern is None else kern.kernel_info()}, "
+              f"load/build {time.perf_counter() - t0:.1f} s")
 
     blocks_per_seq = -(-ctx // bs)
     num_blocks = b * blocks_per_seq + 16
     # One big tensor like the engine's; layer 0 random, the others copies (fast to fill, same bytes read).
-    cache = torch.empty((nl, 2, num_blocks, hkv, bs, d), dtype=dtype)
+    cache = torch.empty((nl, 2, num_blocks, hkv, bs, d), dtype=dtype, device=dev)
     cache[0].copy_(torch.randn(cache[0].shape, generator=gen).to(dtype))
     for layer in range(1, nl):
         cache[layer].copy_(cache[0])
-    bt = _block_tables(b, blocks_per_seq, num_blocks, gen)
-    cu = torch.arange(b + 1, dtype=torch.int32)
-    lens = torch.full((b,), ctx, dtype=torch.int32)
-    q = torch.randn((b, hq, d), generator=gen).to(dtype)
+    bt = _block_tables(b, blocks_per_seq, num_blocks, gen).to(dev)
+    cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn((b, hq, d), generator=gen).to(device=dev, dtype=dtype)
     scale = d ** -0.5
 
     kv_bytes = b * ctx * hkv * d * 2 * cache.element_size()
@@ -98,18 +116,20 @@ def main(argv: list[str] | None = None) -> None:
 
     if not args.no_ref:
         out = layer_call(0)
+        _sync()
         tr0 = time.perf_counter()
         ref = pa.paged_attention_ref(q, cache[0, 0], cache[0, 1], bt, cu, lens, scale)
+        _sync()
         tr = time.perf_counter() - tr0
         err = (out.float() - ref.float()).abs().max().item()
         print(f"  reference:             {tr * 1e3:7.2f} ms/layer  {kv_bytes / tr / 1e9:6.1f} GB/s  "
               f"(kernel {tr / t1:.0f}x faster, max |diff| {err:.2e})")
 
     # store_kv: one decode step's new tokens, and a prefill-sized batch.
-    for ntok in (b, 8192):
-        k = torch.randn((ntok, hkv, d), generator=gen).to(dtype)
-        v = torch.randn((ntok, hkv, d), generator=gen).to(dtype)
-        slots = torch.randperm(num_blocks * bs, generator=gen)[:ntok]
+    for ntok in (b, min(8192, num_blocks * bs)):
+        k = torch.randn((ntok, hkv, d), generator=gen).to(device=dev, dtype=dtype)
+        v = torch.randn((ntok, hkv, d), generator=gen).to(device=dev, dtype=dtype)
+        slots = torch.randperm(num_blocks * bs, generator=gen)[:ntok].to(dev)
         def store(k=k, v=v, slots=slots) -> None:
             pa.store_kv(k, v, cache[0, 0], cache[0, 1], slots)
 
@@ -126,9 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     # Chunked prefill: 4 sequences each adding 256 queries on top of a 768-token cached prefix.
     ns, chunk = 4, 256
     if ns * blocks_per_seq <= num_blocks and chunk <= ctx:
-        qc = torch.randn((ns * chunk, hq, d), generator=gen).to(dtype)
-        cuc = torch.arange(0, ns * chunk + 1, chunk, dtype=torch.int32)
-        lc = torch.full((ns,), ctx, dtype=torch.int32)
+        qc = torch.randn((ns * chunk, hq, d), generator=gen).to(device=dev, dtype=dtype)
+        cuc = torch.arange(0, ns * chunk + 1, chunk, dtype=torch.int32, device=dev)
+        lc = torch.full((ns,), ctx, dtype=torch.int32, device=dev)
         kc, vc, btc = cache[0, 0], cache[0, 1], bt[:ns]
         tc, _ = _time(lambda: pa.paged_attention(qc, kc, vc, btc, cuc, lc, scale), args.iters)
         flops = 4 * d * hq * sum(ctx - chunk + j + 1 for j in range(chunk)) * ns

@@ -454,18 +454,19 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def run_hf(model_path: str, reqs: list[wl.BenchRequest], batch_size: int, dtype: torch.dtype,
-           pad_id: int) -> dict[str, Any]:
+           pad_id: int, device: str = "cpu") -> dict[str, Any]:
     """transformers generate on the same requests: static, left-padded batches, greedy, each batch forced
     to exactly its largest output_len (min_new_tokens = max_new_tokens). Only each request's own output_len
     counts as useful output; the extra tokens generated for shorter requests in a batch are waste, reported
-    as hf_generated_tokens. Same torch threads and dtype as the engine; load and warm-up are not timed."""
+    as hf_generated_tokens. Same torch threads and dtype as the engine; load and warm-up are not timed.
+    `device`: where the model runs (tdpipe gpu-check: "cuda")."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
     model.eval()
 
     def gen(rows: list[list[int]], n: int) -> None:
-        ids, mask = _left_pad(rows, pad_id)
+        ids, mask = (t.to(device) for t in _left_pad(rows, pad_id))
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
@@ -481,6 +482,8 @@ def run_hf(model_path: str, reqs: list[wl.BenchRequest], batch_size: int, dtype:
             n = max(reqs[k].output_len for k in b)
             gen([reqs[k].prompt_token_ids for k in b], n)
             generated += n * len(b)
+        if device != "cpu":
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
     finally:
         model = None  # drop the weights before the caller goes on

@@ -24,10 +24,11 @@ from tdpipe.core.engine_builder import EngineParts, build_engine_parts
 from tdpipe.core.sample_group import SampleGroup, SampleId, apply_draws
 from tdpipe.core.validation import RequestLimits, check_floats, check_prompt, check_stops
 from tdpipe.executor.base import Executor, StepResult
-from tdpipe.sampling.metadata import SamplingMetadata, may_argmax
+from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.prompt_logprobs import split_prompt_logits
 from tdpipe.sampling.sampler import Sampler
+from tdpipe.sampling.stage_rows import samples_on_stage, stage_rows, stage_seed, stage_tokens
 from tdpipe.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("tdpipe")
@@ -58,6 +59,7 @@ class LLMEngine:
         self._seq_ids = parts.seq_ids
         self.clock: Callable[[], float] = self.executor.now
         self.sampler = Sampler()
+        self.stage_sampling = samples_on_stage(self.config.sampling_device, parts.platform.name)
         self._inflight: deque[Batch] = deque()
         self.requests: dict[str, SampleGroup] = {}  # unfinished requests by id (abort_request looks them up)
         self._closed = False
@@ -233,7 +235,8 @@ class LLMEngine:
             self.kv_trace.append((now, self.block_manager.usage()))  # blocks are taken at schedule time
         batch.block_copies = self.scheduler.take_block_copies()
         step = batch.step_input()
-        step.greedy_rows = [may_argmax(s) for s in batch.seqs]
+        step.greedy_rows, step.temperatures = stage_rows(batch.seqs, self.stage_sampling)
+        step.stage_seed = stage_seed(step.temperatures)
         if any(s.needs_prompt_logits for s in batch.seqs):
             batch.all_logits = step.all_logits = [s.needs_prompt_logits for s in batch.seqs]
         self.executor.submit(step)
@@ -276,8 +279,8 @@ class LLMEngine:
             return [], []
         row_of = {id(batch.seqs[i]): i for i in rows}
         idx = [row_of[id(s)] for s, _ in samples]
-        if result.token_ids is not None:
-            return [result.token_ids[i] for i in idx], [None] * len(idx)
+        if result.token_ids is not None:  # the stage's tokens (and a split batch's logits for the rest)
+            return stage_tokens(result.token_ids, result.logits, idx, samples, self._sample)
         return self._sample(samples, logits if idx == list(range(logits.shape[0])) else logits[idx])
 
     def _sample(self, samples: list[tuple[Sequence, int]],

@@ -22,15 +22,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tdpipe.config import EngineConfig, ModelConfig, cpu_supports_bf16, default_threads
+from tdpipe.config import EngineConfig, ModelConfig, default_threads
 from tdpipe.core.batched_predictor import BatchedPredictor
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.engine_stats import EngineStats
 from tdpipe.core.scheduler import Scheduler, get_policy, make_scheduler
 from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
-from tdpipe.malloc import pin_mmap_threshold
 from tdpipe.model.weights import check_model_folder, load_hf_config
+from tdpipe.platforms import get_platform, resolve_device
+from tdpipe.platforms.interface import Platform
 from tdpipe.predictor.base import Predictor
 from tdpipe.predictor.factory import make_predictor
 from tdpipe.tokenizer import load_tokenizer
@@ -41,12 +42,13 @@ IN_MEMORY = "<in-memory random weights>"  # model_path of an engine built from a
 SIM_PROFILE_BATCH = 512  # a simulated executor is profiled up to here, past where GPU decode turns compute-bound
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, platform: Platform) -> torch.dtype:
+    """--dtype: bfloat16 or float32 as named; auto: the platform's default."""
     if name in ("bfloat16", "bf16"):
         return torch.bfloat16
     if name in ("float32", "fp32"):
         return torch.float32
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return platform.default_dtype()
 
 
 @dataclass
@@ -54,6 +56,7 @@ class EngineParts:
     """What an LLMEngine runs with, ready to run."""
 
     config: EngineConfig
+    platform: Platform  # the device the model runs on (tdpipe/platforms)
     model_path: str
     model_config: ModelConfig
     tokenizer: Any | None  # None: requests come as token ids (simulated or in-memory model)
@@ -91,13 +94,15 @@ class EngineBuilder:
 
         config, par, sched = self.config, self.config.parallel, self.config.scheduler
         run_stage_if_worker(par.pipeline_parallel_size, par.tensor_parallel_size)  # torchrun ranks > 0: workers
-        pin_mmap_threshold()  # per-step [batch, vocab] tensors must not fragment the heap (tdpipe/malloc.py)
+        # a simulated executor runs nothing on a device: its engine is this host's, sized as on CPU
+        self.platform = get_platform("cpu" if self.executor_factory else resolve_device(par.device))
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        # allocator settings (CPU: per-step [batch, vocab] tensors must not fragment the heap, tdpipe/malloc.py)
+        # and threads: workers of their own own the cores; the engine process only samples and schedules
+        self.platform.configure_process(config.num_threads or (default_threads() if par.world_size == 1 else 1))
         hf = self._load_model()
         self.eos_token_ids = self._eos_ids()
-        self.dtype = resolve_dtype(config.dtype)
-        # workers of their own: they own the cores; the engine process only samples and schedules
-        torch.set_num_threads(config.num_threads or (default_threads() if par.world_size == 1 else 1))
+        self.dtype = resolve_dtype(config.dtype, self.platform)
         num_blocks = self._size_kv_cache()
         sched.pipeline_depth = self.pp
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -114,10 +119,10 @@ class EngineBuilder:
         costs = self._profile(hf is not None) if policy.wants_step_costs(sched) else None
         self.scheduler = make_scheduler(sched, self.block_manager, predictor=batched or self.predictor,
                                         eos_token_ids=self.eos_token_ids, costs=costs)
-        return EngineParts(config, self.model_path, self.model_config, self.tokenizer, self.eos_token_ids,
-                           self.dtype, self.block_manager, self.predictor, batched, history, self.scheduler,
-                           self.executor, self.partition, self.lm_head_split, self.stage_threads, stats,
-                           self.seq_ids)
+        return EngineParts(config, self.platform, self.model_path, self.model_config, self.tokenizer,
+                           self.eos_token_ids, self.dtype, self.block_manager, self.predictor, batched, history,
+                           self.scheduler, self.executor, self.partition, self.lm_head_split, self.stage_threads,
+                           stats, self.seq_ids)
 
     # -- the model ---------------------------------------------------------------------------------------
     def _load_model(self) -> dict[str, Any] | None:
@@ -166,10 +171,15 @@ class EngineBuilder:
         elif sched.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({sched.max_model_len}) exceeds the model's max_position_embeddings "
                              f"({mc.max_position_embeddings})")
-        block_bytes = mc.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * cache.block_size
-        num_blocks = cache.num_blocks or cache.budget_bytes() // block_bytes
+        dtype_bytes = torch.finfo(self.dtype).bits // 8
+        block_bytes = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size
+        budget = 0
+        if cache.num_blocks is None:
+            budget = self.platform.kv_cache_bytes(cache.kv_cache_memory, cache.gpu_memory_utilization,
+                                                  mc.num_params() * dtype_bytes)
+        num_blocks = cache.num_blocks or budget // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory: {cache.budget_bytes()} bytes hold no KV block (one block of "
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block (one block of "
                              f"{cache.block_size} tokens needs {block_bytes} bytes for this model in "
                              f"{str(self.dtype).removeprefix('torch.')})")
         capacity = num_blocks * cache.block_size
@@ -205,7 +215,8 @@ class EngineBuilder:
 
             weights = None if hf is None else random_weights(hf, self.weights_seed)
             runner = ModelRunner(self.model_config, self.model_path, self.dtype, num_blocks,
-                                 self.config.cache.block_size, weights=weights)
+                                 self.config.cache.block_size, device=str(self.platform.set_device(0)),
+                                 weights=weights, graphs=self._graph_settings())
             self.stage_threads = [torch.get_num_threads()]
             return LocalExecutor(runner)
         from tdpipe.pipeline.executor import PipelineExecutor, StageSpec
@@ -216,8 +227,16 @@ class EngineBuilder:
         cfg = self.config.scheduler  # separate and td-pipe send a lone prompt longer than the budget whole
         return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
                                 self.config.cache.block_size, stages,
-                                max(cfg.max_num_batched_tokens, cfg.max_model_len), par.device, self.tp,
-                                self.lm_head_split)
+                                max(cfg.max_num_batched_tokens, cfg.max_model_len), self.platform, self.tp,
+                                self.lm_head_split, graphs=self._graph_settings())
+
+    def _graph_settings(self) -> Any:
+        """The decode CUDA graphs the model runners capture (None: eager; worker/cuda_graph.py)."""
+        from tdpipe.worker.cuda_graph import graph_settings
+
+        c, sched = self.config, self.config.scheduler
+        return graph_settings(self.platform.supports_cuda_graphs, c.enforce_eager, c.cuda_graph_sizes,
+                              sched.max_num_seqs, sched.max_model_len)
 
     def _choose_partition(self) -> None:
         """Layers per stage and the lm_head split, balanced by measured time (a decode micro-batch and a
@@ -231,7 +250,7 @@ class EngineBuilder:
         costs = None
         if self.pp > 1 and (counts is None or auto):
             batch = max(8, min(128, self.config.scheduler.max_num_seqs // self.pp))
-            costs = StageCosts.measure(mc, self.dtype, par.stage_threads(), batch=batch)
+            costs = StageCosts.measure(mc, self.dtype, par.stage_threads(), batch=batch, platform=self.platform)
             if auto:
                 split, counts = choose_head_split(mc, self.pp, costs, counts)
             costs = costs.with_split(split or 0.0)  # the costs the partition and the log below go by

@@ -8,6 +8,7 @@ import torch
 
 from tdpipe.executor.base import MAX_STAGE_EVENTS, Executor, StepResult
 from tdpipe.model import cpu_ops as ops
+from tdpipe.sampling.stage_rows import split_rows
 from tdpipe.step_input import StepInput
 from tdpipe.worker.model_runner import ModelRunner
 
@@ -24,8 +25,14 @@ class LocalExecutor(Executor):
         t1 = time.time()
         logits = self.runner.execute(inp)
         if step.greedy_rows and all(step.greedy_rows):
-            token_ids, out = ops.argmax(logits).tolist(), None
+            if step.temperatures:  # stage sampling (sampling/stage_rows.py)
+                token_ids, out = self.runner.sample(logits, step.temperatures, step.stage_seed).tolist(), None
+            else:
+                token_ids, out = ops.argmax(logits).tolist(), None
+        elif split_rows(step.greedy_rows, step.temperatures, step.all_logits):
+            token_ids, out = self._split(logits, step)
         else:
+            logits = logits.cpu()  # the engine samples on the host (no copy on CPU)
             token_ids, out = None, logits.float() if logits.dtype != torch.float32 else logits
         t2 = time.time()
         prefill, decode = step.shape()
@@ -35,6 +42,15 @@ class LocalExecutor(Executor):
                              "context_tokens": sum(step.seq_lens)})
         self._done.append(StepResult(step.batch_id, logits=out, token_ids=token_ids,
                                      timings={"prepare": t1 - t0, "compute": t2 - t1, "start": t0, "end": t2}))
+
+    def _split(self, logits: torch.Tensor, step: StepInput) -> tuple[list[int], torch.Tensor]:
+        """A batch the stage samples in part: ids of its rows (-1 for the others) and the others' logits,
+        in row order (sampling/stage_rows.stage_tokens reads them so)."""
+        mine = step.greedy_rows
+        ids = self.runner.sample(logits, step.temperatures, step.stage_seed).tolist()
+        token_ids = [t if m else -1 for t, m in zip(ids, mine)]
+        rest = logits[torch.tensor([i for i, m in enumerate(mine) if not m], device=logits.device)]
+        return token_ids, rest.cpu().float()
 
     def trace_events(self) -> list[list[dict]]:
         events, self._events = list(self._events), deque(maxlen=MAX_STAGE_EVENTS)

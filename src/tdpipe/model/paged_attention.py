@@ -1,14 +1,21 @@
-"""Attention over the paged KV cache: C++/OpenMP kernel on CPU, pure-torch reference elsewhere.
+"""Attention over the paged KV cache: C++/OpenMP kernel on CPU, Triton kernels on CUDA, pure-torch reference.
 
 Cache layout (per layer): ``k_cache`` / ``v_cache`` of shape [num_blocks, num_kv_heads, block_size, head_dim].
 Token ``t`` of a sequence lives in block ``block_tables[s, t // block_size]`` at offset ``t % block_size``.
 A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
 (the last ``n_s`` of its ``seq_lens[s]`` tokens, whose K/V are already stored) and attends causally.
+
+Backends: CPU tensors take the C++ kernel (model/triton_attention.py is never imported for them); CUDA
+tensors take the Triton kernels (model/triton_attention.py, not yet run on a GPU).
+TDPIPE_ATTENTION_BACKEND=triton (or set_attention_backend("triton")) sends CPU tensors through the Triton
+kernels too, run by Triton's interpreter: the engine's GPU attention path, checked on a CPU (about 2000x
+slower than compiled; tests only).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -23,6 +30,37 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 IntSeq = torch.Tensor | Sequence[int]
+
+BACKEND_ENV = "TDPIPE_ATTENTION_BACKEND"  # read once, at import: each engine process reads its own
+BACKENDS = ("auto", "triton")
+_force_triton = False
+
+
+def set_attention_backend(name: str) -> None:
+    """"auto": CPU tensors take the C++ kernel, CUDA tensors the Triton kernels. "triton": CPU tensors take
+    the Triton kernels too, interpreted (a check of the GPU path on a CPU; far too slow for real use).
+    The process starts with $TDPIPE_ATTENTION_BACKEND (default auto). A flag, not a per-call env look-up:
+    os.environ.get costs ~1.4 us, twice per layer on the CPU path."""
+    global _force_triton
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} ({BACKEND_ENV}): expected one of {', '.join(BACKENDS)}")
+    _force_triton = name == "triton"
+
+
+set_attention_backend(os.environ.get(BACKEND_ENV) or "auto")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Does attention on t's device run through the Triton kernels? CUDA always, CPU when the backend is
+    forced to triton, other devices never (the pure-torch reference)."""
+    return t.is_cuda or (_force_triton and t.device.type == "cpu")
+
+
+def _triton() -> ModuleType:
+    """The Triton kernels' module, imported on first use (CPU runs need no triton import, ~0.2 s)."""
+    from tdpipe.model import triton_attention
+
+    return triton_attention
 
 
 def load_kernel() -> ModuleType | None:
@@ -62,7 +100,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter the new tokens' K/V into the paged cache (in place)."""
-    kern = load_kernel() if k_cache.device.type == "cpu" else None
+    if use_triton(k_cache):
+        _triton().store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    kern = load_kernel()
     if kern is None or k_cache.dtype not in _KERNEL_DTYPES or k.device.type != "cpu":
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
         return
@@ -82,9 +123,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
                         cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float,
-                        seqs: Sequence[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        seqs: Sequence[int] | None = None, out: torch.Tensor | None = None,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Reference: per sequence, gather its blocks, dense fp32 attention with a causal mask. Any device.
-    `seqs`: only these sequences (their rows of `out`, which it then fills in place)."""
+    `seqs`: only these sequences (their rows of `out`, which it then fills in place). `sliding_window` W:
+    query position p sees keys p-W+1 .. p only."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -108,6 +151,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
         qpos = torch.arange(seq_len - n, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] > qpos[:, None]  # [n, L]
+        if sliding_window:
+            mask |= torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None] - sliding_window
         scores.masked_fill_(mask, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(1))  # [Hkv, G, n, D]
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
@@ -123,11 +168,20 @@ def _attention_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> ModuleType | No
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
-                    cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float) -> torch.Tensor:
+                    cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over cached K/V; returns [T, Hq, D] in q's dtype.
 
     block_tables int32 [S, max_blocks], cu_seqlens_q int32 [S+1], seq_lens int32 [S] (lists accepted).
+    `sliding_window` W: each query sees its last W keys, itself included (Triton kernels or, on CPU, the
+    reference: the C++ kernel has no window).
     """
+    if use_triton(q):
+        return _triton().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                         sliding_window=sliding_window)
+    if sliding_window:
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                   sliding_window=sliding_window)
     kern = _attention_kernel(q, k_cache)
     if kern is None:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
@@ -180,6 +234,8 @@ def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     bf16 on CPU: their K/V are already stored, and the kernel runs 2-2.4x faster than torch's CPU flash
     SDPA (2048 prompt tokens over 8 prompts, one layer: 10 ms vs 25 ms), about a tenth of a prefill
     layer. float32 keeps SDPA, the path that matches transformers bit for bit."""
+    if use_triton(q):  # Triton: one launch for the whole batch; float32 keeps SDPA as on CPU
+        return q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)
     return q.dtype == k_cache.dtype == torch.bfloat16 and _attention_kernel(q, k_cache) is not None
 
 

@@ -76,19 +76,25 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-class GlooTPGroup(TPGroup):
-    """Collectives over a ProcessGroup object built for the stage's T ranks (pipeline/wire/transport.py builds it
-    without a default group). bfloat16 is reduced in float32 and copied back: a bf16 ring sum rounds at every
-    hop, and float32 on T = 2 ranks gives the same sum as the unsharded matmul's float32 accumulation up to
-    one final rounding."""
+class ProcessGroupTP(TPGroup):
+    """Collectives over a ProcessGroup object built for the stage's T ranks (pipeline/wire/groups.py builds it
+    without a default group): gloo, or NCCL where the stage's ranks have a GPU each. bfloat16 is reduced in
+    float32 and copied back: a bf16 ring sum rounds at every hop, and float32 on T = 2 ranks gives the same
+    sum as the unsharded matmul's float32 accumulation up to one final rounding. gloo reduces host memory:
+    device tensors (ranks sharing a GPU) go through the host and back (the NCCL path has not yet run on a
+    GPU)."""
 
     def __init__(self, pg: torch.distributed.ProcessGroup, rank: int, size: int) -> None:
         super().__init__()
         self.pg, self.rank, self.size = pg, rank, size
+        self.host_only = pg.name() == "gloo"  # device tensors are staged through host memory
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.cpu() if self.host_only and not t.is_cpu else t
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        buf = t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+        buf = self._host(t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous())
         self.pg.allreduce([buf]).wait()
         if buf is not t:
             t.copy_(buf)
@@ -97,8 +103,10 @@ class GlooTPGroup(TPGroup):
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         t0 = time.perf_counter()
+        device = t.device
+        t = self._host(t)
         dim = dim % t.dim()
-        n = torch.tensor([t.shape[dim]], dtype=torch.int64)
+        n = torch.tensor([t.shape[dim]], dtype=torch.int64, device=t.device)
         sizes = [torch.empty_like(n) for _ in range(self.size)]
         self.pg.allgather([sizes], [n]).wait()
         sizes = [int(s) for s in sizes]
@@ -110,9 +118,12 @@ class GlooTPGroup(TPGroup):
         t = t.contiguous()
         outs = [torch.empty_like(t) for _ in range(self.size)]
         self.pg.allgather([outs], [t]).wait()
-        res = torch.cat([o.narrow(dim, 0, s) for o, s in zip(outs, sizes)], dim=dim)
+        res = torch.cat([o.narrow(dim, 0, s) for o, s in zip(outs, sizes)], dim=dim).to(device)
         self.comm_seconds += time.perf_counter() - t0
         return res
+
+
+GlooTPGroup = ProcessGroupTP  # the former name, until pipeline/stage_worker.py imports ProcessGroupTP
 
 
 def greedy_ids(local_logits: torch.Tensor, vocab_start: int, tp: TPGroup) -> torch.Tensor:
@@ -131,4 +142,4 @@ def greedy_ids(local_logits: torch.Tensor, vocab_start: int, tp: TPGroup) -> tor
     return allp[torch.arange(len(idx)), best, 1].to(torch.int64)
 
 
-__all__ = ["SINGLE", "GlooTPGroup", "HeadShard", "TPGroup", "greedy_ids", "head_split", "shard_range"]
+__all__ = ["SINGLE", "GlooTPGroup", "HeadShard", "ProcessGroupTP", "TPGroup", "greedy_ids", "head_split", "shard_range"]

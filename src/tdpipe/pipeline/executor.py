@@ -33,7 +33,9 @@ from tdpipe.pipeline.processes import StageProcesses
 from tdpipe.pipeline.wire import messages as m
 from tdpipe.pipeline.wire.block_sync import BlockTableSender
 from tdpipe.pipeline.wire.layout import Layout
+from tdpipe.pipeline.wire.groups import choose_backends
 from tdpipe.pipeline.wire.transport import Rendezvous, Transport, tensor_tag
+from tdpipe.platforms.interface import Platform
 from tdpipe.step_input import StepInput
 
 _SLICE = 0.1  # seconds: how often a waiting main thread looks at the watchdog's verdict
@@ -117,8 +119,10 @@ class _InFlight:
 
 class PipelineExecutor(Executor):
     def __init__(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
-                 stages: list[StageSpec], max_num_batched_tokens: int, device: str = "cpu",
-                 tensor_parallel_size: int = 1, lm_head_split: float = 0.0) -> None:
+                 stages: list[StageSpec], max_num_batched_tokens: int, platform: Platform,
+                 tensor_parallel_size: int = 1, lm_head_split: float = 0.0, graphs: object | None = None) -> None:
+        """`platform`: the workers' device (each worker gets platform.torch_device(its worker index) and the
+        groups' backends from pipeline/wire/groups.py's choose_backends)."""
         self.num_stages = len(stages)
         self.stages = stages
         self.layout = lay = Layout(self.num_stages, tensor_parallel_size)
@@ -140,6 +144,7 @@ class PipelineExecutor(Executor):
             self.sources = [(lay.rank(self.num_stages - 1), (0, v))]
         self.vocab = model_config.vocab_size
         self.dtype = dtype
+        self.graphs = graphs  # the stages' decode CUDA graphs (worker/cuda_graph.GraphSettings; None: eager)
         self.processes = StageProcesses(lay, [s.threads for s in stages])
         self.stage_pids: list[int] = []  # from the stages' READY: every rank's, torchrun's too
         self._closing = False
@@ -153,7 +158,7 @@ class PipelineExecutor(Executor):
         _live.add(self)
         try:
             self._start(model_config, model_path, dtype, num_blocks, block_size, max_num_batched_tokens,
-                        device)
+                        platform)
         except BaseException:
             # Ctrl-C, a stage that failed, anything: no stage outlives a constructor that did not return
             self._start_abandoned = True
@@ -162,8 +167,10 @@ class PipelineExecutor(Executor):
             raise
 
     def _start(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
-               max_num_batched_tokens: int, device: str) -> None:
+               max_num_batched_tokens: int, platform: Platform) -> None:
         lay = self.layout
+        devices = [platform.torch_device(r - 1) for r in lay.worker_ranks()]
+        backends = choose_backends(platform.dist_backend, devices, lay)
         self.t = self._connect(self.processes.start())
         self._waiter = _Waiter(self.t.wait)
         dname = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -172,8 +179,9 @@ class PipelineExecutor(Executor):
             s = self.stages[k]
             peer = next((p for p in self.head_ranges if p != r), None) if r in self.head_ranges else None
             init = m.StageInit(k, self.num_stages, s.start_layer, s.end_layer, model_config, model_path, dname,
-                               num_blocks, block_size, s.threads, device, max_num_batched_tokens, t, lay.tp,
-                               self.head_ranges.get(r), peer)
+                               num_blocks, block_size, s.threads, str(devices[r - 1]), max_num_batched_tokens, t,
+                               lay.tp, self.head_ranges.get(r), peer, backends.stages, backends.tp,
+                               graphs=self.graphs)
             self._send_all([r], m.INIT, init)
         for r in lay.worker_ranks():
             kind, info = self._reply(r)
@@ -303,7 +311,8 @@ class PipelineExecutor(Executor):
                 msg = m.StepMessage(step.batch_id, step.token_ids, step.query_lens, step.seq_lens,
                                     step.seq_ids, deltas, self.sender.take_freed(), step.is_prefill, greedy,
                                     step.shape(), time.time(), step.block_copies or None,
-                                    step.all_logits if any(step.all_logits) else None)
+                                    step.all_logits if any(step.all_logits) else None,
+                                    temperatures=step.temperatures or None, stage_seed=step.stage_seed)
                 try:
                     works = [self.t.irecv(b, r, tensor_tag(step.batch_id)) for r, b in srcs]
                 except RuntimeError as e:

@@ -24,9 +24,11 @@ import traceback
 from collections.abc import Callable
 
 from tdpipe.pipeline.stage_worker import StageWorker
+from tdpipe.pipeline.wire.groups import GroupBackends
 from tdpipe.pipeline.wire import messages as m
 from tdpipe.pipeline.wire.layout import ENGINE, Layout
 from tdpipe.pipeline.wire.transport import PeerLost, Rendezvous, Transport, join_rendezvous, report_failure
+from tdpipe.platforms import get_platform
 
 _failure_store: Rendezvous | None = None  # where _fatal reports (set once the store is joined)
 _parent: int | None = None  # the engine's pid, for a stage the engine spawned
@@ -72,20 +74,26 @@ def _tell(where: str, reason: str | None = None) -> None:
     sys.stderr.flush()
 
 
-def serve(rv: Rendezvous, device: str = "cpu", abort: Callable[[], None] | None = None) -> None:
-    """Join the pipeline as a stage: receive StageInit, build, acknowledge, run until STOP.
+def serve(rv: Rendezvous, abort: Callable[[], None] | None = None) -> None:
+    """Join the pipeline as a stage: receive StageInit (it names the device and the groups' backends),
+    build, acknowledge, run until STOP.
     `abort`: called while the groups are being built, may raise to give up."""
     global _failure_store
-    from tdpipe.malloc import pin_mmap_threshold
-
     _failure_store = rv
-    pin_mmap_threshold()  # activations of varying size every step (see tdpipe/malloc.py)
     t = Transport(rv, abort)
     kind, init = t.recv_obj(t.ctrl, ENGINE)
     if kind != m.INIT:
         raise RuntimeError(f"stage rank {rv.rank}: expected INIT from the engine, got message kind {kind}")
-    name = Layout(init.num_stages, init.tp_size).name(rv.rank)
+    layout = Layout(init.num_stages, init.tp_size)
+    name = layout.name(rv.rank)
     try:
+        platform = get_platform(init.device)
+        # threads, the host heap (activations of varying size every step, tdpipe/malloc.py) and the device
+        # allocator, before the model's first tensor
+        platform.configure_process(init.threads)
+        platform.set_device(rv.rank - 1)  # the engine chose init.device by the same worker index
+        t.use_backends(GroupBackends(init.stage_backend, init.tp_backends), platform.host_memory,
+                       layout.num_workers)
         worker = StageWorker(t, init, _fatal)
     except Exception as e:  # noqa: BLE001 - one clear line to the engine, no traceback here
         reason = f"{name} failed to start: {e!r}"

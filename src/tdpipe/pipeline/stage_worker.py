@@ -4,9 +4,12 @@ group (T = 1: the whole stage); pipeline/stage.py is the process around it.
 Three threads, so a stage never waits on its own bookkeeping:
   prep    receives the engine's metadata, rebuilds block tables from deltas, prepares the input tensors
           and posts the receive for the activations with the shape already known (gLLM §3.3); it runs
-          one micro-batch ahead of compute, into one of two alternating receive buffers (SiPipe §5.2);
+          one micro-batch ahead of compute, into one of two alternating receive buffers (SiPipe §5.2); a
+          decode step run as a CUDA graph is packed into one of the graph runner's versioned staging
+          buffers, never one an in-flight step still reads (worker/cuda_graph.py);
   main    waits for the activations, runs the layer slice, hands the output to the sender;
-  sender  sends hidden states to the next stage, or logits / argmax ids to the engine (SiPipe §5.1).
+  sender  sends hidden states to the next stage, or logits / token ids to the engine (SiPipe §5.1; ids
+          when the stage picks every row: greedy, or with --sampling-device stage plain temperature).
 Every micro-batch leaves a trace event: compute start/end, time waiting for input, send time, shape, and
 with T > 1 the time spent in the tensor-parallel all-reduces (TD-Pipe Fig. 6's split of TP time).
 Peers come from the layout (tdpipe/pipeline/wire/layout.py): activations from the same tp rank of the previous
@@ -69,7 +72,7 @@ class StageWorker:
             self.tp = GlooTPGroup(pg, init.tp_rank, init.tp_size)
         self.runner = ModelRunner(init.model_config, init.model_path, dtype, init.num_blocks, init.block_size,
                                   init.start_layer, init.end_layer, device=init.device, tp=self.tp,
-                                  head_range=init.head_range)
+                                  head_range=init.head_range, graphs=init.graphs)
         self.head_peer = init.head_peer  # the lm_head split: the last stage's rank (first) / the first's (last)
         self.dtype = dtype
         self.hidden = init.model_config.hidden_size
@@ -180,9 +183,9 @@ class StageWorker:
                 self.buffer_free.release()
             if split_last:  # the first stage's part of the head starts as soon as the rows reach it
                 self.outbox.put((out.contiguous(), self.head_peer, head_tag(msg.batch_id), {}))
-                out = self._split_result(self.runner.head(out), msg.greedy)
+                out = self._split_result(self.runner.head(out), msg)
             elif self.last:
-                out = self._result(out, msg.greedy)
+                out = self._result(out, msg)
             end = time.time()
             event = {"batch_id": msg.batch_id, "start": start, "end": end, "wait": start - t_wait, "send": 0.0,
                      "meta_latency": t_meta - msg.sent_at, "prep": t_prepared - t_meta,
@@ -196,30 +199,35 @@ class StageWorker:
     def _head(self, msg: m.StepMessage, rows: torch.Tensor, arrived: float, t_wait: float) -> None:
         """The first stage's part of a split lm_head for one micro-batch, sent straight to the engine."""
         start = time.time()
-        out = self._split_result(self.runner.head(rows), msg.greedy)
+        out = self._split_result(self.runner.head(rows), msg)
         event = {"batch_id": msg.batch_id, "start": start, "end": time.time(), "wait": start - t_wait,
                  "send": 0.0, "head": True, "rows_latency": start - arrived, "prefill_tokens": 0,
                  "decode_seqs": 0, "context_tokens": 0}
         self.events.append(event)
         self.outbox.put((out, ENGINE, tensor_tag(msg.batch_id), event))
 
-    def _split_result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
-        """A part of a split lm_head: its logits, or for greedy batches each row's (max, id) over this part
-        as float64 pairs (ids < 2^53 are exact) for the engine to pick from."""
-        if not greedy:
+    def _split_result(self, logits: torch.Tensor, msg: m.StepMessage) -> torch.Tensor:
+        """A part of a split lm_head: its logits, or for batches the stage picks each row's (max, id) over
+        this part as float64 pairs (ids < 2^53 are exact) for the engine to pick from; temperature rows
+        perturbed first, each part with its own noise (sampling/device_sampler.py)."""
+        if not msg.greedy:
             return logits.contiguous().cpu()
         from tdpipe.model import cpu_ops as ops
 
+        if msg.temperatures:
+            logits = self.runner.sampler.perturb(logits, msg.temperatures, msg.stage_seed, self.rank)
         idx = ops.argmax(logits).to(torch.int64)
         val = logits.gather(1, idx[:, None]).squeeze(1).to(torch.float64)
         return torch.stack([val, (idx + self.runner.model.head_range[0]).to(torch.float64)], dim=1).cpu()
 
-    def _result(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor | None:
-        """Sampling happens on the engine, off this stage (SiPipe §5.1): greedy batches need only ids, which
-        the group agrees on (every rank takes part) and tp rank 0 sends; otherwise each rank sends its
-        vocabulary shard of the logits. None: nothing for this rank to send."""
-        if greedy:
-            ids = self.runner.greedy(logits)
+    def _result(self, logits: torch.Tensor, msg: m.StepMessage) -> torch.Tensor | None:
+        """Sampling happens on the engine, off this stage (SiPipe §5.1), unless the stage picks every row:
+        greedy rows, and with stage sampling plain-temperature rows (sampling/stage_rows.py). Then only ids
+        travel, which the group agrees on (every rank takes part, each perturbing its shard with its own
+        noise) and tp rank 0 sends; otherwise each rank sends its vocabulary shard of the logits. None:
+        nothing for this rank to send."""
+        if msg.greedy:
+            ids = self.runner.sample(logits, msg.temperatures or [], msg.stage_seed, self.rank)
             return ids.to(torch.int64).cpu() if self.init.tp_rank == 0 else None
         return logits.contiguous().cpu()
 

@@ -1,7 +1,9 @@
 """A stage's execution: its layer slice, its slice of the KV cache, and input preparation.
 
 Input preparation turns the small StepInput message into tensors (positions, KV slots, block tables);
-the pipeline runtime runs it for micro-batch i+1 while micro-batch i computes (SiPipe §5.2).
+the pipeline runtime runs it for micro-batch i+1 while micro-batch i computes (SiPipe §5.2). On a platform
+with CUDA graphs (and without --enforce-eager) pure-decode steps run as captured graphs, padded to the next
+captured batch size (worker/cuda_graph.py); prefills and larger batches run eagerly.
 """
 from __future__ import annotations
 
@@ -15,34 +17,25 @@ from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
 from tdpipe.model.packed_linear import pack_linears
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup
 from tdpipe.model.weights import iter_safetensors
+from tdpipe.platforms import get_platform
+from tdpipe.sampling.device_sampler import DeviceSampler
 from tdpipe.step_input import StepInput
+from tdpipe.worker.cuda_graph import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphInput, GraphSettings
 
 
 @dataclass
 class PreparedInput:
     step: StepInput
-    input_ids: torch.Tensor
-    meta: AttentionMetadata
-    sample_idx: torch.Tensor  # rows of the hidden states whose logits are needed (last token per sequence)
-
-
-def keep_freed_memory() -> None:
-    """glibc returns big freed buffers to the OS and page-faults them back on the next allocation (~0.4 ms
-    per MB in this VM: more than the GEMM that fills them). Keep the heap instead (mallopt M_MMAP_MAX=0,
-    M_TRIM_THRESHOLD=2 GiB); activations of one step are reused by the next."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-4, 0)
-        libc.mallopt(-1, 0x7FFFFFFF)
-    except (OSError, AttributeError):
-        pass
+    input_ids: torch.Tensor | None  # None for a graph step (its inputs sit in a staging buffer)
+    meta: AttentionMetadata | None
+    sample_idx: torch.Tensor | None  # rows of the hidden states whose logits are needed (last token per sequence)
+    graph: GraphInput | None = None  # a decode step staged for a captured graph (worker/cuda_graph.py)
 
 
 def prepare_input(step: StepInput, block_size: int, device: torch.device) -> PreparedInput:
     """StepInput (plain lists) -> tensors: positions, KV slots, block tables, sampled rows."""
     dev = device
+    nb = dev.type != "cpu"  # from pageable memory: staged at once, without waiting for the device's queue
     q = torch.tensor(step.query_lens, dtype=torch.int64)
     seq_lens = torch.tensor(step.seq_lens, dtype=torch.int64)
     s = len(step.query_lens)
@@ -60,11 +53,11 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
     blk = bt[seq_idx, positions // block_size].to(torch.int64)
     slots = blk * block_size + positions % block_size
     meta = AttentionMetadata(
-        positions=positions.to(dev),
-        slot_mapping=slots.to(dev),
-        block_tables=bt.to(dev),
-        cu_seqlens_q=cu.to(torch.int32).to(dev),
-        seq_lens=seq_lens.to(torch.int32).to(dev),
+        positions=positions.to(dev, non_blocking=nb),
+        slot_mapping=slots.to(dev, non_blocking=nb),
+        block_tables=bt.to(dev, non_blocking=nb),
+        cu_seqlens_q=cu.to(torch.int32).to(dev, non_blocking=nb),
+        seq_lens=seq_lens.to(torch.int32).to(dev, non_blocking=nb),
         fresh=step.fresh,
         cu_seqlens_list=cu.tolist(),
     )
@@ -77,18 +70,22 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
         sample_idx = torch.tensor(rows, dtype=torch.int64)
     else:
         sample_idx = cu[1:] - 1
-    return PreparedInput(step, ids, meta, sample_idx.to(dev))
+    return PreparedInput(step, ids, meta, sample_idx.to(dev, non_blocking=nb))
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
                  device: str = "cpu", tp: TPGroup = SINGLE, head_range: tuple[int, int] | None = None,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None, graphs: GraphSettings | None = None,
+                 graph_backend: GraphBackend | None = None) -> None:
         """`tp`: this rank's tensor-parallel group; it then holds its shard of the slice and the KV cache of
         its KV heads (model/tensor_parallel.py). `head_range`: its part of an lm_head split across stages.
-        `weights`: (HF name, tensor) pairs in memory instead of model_path's checkpoint (a whole model)."""
-        keep_freed_memory()
+        `weights`: (HF name, tensor) pairs in memory instead of model_path's checkpoint (a whole model).
+        `graphs`: capture decode graphs of these sizes (worker/cuda_graph.graph_settings; None: eager), through
+        `graph_backend` (None: CUDA graphs where the platform has them, else eager; tests inject a fake)."""
+        self.platform = get_platform(device)
+        self.platform.configure_runner()
         self.cfg = model_config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -108,9 +105,25 @@ class ModelRunner:
         n_layers = model.end_layer - model.start_layer
         shape = (n_layers, 2, num_blocks, model.heads.kv_count, block_size, model_config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.sampler = DeviceSampler()
+        self.graphs: DecodeGraphs | None = None
+        if graph_backend is None and graphs is not None and self.platform.supports_cuda_graphs:
+            graph_backend = CudaGraphBackend()
+        if graphs is not None and graph_backend is not None:
+            self.graphs = DecodeGraphs(self._layers, first=model.is_first, hidden_size=model_config.hidden_size,
+                                       dtype=dtype, device=self.device, block_size=block_size, settings=graphs,
+                                       backend=graph_backend, copy_out=not model.is_last)
+            self.graphs.capture()
+
+    def _layers(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The slice's layers on token ids (first stage) or hidden states: what a decode graph captures."""
+        return self.model(x, meta, self.kv_cache)
 
     # -- input preparation ---------------------------------------------------------------------------
     def prepare(self, step: StepInput) -> PreparedInput:
+        """Tensors for an eager step, or a pure-decode step staged for its captured graph."""
+        if self.graphs is not None and (size := self.graphs.size_for(step)) is not None:
+            return PreparedInput(step, None, None, None, self.graphs.stage(step, size))
         return prepare_input(step, self.block_size, self.device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -127,13 +140,17 @@ class ModelRunner:
         rank's vocabulary range [S, V_rank] (all of it with T = 1)."""
         if inp.step.block_copies:
             self.copy_blocks(inp.step.block_copies)
-        x = inp.input_ids if self.model.is_first else hidden
-        h = self.model(x, inp.meta, self.kv_cache)
+        if inp.graph is not None:  # a decode: every row is sampled
+            h = rows = self.graphs.run(inp.graph, hidden)
+        else:
+            x = inp.input_ids if self.model.is_first else hidden
+            h = self.model(x, inp.meta, self.kv_cache)
+            rows = None if not self.model.is_last else h[inp.sample_idx]
         if not self.model.is_last:
             return h
         if normed_rows:  # the head split across stages: the sampled rows, normalised, for both parts
-            return self.model.final_norm(h[inp.sample_idx])
-        return self.model.compute_logits(h[inp.sample_idx])
+            return self.model.final_norm(rows)
+        return self.model.compute_logits(rows)
 
     def head(self, normed: torch.Tensor) -> torch.Tensor:
         """This stage's part of a split lm_head on normalised rows: logits of its vocabulary range."""
@@ -144,3 +161,8 @@ class ModelRunner:
         """Greedy ids over the whole vocabulary from execute()'s logits (with T > 1 the group's collective:
         every rank of the last stage calls it)."""
         return self.model.greedy_ids(logits)
+
+    def sample(self, logits: torch.Tensor, temperatures: list[float], seed: int, salt: int = 0) -> torch.Tensor:
+        """greedy() of logits perturbed for the rows with a temperature (sampling/device_sampler.py): each row's
+        token, sampled on this device. `salt`: this rank's, so vocabulary shards draw independent noise."""
+        return self.model.greedy_ids(self.sampler.perturb(logits, temperatures, seed, salt))

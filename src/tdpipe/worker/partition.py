@@ -20,8 +20,13 @@ StageCosts.of is the FLOP-count model, for tests and machines where timing is no
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from tdpipe.config import ModelConfig
+from tdpipe.platforms import get_platform
+
+if TYPE_CHECKING:
+    from tdpipe.platforms.interface import Platform
 
 # Attention cost is charged at this context length (tokens): a typical ShareGPT-like prompt + output.
 TYPICAL_CONTEXT = 512
@@ -52,19 +57,19 @@ class StageCosts:
 
     @classmethod
     def measure(cls, cfg: ModelConfig, dtype, threads: int, batch: int = 64, context: int = 256,
-                prefill_tokens: int = 512, repeats: int = 5) -> "PhaseCosts":
+                prefill_tokens: int = 512, repeats: int = 5, platform: Platform | None = None) -> "PhaseCosts":
         """Time one decoder layer, the embedding and norm + lm_head with random weights of the model's shapes
         on `threads` threads: a decode micro-batch of `batch` sequences at `context` tokens, and a prefill of
         `prefill_tokens` prompt tokens (two prompts, two sampled rows); each phase in units of its layer
         time. FLOP counts mislead on CPUs: the small per-layer ops run far below the big lm_head GEMM's
-        efficiency."""
+        efficiency. `platform`: the device the stages will run on (None: this CPU)."""
         import torch
 
         own = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             one = ModelConfig(**{**cfg.__dict__, "num_layers": 1})
-            model = LlamaLike(one, dtype)
+            model = LlamaLike(one, dtype, platform)
             d_embed, d_layer, d_head = model.time_step([1] * batch, [context] * batch, repeats)
             half = prefill_tokens // 2
             p_embed, p_layer, p_head = model.time_step([half, half], [half, half], repeats)
@@ -171,11 +176,13 @@ def choose_head_split(cfg: ModelConfig, pp: int, costs: PhaseCosts, layer_partit
 class LlamaLike:
     """A one-layer model of the real shapes with random weights, to time the pieces of a stage."""
 
-    def __init__(self, cfg: ModelConfig, dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype, platform: Platform | None = None) -> None:
         from tdpipe.model.llama import LlamaForCausalLM
         from tdpipe.model.packed_linear import pack_linears
 
-        self.model = LlamaForCausalLM(cfg).to(dtype).eval()
+        self.platform = platform or get_platform("cpu")
+        self.device = self.platform.torch_device(0)
+        self.model = LlamaForCausalLM(cfg).to(dtype).to(self.device).eval()
         pack_linears(self.model)  # the same GEMMs the stages run
         self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32
         self.cfg, self.dtype = cfg, dtype
@@ -192,18 +199,20 @@ class LlamaLike:
         bs, cfg = 16, self.cfg
         per_seq = -(-max(seq_lens) // bs)
         n = len(seq_lens)
-        kv = torch.zeros((2, n * per_seq, cfg.num_kv_heads, bs, cfg.head_dim), dtype=self.dtype)
+        kv = torch.zeros((2, n * per_seq, cfg.num_kv_heads, bs, cfg.head_dim), dtype=self.dtype, device=self.device)
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
         step = StepInput(0, [1] * sum(query_lens), query_lens, seq_lens, tables, all(q > 1 for q in query_lens))
-        inp = prepare_input(step, bs, torch.device("cpu"))
+        inp = prepare_input(step, bs, self.device)
         m = self.model
         layer = m.layers[0]
+        sync = self.platform.synchronize
 
         def best(fn) -> float:
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 times.append(time.perf_counter() - t0)
             return min(times)
 

@@ -33,6 +33,11 @@ class StageInit:
     # the other end (the first stage receives normalised rows from the last); None: not split
     head_range: tuple[int, int] | None = None
     head_peer: int | None = None
+    # the device groups' backends (pipeline/wire/groups.py: choose_backends): worker -> worker activations,
+    # and each stage's tensor-parallel group; () means gloo for every stage
+    stage_backend: str = "gloo"
+    tp_backends: tuple[str, ...] = ()
+    graphs: object | None = None  # decode CUDA graphs to capture (worker/cuda_graph.GraphSettings; None: eager)
 
 
 @dataclass
@@ -53,3 +58,7 @@ class StepMessage:
     sent_at: float = 0.0
     block_copies: list[tuple[int, int]] | None = None  # copy-on-write, before the step (every stage)
     all_logits: list[bool] | None = None  # prompt_logprobs rows: logits of every new token (last stage)
+    # stage sampling (sampling/stage_rows.py): per row the temperature the last stage samples at when it picks
+    # every row (greedy; 0.0: argmax; None: argmax all), and the seed of the step's draws
+    temperatures: list[float] | None = None
+    stage_seed: int = 0

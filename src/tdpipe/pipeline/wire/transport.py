@@ -6,11 +6,14 @@ Three process groups over one store, so no pair of peers ever shares a channel b
   reply stages -> engine: start-up acknowledgements and traces
   data  stage k -> stage k+1 hidden states, last stage -> engine results; the receiver knows the shape
         from the metadata it already holds, so a tensor travels alone with no size handshake
-        (gLLM §3.3, SiPipe §5.3). gloo, CPU tensors (CUDA stages with NCCL are not built yet).
-and, with T > 1, one more per stage:
+        (gLLM §3.3, SiPipe §5.3). gloo: device tensors are staged through host memory (wire/staging.py)
+and, once the workers know the layout (use_backends, after INIT):
+  stages  worker -> worker activations on NCCL, where the platform asks for it and every worker has a GPU of
+        its own (wire/groups.py chooses); otherwise the data group carries them as above
   tp<s> the stage's T ranks: the Megatron all-reduces and the small greedy all-gather, used by the compute
-        thread alone (tdpipe/model/tensor_parallel.py wraps it)
-Groups are built directly (not the global default group), so several engines can live in one process.
+        thread alone (tdpipe/model/tensor_parallel.py wraps it); gloo, or NCCL like `stages`
+Groups are built by wire/groups.py's new_group, directly (not the global default group), so several engines
+can live in one process. The NCCL groups have not yet run on a GPU.
 
 Nothing listens beyond the loopback when the engine spawns its stages: the rendezvous store is bound to
 127.0.0.1 (torch's TCPStore server otherwise binds every interface) and the gloo groups use a loopback
@@ -36,6 +39,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from tdpipe.pipeline.wire.groups import GLOO, GroupBackends, gloo_options, new_group
+from tdpipe.pipeline.wire.layout import ENGINE
+from tdpipe.pipeline.wire.staging import staged_recv, staged_send
 
 START_TIMEOUT = datetime.timedelta(minutes=10)  # building the groups (torchrun ranks may start far apart)
 FOREVER = datetime.timedelta(days=365)  # any wait on a message: idle is not an error
@@ -216,21 +223,32 @@ class Transport:
         self._store = rv.store  # keep the TCPStore (and its server on rank 0) alive
         store = _PollingStore(dist.PrefixStore("tdpipe", rv.store), abort, START_TIMEOUT)
         self._polling = store  # referenced from C++ only through the PrefixStores: keep the Python object
-        if rv.loopback:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = START_TIMEOUT
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        else:
-            opts = START_TIMEOUT  # torch's default device: GLOO_SOCKET_IFNAME, else the hostname's address
-        self._opts = opts
-        self.ctrl = dist.ProcessGroupGloo(dist.PrefixStore("ctrl", store), self.rank, self.world_size, opts)
-        self.reply = dist.ProcessGroupGloo(dist.PrefixStore("reply", store), self.rank, self.world_size, opts)
-        self.data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), self.rank, self.world_size, opts)
+        self._opts = gloo_options(rv.loopback, START_TIMEOUT)
+        self.ctrl = self._group("ctrl", GLOO, self.rank, self.world_size)
+        self.reply = self._group("reply", GLOO, self.rank, self.world_size)
+        self.data = self._group("data", GLOO, self.rank, self.world_size)
+        # a worker's device groups (use_backends); the engine keeps these defaults
+        self.stages: dist.ProcessGroup | None = None  # NCCL among the workers (rank r is r - 1 there)
+        self._tp_backends: tuple[str, ...] = ()
+        self._staged = False  # this worker's tensors are device memory: gloo sends go through the host
+
+    def _group(self, name: str, backend: str, rank: int, size: int) -> dist.ProcessGroup:
+        return new_group(backend, dist.PrefixStore(name, self._polling), rank, size, self._opts, START_TIMEOUT)
+
+    def use_backends(self, backends: GroupBackends, host_memory: bool, num_workers: int) -> None:
+        """Worker side, after INIT: build the stages group where it is NCCL (every worker at once) and note
+        the tp groups' backends and whether tensors need host staging over gloo (`host_memory`: the
+        platform's tensors live in host memory, Platform.host_memory)."""
+        self._staged = not host_memory
+        self._tp_backends = backends.tp
+        if backends.stages != GLOO:
+            self.stages = self._group("stages", backends.stages, self.rank - 1, num_workers)
 
     def stage_group(self, stage: int, tp_rank: int, tp: int) -> dist.ProcessGroup:
         """The tensor-parallel group of `stage` (its T ranks only; the engine is not a member). Built after
         the stage's INIT, when every member knows the layout; waits for the others like the groups above."""
-        return dist.ProcessGroupGloo(dist.PrefixStore(f"tp{stage}", self._polling), tp_rank, tp, self._opts)
+        backend = self._tp_backends[stage] if self._tp_backends else GLOO
+        return self._group(f"tp{stage}", backend, tp_rank, tp)
 
     @staticmethod
     @_gloo
@@ -275,12 +293,21 @@ class Transport:
             self.wait(w)
 
     # -- tensors (activations, results) -------------------------------------------------------------------
+    # On CPU both are one gloo call, as before (one bool and one None test added).
     @_gloo
     def isend(self, t: torch.Tensor, dst: int, tag: int):
+        if self.stages is not None and dst != ENGINE:
+            return self.stages.send([t], dst - 1, tag)  # NCCL orders sends per pair; the tag is ignored
+        if self._staged:
+            return staged_send(self.data, t, dst, tag)
         return self.data.send([t], dst, tag)
 
     @_gloo
     def irecv(self, t: torch.Tensor, src: int, tag: int):
+        if self.stages is not None and src != ENGINE:
+            return self.stages.recv([t], src - 1, tag)
+        if self._staged:
+            return staged_recv(self.data, t, src, tag)
         return self.data.recv([t], src, tag)
 
 

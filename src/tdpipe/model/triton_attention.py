@@ -1,0 +1,410 @@
+"""Paged attention in Triton, for CUDA tensors (and CPU tensors through Triton's interpreter).
+
+NOT YET RUN ON A GPU: every kernel here has only been checked by Triton's CPU interpreter against the dense
+reference (tests/unit/test_triton_attention.py). Compiled-mode numerics and speed are unmeasured, and the
+block sizes / warps are untuned guesses.
+
+Same cache layout and batch description as model/paged_attention.py: per layer k_cache / v_cache
+[num_blocks, num_kv_heads, block_size, head_dim]; sequence s owns query rows
+cu_seqlens_q[s]:cu_seqlens_q[s+1], the last n_s of its seq_lens[s] tokens (their K/V already stored), and
+attends causally. Three kernels:
+
+- store_kv: scatter the new tokens' K/V into their slots (slot -1: padding, skipped).
+- prefill (any batch, chunks with a cached prefix included): one program per (tile of query rows of one
+  sequence, KV head). The tile's rows are (query position, query head of the GQA group) pairs, so each K/V
+  tile read through the block table serves every query head sharing it; keys are consumed in tiles with an
+  online softmax (FlashAttention-2), accumulated in float32. Programs find their sequence by binary search
+  over cu_seqlens_q, so the grid needs only host-known sizes (no device-to-host sync).
+- decode (one query row per sequence): flash-decoding. The context is cut into partitions; one program per
+  (sequence, KV head, partition) computes a partial max / sum / output, and a second kernel combines them.
+  With a single partition the first kernel writes the output directly.
+
+Both attention kernels take an optional sliding window W: query position p sees keys p-W+1 .. p (Mistral /
+Gemma convention, HF's `kv_idx > q_idx - sliding_window`).
+
+Why kernels are wrapped lazily: Triton fixes interpreted or compiled mode when it is first imported
+(TRITON_INTERPRET=1 then: its own library, tl.zeros, tl.max..., is jitted at import), and `triton.jit` reads
+the variable when it decorates. So the kernel bodies below are plain functions, wrapped on first use by
+`_kernels(interpret)`; they call no other jitted function of ours, so wrapping them one by one is enough.
+CUDA tensors run in the mode triton was imported in (TRITON_INTERPRET=1 set before that is honoured; tdpipe
+itself imports triton only when a Triton kernel is first needed). CPU tensors always run interpreted, also
+when triton was imported for compiling (torch._dynamo imports it whenever a model is built on the meta
+device): `_launching` then runs triton's library functions interpreted during the launch.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+IntSeq = torch.Tensor | Sequence[int]
+
+PARTITION_SIZE = 512  # decode keys per split-K partition (vLLM's paged-attention v2 uses 512 too)
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernel bodies (wrapped by _kernels; literals instead of module constants: jitted code reads no globals).
+# Masks never combine a scalar condition with a block by `&` (Triton 3.9's interpreter then yields an int32
+# mask it refuses); a scalar condition moves into a bound instead: r < where(cond, G, 0).
+# ----------------------------------------------------------------------------------------------------
+
+
+def _store_kv_body(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                   stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_cb, stride_ch, stride_ct,
+                   num_kv_heads, head_dim, block_size,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per token: its [Hkv, D] K and V rows into slot slot_mapping[t]."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < tl.where(slot >= 0, num_kv_heads, 0)) & (d < head_dim)
+    dst = blk * stride_cb + h * stride_ch + off * stride_ct + d
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(kc_ptr + dst, k, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(vc_ptr + dst, v, mask=mask)
+
+
+def _prefill_body(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
+                  stride_qt, stride_qh, stride_ot, stride_oh,
+                  stride_cb, stride_ch, stride_ct, stride_bt,
+                  num_seqs, head_dim, block_size, qk_scale, window,
+                  G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Program (tile, kv head). Sequence s owns tiles cu[s] // BLOCK_Q + s .. cu[s+1] // BLOCK_Q + s (an
+    upper bound on its ceil(n_s / BLOCK_Q) tiles); spare tiles find no rows and store nothing."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # Binary search: the last sequence whose first tile is <= pid.
+    lo = pid * 0  # tensors from the start: num_seqs == 1 arrives as a constexpr, and loop-carried values
+    hi = pid * 0 + num_seqs - 1  # must keep one type when compiled
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        go = first <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    s = lo
+    q_start = tl.load(cu_ptr + s)
+    n = tl.load(cu_ptr + s + 1) - q_start
+    seq_len = tl.load(lens_ptr + s)
+    q_lo = (pid - (q_start // BLOCK_Q + s)) * BLOCK_Q  # first query index (within the sequence) of this tile
+
+    r = tl.arange(0, BLOCK_M)
+    qi = q_lo + r // G
+    head = kvh * G + r % G
+    row_ok = (r < BLOCK_Q * G) & (qi < n)
+    q_pos = seq_len - n + qi  # the rows' positions in the sequence
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q_rows = (q_start + qi).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(kc_ptr.dtype.element_ty)
+
+    # Keys this tile can see: [kv_lo, kv_hi); nothing when the tile has no rows.
+    kv_hi = seq_len - n + tl.minimum(q_lo + BLOCK_Q, n)
+    kv_hi = tl.where(q_lo < n, kv_hi, 0)
+    kv_lo = kv_hi * 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - n + q_lo - window + 1, 0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite start: no inf - inf for fully masked rows
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kv_hi
+        blk = tl.load(bt_row + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
+        base = blk * stride_cb + kvh * stride_ch + (kpos % block_size) * stride_ct
+        k = tl.load(kc_ptr + base[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = scores * qk_scale  # log2 domain: scale * log2(e)
+        seen = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            seen = seen & (q_pos[:, None] - kpos[None, :] < window)
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP32_DOT:  # P rounded to the cache dtype first, as the native dot sees it
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, bt_ptr, cu_ptr, lens_ptr,
+                 stride_qt, stride_qh, stride_ot, stride_oh,
+                 stride_cb, stride_ch, stride_ct, stride_bt,
+                 num_heads, num_parts, head_dim, block_size, qk_scale, window, partition_size,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Program (sequence, kv head, partition): the G query heads of one decode row against one partition
+    of the context. SPLIT: store the partial (max, sum, normalised output) for _reduce_body, else the
+    output."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    q_row = tl.load(cu_ptr + s)
+    is_decode = tl.load(cu_ptr + s + 1) - q_row == 1  # a sequence without a new token has no row
+    seq_len = tl.load(lens_ptr + s)
+
+    r = tl.arange(0, BLOCK_G)
+    head = kvh * G + r
+    row_ok = r < tl.where(is_decode, G, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(kc_ptr.dtype.element_ty)
+
+    kv_lo = part * partition_size
+    kv_hi = tl.minimum(kv_lo + partition_size, seq_len)
+    if USE_WINDOW:
+        kv_lo = tl.maximum(kv_lo, seq_len - window)
+    kv_hi = tl.where(is_decode, kv_hi, 0)
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < kv_hi
+        blk = tl.load(bt_row + kpos // block_size, mask=k_ok, other=0).to(tl.int64)
+        base = blk * stride_cb + kvh * stride_ch + (kpos % block_size) * stride_ct
+        k = tl.load(kc_ptr + base[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        if FP32_DOT:
+            scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k)
+        scores = tl.where(k_ok[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vc_ptr + base[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP32_DOT:  # P rounded to the cache dtype first, as the native dot sees it
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty partition: l = 0, o = 0, weight 0 below
+    if SPLIT:
+        idx = (s * num_heads + head).to(tl.int64) * num_parts + part  # [S, Hq, P]
+        tl.store(part_m_ptr + idx, m_i, mask=row_ok)
+        tl.store(part_l_ptr + idx, l_i, mask=row_ok)
+        tl.store(part_o_ptr + idx[:, None] * head_dim + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr,
+                 stride_ot, stride_oh, num_heads, num_parts, head_dim,
+                 BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (sequence, query head): out = sum_p w_p o_p / sum_p w_p with w_p = l_p * 2^(m_p - max m)."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row = tl.load(cu_ptr + s)
+    is_decode = tl.load(cu_ptr + s + 1) - q_row == 1
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < num_parts
+    base = (s * num_heads + h).to(tl.int64) * num_parts
+    m = tl.load(part_m_ptr + base + p, mask=p_ok, other=-1.0e30)
+    l = tl.load(part_l_ptr + base + p, mask=p_ok, other=0.0)
+    w = l * tl.exp2(m - tl.max(m, 0))
+    d = tl.arange(0, BLOCK_D)
+    o = tl.load(part_o_ptr + (base + p)[:, None] * head_dim + d[None, :],
+                mask=p_ok[:, None] & (d < head_dim)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < tl.where(is_decode, head_dim, 0))
+
+
+def interpreted() -> bool:
+    """Is triton running under its interpreter? Decided when triton is first imported: its own library
+    (tl.zeros, tl.max, ...) is jitted then, in the mode TRITON_INTERPRET selects."""
+    return not isinstance(tl.zeros, triton.runtime.JITFunction)
+
+
+@functools.cache
+def _kernels(interpret: bool) -> SimpleNamespace:
+    """The four kernels, wrapped for triton's mode on first use (not at import: see the module docstring)."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        wrap: Callable = InterpretedFunction
+    else:
+        wrap = triton.runtime.JITFunction
+    return SimpleNamespace(interpreted=interpret, store_kv=wrap(_store_kv_body), prefill=wrap(_prefill_body),
+                           decode=wrap(_decode_body), reduce=wrap(_reduce_body))
+
+
+def _kernels_for(t: torch.Tensor) -> SimpleNamespace:
+    """Kernels that can run on t's device: CPU tensors only interpreted, CUDA tensors in triton's mode."""
+    return _kernels(t.device.type == "cpu" or interpreted())
+
+
+@functools.cache
+def _interpreted_twin(fn: Callable) -> Callable:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction(fn)
+
+
+def _call_interpreted(self: triton.runtime.JITFunction, *args, **kwargs):
+    return _interpreted_twin(self.fn)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _launching(kern: SimpleNamespace) -> Iterator[None]:
+    """Around a launch. Interpreting while triton's own library was jitted for compiling (triton imported
+    without TRITON_INTERPRET=1, as torch._dynamo does whenever a model is built on the meta device): its
+    functions (tl.zeros, tl.max, ...) would raise when called, so during the launch they run interpreted,
+    as they would under TRITON_INTERPRET=1."""
+    if not kern.interpreted or interpreted():
+        yield
+        return
+    jit_fn = triton.runtime.JITFunction
+    saved = jit_fn.__call__  # outside a kernel it only raises, so nothing else depends on it meanwhile
+    jit_fn.__call__ = _call_interpreted
+    try:
+        yield
+    finally:
+        jit_fn.__call__ = saved
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _int_tensor(x: IntSeq, device: torch.device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.int32).contiguous()
+    return torch.tensor(list(x), dtype=torch.int32, device=device)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share strides, with a contiguous head_dim")
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k[t], v[t] ([T, Hkv, D], rows may be strided) into slot slot_mapping[t]; slot -1 is skipped."""
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    _check_cache(k_cache, v_cache)
+    if k.dtype != k_cache.dtype:  # cast by torch (round to nearest even), so the kernel only copies bits
+        k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64).contiguous()
+    kern = _kernels_for(k_cache)
+    with _launching(kern):
+        kern.store_kv[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), hkv, d, k_cache.shape[2],
+                            BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
+                    cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float, sliding_window: int | None = None,
+                    partition_size: int | None = None) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over the paged cache; [T, Hq, D] in q's dtype.
+
+    Every sequence must have at least one query row. A batch of decode rows only (T == number of
+    sequences) takes the flash-decoding kernels, split into partitions of `partition_size` keys when the
+    longest possible context (block_tables' width x block_size) exceeds it; anything else the prefill
+    kernel. `sliding_window` W: each query sees its last W keys (itself included)."""
+    t, hq, d = q.shape
+    if t == 0:
+        return torch.empty_like(q)
+    _check_cache(k_cache, v_cache)
+    hkv, bs = k_cache.shape[1], k_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not split into groups over {hkv} KV heads")
+    g = hq // hkv
+    dev = k_cache.device
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if not isinstance(block_tables, torch.Tensor):
+        block_tables = torch.tensor(block_tables, dtype=torch.int32)
+    bt = block_tables.to(device=dev, dtype=torch.int32).contiguous()
+    cu = _int_tensor(cu_seqlens_q, dev)
+    lens = _int_tensor(seq_lens, dev)
+    num_seqs = lens.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kern = _kernels_for(q)
+    use_window = sliding_window is not None and sliding_window > 0
+    window = int(sliding_window) if use_window else 0
+    # float32 caches: exact float32 products (not TF32). The interpreter multiplies bfloat16 operands as
+    # their raw bits (triton 3.9), so there they are widened to float32 after the same rounding.
+    fp32_dot = k_cache.dtype == torch.float32 or (kern.interpreted and k_cache.dtype == torch.bfloat16)
+    qk_scale = float(scale) * _LOG2E
+    block_d = max(16, _pow2(d))  # tl.dot wants every dimension >= 16 when compiled
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0))
+    num_warps = 4 if d <= 128 else 8
+    if t == num_seqs:  # decode rows only
+        part = partition_size or PARTITION_SIZE
+        num_parts = triton.cdiv(bt.shape[1] * bs, part)
+        block_n = max(16, min(64 if d <= 128 else 32, _pow2(part)))
+        split = num_parts > 1
+        if split:
+            part_m = torch.empty((num_seqs, hq, num_parts), dtype=torch.float32, device=dev)
+            part_l = torch.empty_like(part_m)
+            part_o = torch.empty((num_seqs, hq, num_parts, d), dtype=torch.float32, device=dev)
+        else:
+            part_m = part_l = part_o = out  # unused
+        with _launching(kern):
+            kern.decode[(num_seqs, hkv, num_parts)](
+                q, k_cache, v_cache, out, part_m, part_l, part_o, bt, cu, lens, *strides,
+                hq, num_parts, d, bs, qk_scale, window, part,
+                G=g, BLOCK_G=max(16, _pow2(g)), BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=use_window,
+                SPLIT=split, FP32_DOT=fp32_dot, num_warps=num_warps)
+            if split:
+                kern.reduce[(num_seqs, hq)](out, part_m, part_l, part_o, cu, out.stride(0), out.stride(1), hq,
+                                            num_parts, d, BLOCK_P=_pow2(num_parts), BLOCK_D=block_d)
+        return out
+    # Rows per program: small when most sequences decode (each tile then holds one query position's G heads).
+    block_m = max(16 if t < 4 * num_seqs else (64 if d <= 128 else 32), _pow2(g))
+    block_q = block_m // g
+    block_n = 64 if d <= 64 else 32
+    grid = (t // block_q + num_seqs, hkv)
+    with _launching(kern):
+        kern.prefill[grid](q, k_cache, v_cache, out, bt, cu, lens, *strides, num_seqs, d, bs, qk_scale,
+                           window, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                           USE_WINDOW=use_window, FP32_DOT=fp32_dot, num_warps=num_warps)
+    return out

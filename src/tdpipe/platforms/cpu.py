@@ -1,0 +1,71 @@
+"""The CPU platform: stages as processes on this machine's cores, gloo between them, the C++ paged-attention
+kernel (model/cpu_ops.py), bf16 where the CPU computes it natively.
+
+The glibc settings live here because they are what the CPU allocator needs: a pinned mmap threshold in the
+engine and the stages (tdpipe/malloc.py says why) and, in a process that holds the model, a heap that keeps
+freed activation buffers (keep_freed_memory).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tdpipe.config import GiB, available_memory, cpu_supports_bf16
+from tdpipe.malloc import pin_mmap_threshold
+from tdpipe.platforms.interface import KvRequest, Platform
+
+DEFAULT_KV_BYTES = 4 * GiB  # --kv-cache-memory unset: min(4 GiB, DEFAULT_KV_FRACTION of available memory)
+DEFAULT_KV_FRACTION = 0.4
+
+
+def keep_freed_memory() -> None:
+    """glibc returns big freed buffers to the OS and page-faults them back on the next allocation (~0.4 ms
+    per MB in this VM: more than the GEMM that fills them). Keep the heap instead (mallopt M_MMAP_MAX=0,
+    M_TRIM_THRESHOLD=2 GiB); activations of one step are reused by the next."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-4, 0)
+        libc.mallopt(-1, 0x7FFFFFFF)
+    except (OSError, AttributeError):
+        pass
+
+
+def kv_budget(requested: KvRequest, available: int) -> int:
+    """--kv-cache-memory on a host with `available` bytes free: bytes as given, a fraction of available,
+    or None: min(4 GiB, 40% of available)."""
+    if requested is None:
+        return int(min(DEFAULT_KV_BYTES, DEFAULT_KV_FRACTION * available))
+    if isinstance(requested, float):
+        return int(requested * available)
+    return int(requested)
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    dist_backend = "gloo"
+    attention_backend = "cpu"
+    supports_cuda_graphs = False
+    host_memory = True
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def configure_process(self, threads: int | None) -> None:
+        pin_mmap_threshold()  # per-step tensors of varying size must not fragment the heap (tdpipe/malloc.py)
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+    def configure_runner(self) -> None:
+        keep_freed_memory()
+
+    def kv_cache_bytes(self, requested: KvRequest, gpu_memory_utilization: float, weights_bytes: int) -> int:
+        """As before the platforms existed: the weights are not subtracted (`available` is measured before
+        they load, and the default's 40% leaves room for them); gpu_memory_utilization does not apply."""
+        return kv_budget(requested, available_memory())
+
+
+__all__ = ["CpuPlatform", "keep_freed_memory", "kv_budget"]

@@ -8,7 +8,7 @@ limit still leaves what it did):
   parity              greedy parity with transformers on the bundled model: float32 identical, bfloat16
                       identical or the first divergence a near-tie (bench/parity.py), at pp = 1 and pp = 2
                       (both stages on the one GPU)
-  tests               pytest tests/gpu (collected only where CUDA is: tests/gpu/conftest.py)
+  tests               pytest tests/gpu (collected only where CUDA is: tests/conftest.py)
   throughput_bundled  256 x (128 in / 128 out) on the bundled model: the engine, then transformers' batched
                       generate on the same prompts; target >= 10x
   throughput_8b       the same on a randomly initialised Llama-3-8B in bf16 (weights drawn here, never

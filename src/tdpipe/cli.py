@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         print("tdpipe: interrupted", file=sys.stderr)
         return 130
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here Ctrl-C is a KeyboardInterrupt
+        from tdpipe.interrupt import sticky_sigint
+
+        signal.signal(signal.SIGINT, sticky_sigint)  # from here Ctrl-C is a KeyboardInterrupt, never lost
     try:
         return args.fn(args) or 0
     except PreflightError as e:

@@ -39,4 +39,31 @@ def deferred_sigint() -> Iterator[None]:
         old(signal.SIGINT, None)
 
 
-__all__ = ["deferred_sigint"]
+_dropped = False  # a SIGINT was turned into a KeyboardInterrupt that may never have reached the caller
+
+
+def sticky_sigint(signum: int, frame: object) -> None:
+    """Python's own Ctrl-C (a KeyboardInterrupt), remembered. The interpreter prints and drops an exception
+    raised inside a `__del__` or a weakref callback (a garbage collection during an import is enough), and
+    the run then went on as if Ctrl-C had never been pressed; `raise_if_dropped` raises it again at the next
+    safe point. The `tdpipe` command installs this once its arguments are parsed."""
+    global _dropped
+    _dropped = True
+    raise KeyboardInterrupt
+
+
+def raise_if_dropped() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C that `sticky_sigint` saw and nothing handled (a caller that
+    catches KeyboardInterrupt and carries on clears it with `clear_dropped`)."""
+    global _dropped
+    if _dropped:
+        _dropped = False
+        raise KeyboardInterrupt
+
+
+def clear_dropped() -> None:
+    global _dropped
+    _dropped = False
+
+
+__all__ = ["clear_dropped", "deferred_sigint", "raise_if_dropped", "sticky_sigint"]

@@ -15,7 +15,7 @@ from tdpipe.core.engine import LLMEngine
 from tdpipe.engine_args import EngineArgs
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.pipeline.executor import PipelineError
-from tdpipe.interrupt import deferred_sigint
+from tdpipe.interrupt import deferred_sigint, raise_if_dropped
 from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
@@ -139,6 +139,7 @@ class LLM:
         left = len(live)
         try:
             while left:
+                raise_if_dropped()  # a Ctrl-C the interpreter dropped while the engine started (interrupt.py)
                 with deferred_sigint():  # Ctrl-C lands between steps, never inside the page table
                     done, stopped = proc.process(engine.step())
                     if stopped:  # a stop string, found by the output processor: the core drops them

@@ -1,0 +1,46 @@
+"""Ctrl-C is never lost: a KeyboardInterrupt the interpreter drops (raised inside a __del__) is raised again at
+the next safe point (tdpipe/interrupt.py)."""
+import signal
+
+import pytest
+
+from tdpipe.interrupt import deferred_sigint, raise_if_dropped, sticky_sigint
+
+
+@pytest.fixture
+def sticky():
+    old = signal.signal(signal.SIGINT, sticky_sigint)
+    yield
+    signal.signal(signal.SIGINT, old)
+    try:
+        raise_if_dropped()
+    except KeyboardInterrupt:
+        pass
+
+
+class _SigintInDel:
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)  # the handler's KeyboardInterrupt is raised here, then dropped
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_dropped_inside_del_is_raised_at_the_next_safe_point(sticky):
+    _SigintInDel()  # the interpreter reports "Exception ignored in ... __del__" and carries on
+    with pytest.raises(KeyboardInterrupt):
+        raise_if_dropped()
+    raise_if_dropped()  # raised once only
+
+
+def test_a_ctrl_c_that_surfaced_is_still_raised_once(sticky):
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):  # the caller cannot tell; the CLI exits on the first one anyway
+        raise_if_dropped()
+
+
+def test_deferred_section_hands_the_ctrl_c_to_the_sticky_handler(sticky):
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint():
+            signal.raise_signal(signal.SIGINT)  # only noted inside
+            noted = True
+    assert noted

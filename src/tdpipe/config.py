@@ -150,7 +150,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: the policy's default (its PolicySpec.default_token_budget)
     max_model_len: int = 0  # 0: the model's max_position_embeddings (set by EngineConfig)
-    pipeline_depth: int = 1  # micro-batches the engine keeps in flight (= pipeline_parallel_size)
+    # micro-batches the engine keeps in flight; None: pipeline_parallel_size (one per stage). One more than the
+    # stages leaves the engine a micro-batch's compute time to sample and schedule the next step of the batch
+    # that just left the last stage, so its latency stops being the first stage's bubble (pp > 1)
+    pipeline_depth: int | None = None
     # output lengths for policies that ask for them (PolicySpec.needs_predictor; TD-Pipe's Algorithm 1):
     # auto | oracle | constant[:N] | a file (tdpipe/predictor/factory.py)
     predictor: str = "auto"
@@ -163,7 +166,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             _check(self.max_num_batched_tokens >= 1,
                    f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.pipeline_depth >= 1, f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
+        d = self.pipeline_depth
+        _check(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1),
+               f"pipeline_depth must be an integer >= 1 or None (the pipeline stages), got {d!r}")
         _check(isinstance(self.predictor, str), f"predictor must be a string, got {self.predictor!r}")
 
 

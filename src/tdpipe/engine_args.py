@@ -143,6 +143,13 @@ class EngineArgs:
                                                "their KV cache; the engine keeps up to P micro-batches in flight "
                                                "(default: %(default)s)",
         "--pp", "--pipeline-parallel-size", type=int, group="parallel")
+    pipeline_depth: int | None = option(
+        SchedulerConfig.pipeline_depth, "micro-batches the engine keeps in flight (default: P, one per stage). "
+                                        "P + 1 gives the engine one micro-batch's compute time to sample and "
+                                        "schedule the next step of the batch the last stage just returned, so "
+                                        "that time stops stalling the first stage (the pipeline bubble, "
+                                        "TD-Pipe §2.2); the running requests are split over this many "
+                                        "micro-batches", "--pipeline-depth", type=int, group="parallel")
     tensor_parallel_size: int = option(
         ParallelConfig.tensor_parallel_size, "T: worker processes per stage, Megatron-style (q/k/v and gate/up "
                                              "split by column, o and down by row with one all-reduce each per layer, "
@@ -269,7 +276,8 @@ class EngineArgs:
         made = {name: get_policy(name).make_knobs(values) for name, values in given.items()}
         sched = SchedulerConfig(policy=self.scheduler, max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens,
-                                max_model_len=self.max_model_len or 0, pipeline_depth=self.pipeline_parallel_size,
+                                max_model_len=self.max_model_len or 0,
+                                pipeline_depth=self.pipeline_depth,  # None: the engine builder takes pp
                                 predictor=self.predictor, profile_cache=self.profile_cache,
                                 knobs=made.get(spec.name))
         return spec.configure(sched)

@@ -27,11 +27,13 @@ def _keep_torch_threads():
     torch.set_num_threads(n)
 
 
-def config(policy, num_blocks, block_size, max_seqs, pp, budget=None, predictor="auto", **knobs) -> EngineConfig:
+def config(policy, num_blocks, block_size, max_seqs, pp, budget=None, predictor="auto", depth=None,
+           **knobs) -> EngineConfig:
     if policy == "td-pipe":
         knobs = {"future_points": (8, 512), **knobs}
     sched = SchedulerConfig(policy=policy, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                            max_model_len=num_blocks * block_size, predictor=predictor, knobs=knobs or None)
+                            max_model_len=num_blocks * block_size, predictor=predictor, pipeline_depth=depth,
+                            knobs=knobs or None)
     return EngineConfig(dtype="float32", num_threads=torch.get_num_threads(),
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
                         scheduler=sched,
@@ -83,14 +85,16 @@ def scenario(draw):
         lengths.append((p, draw(st.integers(1, max(1, min(80, cap - p))))))
     gaps = draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, 3.0, 20.0]), min_size=n, max_size=n))
     return dict(block_size=block_size, num_blocks=num_blocks, lengths=lengths, gaps=gaps,
-                max_seqs=draw(st.integers(1, 24)), pp=draw(st.integers(1, 4)))
+                max_seqs=draw(st.integers(1, 24)), pp=draw(st.integers(1, 4)),
+                depth=draw(st.sampled_from([None, None, 1, 2, 3, 5])))  # micro-batches in flight
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenario(), extra=st.sampled_from([{}, {"budget": 16}, {"budget": 64}]))
 def test_every_policy_finishes_everything_once(policy, sc, extra):
-    engine = build(policy, sc["num_blocks"], sc["block_size"], sc["max_seqs"], sc["pp"], **extra)
+    engine = build(policy, sc["num_blocks"], sc["block_size"], sc["max_seqs"], sc["pp"], depth=sc["depth"],
+                   **extra)
     w, finished, seqs, _ = run(engine, sc["lengths"], sc["gaps"])
     check_outcome(w, finished, seqs, engine.block_manager)
 
@@ -123,6 +127,26 @@ def test_thousands_of_steps_under_kv_pressure(policy):
     assert w.max_used_blocks > 0.8 * bm.num_blocks  # the cache really was the constraint
     if policy == "td-pipe":  # oracle lengths: never over capacity
         assert engine.scheduler.num_switches >= 4 and engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("pp,depth", [(2, None), (2, 3), (3, 4), (1, 2)])
+def test_the_engine_keeps_pipeline_depth_micro_batches_in_flight(pp, depth):
+    """--pipeline-depth: up to that many micro-batches in flight (default: one per stage), and the running
+    requests split over them (decode batches of ceil(running / depth))."""
+    engine = build("throttle", num_blocks=400, block_size=16, max_seqs=64, pp=pp, depth=depth, predictor="oracle")
+    want = depth or pp
+    assert engine.scheduler.config.pipeline_depth == want
+    most, submit = [0], engine.executor.submit
+
+    def counted(step):
+        submit(step)
+        most[0] = max(most[0], len(engine._inflight) + 1)  # the batch being submitted is appended after
+
+    engine.executor.submit = counted
+    w, finished, seqs, _ = run(engine, [(20, 40)] * 48, [0.0] * 48)
+    check_outcome(w, finished, seqs, engine.block_manager)
+    assert most[0] == want
+    assert engine.scheduler.decode_batch_cap() >= 1
 
 
 def test_td_pipe_has_fewer_bubbles_than_separate_in_the_fake_pipeline():

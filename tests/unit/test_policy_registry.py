@@ -169,10 +169,18 @@ def test_engine_flags_keep_their_names():
     assert kw["future_points"] == (8, 64) and kw["throttle_T"] == 2.0 and kw["profile_cache"] is False
     assert kw["enable_prefix_caching"] is False
     cfg = EngineArgs.from_kwargs(**kw | {"scheduler": "td-pipe"}).create_engine_config()
-    assert cfg.parallel.pipeline_parallel_size == cfg.scheduler.pipeline_depth == 2
+    assert cfg.parallel.pipeline_parallel_size == 2 and cfg.scheduler.pipeline_depth is None  # the builder: pp
     assert cfg.scheduler.knobs == TDPipeKnobs((8, 64), work_stealing=False)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--future-points", "8"])
+
+
+def test_pipeline_depth_defaults_to_the_stages_and_is_checked():
+    a = build_parser().parse_args(["generate", "--pp", "2", "--pipeline-depth", "3"])
+    assert EngineArgs.from_cli(a).create_engine_config().scheduler.pipeline_depth == 3
+    assert EngineArgs.from_kwargs(pipeline_parallel_size=3).create_engine_config().scheduler.pipeline_depth is None
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        EngineArgs.from_kwargs(pipeline_depth=0).create_engine_config()
 
 
 def test_unknown_keyword_is_named():

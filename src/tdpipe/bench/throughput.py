@@ -294,10 +294,10 @@ COMPARE_ONLY = ("--compare-pp1", "--compare-hf", "--repeats", "--json", "--hf-on
 
 def pp1_overrides(threads: int) -> dict[str, Any]:
     """--compare-pp1's side: the same settings as one process with all `threads` the pipeline's workers use;
-    layout-only settings (partition, lm_head split across stages, threads per worker) dropped, since they do
-    not exist at pp = 1, and no trace or history file written a second time."""
+    layout-only settings (partition, lm_head split across stages, threads per worker, micro-batches in flight)
+    dropped, since they do not exist at pp = 1, and no trace or history file written a second time."""
     return {"--pp": 1, "--tp": 1, "--layer-partition": None, "--lm-head-split": 0.0, "--threads-per-stage": None,
-            "--threads": threads, "--trace": None, "--record-history": None}
+            "--pipeline-depth": None, "--threads": threads, "--trace": None, "--record-history": None}
 
 
 def hf_overrides(first: dict[str, Any]) -> dict[str, Any]:

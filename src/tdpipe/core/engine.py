@@ -203,14 +203,15 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Keep the pipeline full (up to pp micro-batches in flight), then complete the oldest one.
+        """Keep the pipeline full (up to pipeline_depth micro-batches in flight), then complete the oldest one.
         Returns a delta for every request that got a token in it (aborted requests get none: abort_request
         returned them). Output lengths are predicted in batches while the stages compute; before the first
         batch first, since Algorithm 1 needs them to admit anything."""
         self._check_open()
         if self._unpredicted and not self._inflight:
             self._batched.predict_pending()
-        while len(self._inflight) < self.executor.num_stages and (batch := self.scheduler.schedule()) is not None:
+        depth = self.scheduler.config.pipeline_depth  # micro-batches in flight (--pipeline-depth, default pp)
+        while len(self._inflight) < depth and (batch := self.scheduler.schedule()) is not None:
             self._submit(batch)
         if self._unpredicted and self._inflight:
             self._batched.predict_pending()

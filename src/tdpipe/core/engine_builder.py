@@ -104,7 +104,7 @@ class EngineBuilder:
         self.eos_token_ids = self._eos_ids()
         self.dtype = resolve_dtype(config.dtype, self.platform)
         num_blocks = self._size_kv_cache()
-        sched.pipeline_depth = self.pp
+        sched.pipeline_depth = sched.pipeline_depth or self.pp  # one micro-batch per stage unless asked
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         policy = get_policy(sched.policy)  # what the policy needs: a length predictor, measured step costs
         policy.configure(sched)  # its token budget and knobs: the executor and the profile read them

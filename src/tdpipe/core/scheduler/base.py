@@ -21,6 +21,8 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()) -> None:
+        if config.pipeline_depth is None:  # no pipeline given (the engine builder sets it from pp): one batch
+            config.pipeline_depth = 1
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)  # the model's end-of-sequence ids
         self.bm = block_manager

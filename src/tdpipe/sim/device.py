@@ -1,5 +1,6 @@
 """One device kind as the simulator prices it: peak compute, memory bandwidth and size, the links between
-devices, and the assumed fractions of those peaks a real run reaches (docs/simulator.md). The devices
+devices, and the fractions of those peaks a real run reaches: published measurements for the A100 / H100 /
+H200 rows (bench/gpu_specs.py), assumed for the L20, measured for this CPU (docs/simulator.md). The devices
 the simulator knows, and the local CPU's measured row, are in sim/hardware.py and sim/calibrate.py.
 """
 from __future__ import annotations

@@ -44,12 +44,6 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        if torch.get_default_device().type == "meta":
-            # a model built as a shell on the meta device (ModelRunner fills the table in on its device
-            # afterwards): computing on meta tensors runs torch's reference ops, which import torch._dynamo
-            # (and triton where installed), about half a second of every engine and stage start-up
-            self.register_buffer("cos_sin", torch.empty(max_positions, 2 * head_dim), persistent=False)
-            return
         inv = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = t[:, None] * inv[None, :]

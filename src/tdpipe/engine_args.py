@@ -35,16 +35,20 @@ def parse_memory(v: str) -> int | float:
     return int(s)
 
 
-def parse_partition(v: str) -> list[int]:
-    """'18,12': layers per stage."""
+def _positive_ints(v: str, flag: str, what: str, example: str, too_small: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (`what`, e.g. `example`); argparse's error names `flag`."""
     try:
         parts = [int(x) for x in v.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layer-partition {v!r}: expected comma-separated layer counts, "
-                                         "e.g. 18,12") from None
+        raise argparse.ArgumentTypeError(f"{flag} {v!r}: expected comma-separated {what}, e.g. {example}") from None
     if any(n < 1 for n in parts):
-        raise argparse.ArgumentTypeError(f"--layer-partition {v!r}: every stage needs at least one layer")
+        raise argparse.ArgumentTypeError(f"{flag} {v!r}: {too_small}")
     return parts
+
+
+def parse_partition(v: str) -> list[int]:
+    """'18,12': layers per stage."""
+    return _positive_ints(v, "--layer-partition", "layer counts", "18,12", "every stage needs at least one layer")
 
 
 def parse_head_split(v: str) -> float | None:
@@ -59,14 +63,7 @@ def parse_head_split(v: str) -> float | None:
 
 def parse_graph_sizes(v: str) -> list[int]:
     """'1,2,4,8': the decode batch sizes captured as CUDA graphs."""
-    try:
-        sizes = [int(x) for x in v.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--cuda-graph-sizes {v!r}: expected comma-separated batch sizes, "
-                                         "e.g. 1,2,4,8") from None
-    if any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError(f"--cuda-graph-sizes {v!r}: every batch size must be >= 1")
-    return sizes
+    return _positive_ints(v, "--cuda-graph-sizes", "batch sizes", "1,2,4,8", "every batch size must be >= 1")
 
 
 def _policy_help() -> str:

@@ -363,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         print("tdpipe: interrupted", file=sys.stderr)
         return 130
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        from tdpipe.interrupt import sticky_sigint
+        from tdpipe.interrupt import install_sticky_sigint
 
-        signal.signal(signal.SIGINT, sticky_sigint)  # from here Ctrl-C is a KeyboardInterrupt, never lost
+        install_sticky_sigint()  # from here Ctrl-C is a KeyboardInterrupt, never lost nor a stray traceback
     try:
         return args.fn(args) or 0
     except PreflightError as e:

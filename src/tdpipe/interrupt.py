@@ -7,6 +7,7 @@ engine then recovers by dropping everything in flight (LLMEngine.abort_all)."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +53,28 @@ def sticky_sigint(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _quiet_when_dropped(unraisable: "sys.UnraisableHookArgs") -> None:
+    """sys.unraisablehook: a KeyboardInterrupt from `sticky_sigint` that the interpreter drops (in a
+    `__del__`, a weakref or gc callback) is not printed as "Exception ignored ... Traceback": it is not
+    lost, `raise_if_dropped` raises it again. Anything else goes to the hook that was there before."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _dropped:
+        return
+    _previous_hook(unraisable)
+
+
+_previous_hook = sys.unraisablehook
+
+
+def install_sticky_sigint() -> None:
+    """Ctrl-C as a KeyboardInterrupt that is never lost nor printed as a traceback where it was dropped
+    (the `tdpipe` command, once its arguments are parsed). Main thread only, like any signal handler."""
+    global _previous_hook
+    signal.signal(signal.SIGINT, sticky_sigint)
+    if sys.unraisablehook is not _quiet_when_dropped:
+        _previous_hook = sys.unraisablehook
+        sys.unraisablehook = _quiet_when_dropped
+
+
 def raise_if_dropped() -> None:
     """Raise the KeyboardInterrupt of a Ctrl-C that `sticky_sigint` saw and nothing handled (a caller that
     catches KeyboardInterrupt and carries on clears it with `clear_dropped`)."""
@@ -66,4 +89,4 @@ def clear_dropped() -> None:
     _dropped = False
 
 
-__all__ = ["clear_dropped", "deferred_sigint", "raise_if_dropped", "sticky_sigint"]
+__all__ = ["clear_dropped", "deferred_sigint", "install_sticky_sigint", "raise_if_dropped", "sticky_sigint"]

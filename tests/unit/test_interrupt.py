@@ -44,3 +44,34 @@ def test_deferred_section_hands_the_ctrl_c_to_the_sticky_handler(sticky):
             signal.raise_signal(signal.SIGINT)  # only noted inside
             noted = True
     assert noted
+
+
+def test_a_dropped_ctrl_c_prints_no_traceback_and_still_interrupts():
+    """The CLI's setting (install_sticky_sigint): the interpreter's "Exception ignored ... Traceback" for a
+    KeyboardInterrupt raised inside a __del__ is not printed, and the Ctrl-C is raised at the next safe point."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import signal
+        from tdpipe.interrupt import install_sticky_sigint, raise_if_dropped
+        install_sticky_sigint()
+        class D:
+            def __del__(self):
+                signal.raise_signal(signal.SIGINT)
+        D()
+        print("went on")
+        try:
+            raise_if_dropped()
+        except KeyboardInterrupt:
+            print("raised")
+        class E:
+            def __del__(self):
+                raise ValueError("other unraisable")
+        E()
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["went", "on", "raised"], r.stderr
+    assert "KeyboardInterrupt" not in r.stderr, r.stderr
+    assert "other unraisable" in r.stderr  # anything else is still reported

@@ -6,6 +6,8 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
+from tdpipe import families
+
 GiB = 1 << 30
 DEVICES = ("auto", "cpu", "cuda")  # --device; tdpipe/platforms resolves auto and builds the platforms
 SAMPLING_DEVICES = ("auto", "stage", "engine")  # --sampling-device (tdpipe/sampling/stage_rows.py)
@@ -18,7 +20,8 @@ def _check(cond: bool, msg: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """The decoder's shape, read from a Hugging Face config.json (Llama family and Qwen2)."""
+    """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text)
+    and Phi-3 (tdpipe/families.py)."""
 
     architecture: str
     vocab_size: int
@@ -36,55 +39,99 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    # per layer: None = global attention, W = a sliding window of the last W keys (the query itself included,
+    # transformers' meaning); empty: all global, filled to num_layers on construction
+    layer_windows: list[int | None] = field(default_factory=list)
 
-    SUPPORTED = {
-        "LlamaForCausalLM": False,
-        "MistralForCausalLM": False,
-        "Qwen2ForCausalLM": True,  # Qwen2/2.5 add biases to q, k and v
-    }
+    SUPPORTED = tuple(sorted(families.FAMILIES))  # Hugging Face architectures names
+
+    # what sets the other families apart from Llama (tdpipe/families.py fills them from config.json)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3, Gemma 3)
+    norm: str = "rms"  # "rms": w * x (Llama); "gemma": x * (1 + w), multiplied in float32 (Gemma 3)
+    sandwich_norms: bool = False  # norms on the attention output and around the MLP (Gemma 3)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh
+    embed_scale: float | None = None  # embeddings times this, rounded to their dtype (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    final_logit_softcap: float | None = None  # logits = c * tanh(logits / c) when set
+    local_rope_theta: float | None = None  # rope base of the windowed layers; None: rope_theta (Gemma 3: 10k)
+    partial_rotary_factor: float = 1.0  # rope on the first head_dim * factor dims only (Phi-3/4)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in cls.SUPPORTED:
-            raise ValueError(f"model architecture {arch!r} is not supported; supported: {sorted(cls.SUPPORTED)}")
+        """The decoder of a config.json of any supported family (tdpipe/families.py); an unsupported
+        architecture or setting is one error naming it."""
+        arch, fam, hf = families.family_of(hf)
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        scaling = hf.get("rope_scaling") or None
-        rope_theta = hf.get("rope_theta")
-        if rope_theta is None:  # transformers 5 may nest rope settings in rope_parameters
-            params = hf.get("rope_parameters") or {}
-            rope_theta = params.get("rope_theta", 10000.0)
-            if scaling is None and params.get("rope_type", "default") != "default":
-                scaling = params
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            _check(kind in ("default", "llama3"), f"rope_scaling type {kind!r} is not supported; use llama3 or none")
-            if kind == "default":
-                scaling = None
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        _check(act in families.ACTIVATIONS, f"{arch}: hidden activation {act!r} is not supported; supported: "
+                                            f"{', '.join(families.ACTIVATIONS)}")
+        _check(hf.get("attn_logit_softcapping") is None,
+               f"{arch}: attn_logit_softcapping {hf.get('attn_logit_softcapping')} is not supported (tdpipe's "
+               "attention has no logit soft-capping; Gemma 3 configs set it to null)")
+        _check(not hf.get("use_bidirectional_attention"), f"{arch}: use_bidirectional_attention is not supported")
+        theta, scaling = families.rope_settings(hf)
+        hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
+        local_theta = families.rope_settings(hf, local=True)[0] if fam.windows == "gemma" else None
+        scalar = hf.get("query_pre_attn_scalar")
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
+            hidden_size=hidden,
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=cls.SUPPORTED[arch] or bool(hf.get("attention_bias", False)),
+            qkv_bias=fam.qkv_bias or bool(hf.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            layer_windows=families.layer_windows(fam, hf, layers),
+            qk_norm=fam.qk_norm,
+            norm=fam.norm,
+            sandwich_norms=fam.sandwich_norms,
+            hidden_act=act,
+            embed_scale=hidden ** 0.5 if fam.embed_scale else None,
+            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            local_rope_theta=local_theta,
+            partial_rotary_factor=families.partial_rotary_factor(hf),
         )
 
     def __post_init__(self) -> None:
         _check(self.num_heads % self.num_kv_heads == 0,
                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_layers
+        _check(len(self.layer_windows) == self.num_layers,
+               f"layer_windows has {len(self.layer_windows)} entries; the model has {self.num_layers} layers")
+        _check(all(w is None or (isinstance(w, int) and w >= 1) for w in self.layer_windows),
+               f"layer_windows entries must be None or an integer >= 1, got {self.layer_windows}")
+        _check(self.norm in ("rms", "gemma"), f"norm must be rms or gemma, got {self.norm!r}")
+        rot = int(self.head_dim * self.partial_rotary_factor)
+        _check(0 < rot <= self.head_dim and rot % 2 == 0,
+               f"partial_rotary_factor {self.partial_rotary_factor} leaves {rot} of {self.head_dim} head dims "
+               "to rotate; it needs an even number >= 2")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dims rope turns (all but with a partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest window of the local layers; None when every layer attends globally."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
+
+    @property
+    def has_local_layers(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
 
     def params_per_token_flops(self) -> int:
         """Dense FLOPs per token through all decoder layers (2 x weights), without attention scores or lm_head."""
@@ -99,7 +146,8 @@ class ModelConfig:
         the embedding and an untied lm_head."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms + ((q + 2 * kv) if self.qkv_bias else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return per_layer * self.num_layers + embed + h
 

@@ -49,6 +49,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (or shared by fork) at admission
     block_hashes: list[bytes] = field(default_factory=list)  # memo: chained hashes of its full token blocks
     probed_blocks: int = 0  # memo of BlockManager.probe_cached_tokens while it waits
+    local_block_table: list[int] = field(default_factory=list)  # sliding-window layers' blocks (core/window_blocks.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,6 +30,8 @@ class StepInput:
     # stage samples a greedy_rows row at (0.0: argmax); [] = argmax every such row. stage_seed: the step's draws
     temperatures: list[float] = field(default_factory=list)
     stage_seed: int = 0
+    # per sequence: the sliding-window layers' block table (core/window_blocks.py); [] = no such pool
+    local_block_tables: list[list[int]] = field(default_factory=list)
 
     def logit_rows(self) -> int:
         """Rows of the logits the last stage returns: one per sequence, or one per new token of a sequence

@@ -19,10 +19,18 @@ def load_tokenizer(path: str) -> Any:
         raise ModelFileError(f"cannot load the tokenizer in {path} (damaged tokenizer files?): {msg}") from None
 
 
+class NoChatTemplate(ValueError):
+    """The tokenizer has no chat template, so a conversation cannot become a prompt."""
+
+
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]],
                 add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """A conversation through the model's chat template: the prompt text and its token ids (the template
-    carries the special tokens, so none are added again)."""
+    carries the special tokens, so none are added again). A model without a template (a base model such as
+    Gemma 3 270M) raises NoChatTemplate, one line, rather than transformers' paragraph."""
+    if getattr(tokenizer, "chat_template", "") is None:  # transformers' tokenizers: None when the model has none
+        raise NoChatTemplate("this model has no chat template (a base model): send plain prompts (completions) "
+                             "instead of messages")
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
     return text, tokenizer.encode(text, add_special_tokens=False)
 

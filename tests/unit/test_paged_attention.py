@@ -53,8 +53,9 @@ def make_batch(dtype, bs, hkv, g, d, lens, nqs, seed=0):
     return q, k_cache, v_cache, bt, cu, ks, vs
 
 
-def dense_causal(q, ks, vs, cu, lens, scale):
-    """Truth in float64 from contiguous tensors: query j of sequence s sits at position len - n + j."""
+def dense_causal(q, ks, vs, cu, lens, scale, window=0):
+    """Truth in float64 from contiguous tensors: query j of sequence s sits at position len - n + j
+    (and, with a window W, sees keys from its position - W + 1 on)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     hq = q.shape[1]
     for s, (k, v) in enumerate(zip(ks, vs)):
@@ -64,6 +65,8 @@ def dense_causal(q, ks, vs, cu, lens, scale):
         kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, kk) * scale
         mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
+        if window:
+            mask |= torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None] - window
         scores = scores.masked_fill(mask, float("-inf"))
         out[cu[s]:cu[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     return out
@@ -224,3 +227,102 @@ def test_front_end_routes_chunks_off_a_scalar_kernel(kernel, monkeypatch, scalar
     out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
     torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[dtype])
     assert calls == []  # decode only: the kernel alone
+
+
+# ----------------------------------------------------------------------------------------------------
+# sliding window: query p sees keys p-W+1 .. p
+# ----------------------------------------------------------------------------------------------------
+
+
+def poison_out_of_window(bt, lens, nqs, bs, window, num_blocks):
+    """Overwrite the block-table entries of blocks wholly before each sequence's first window (freed by the
+    cache manager): ids out of range, so reading one raises (kernel) or indexes out of bounds (reference)."""
+    bt = bt.clone()
+    for s, (n, nq) in enumerate(zip(lens, nqs)):
+        first = max(0, n - nq - window + 1) // bs
+        bt[s, :first] = torch.tensor([num_blocks + 1000, -7, 2 ** 31 - 1])[torch.arange(first) % 3]
+    return bt
+
+
+# decode rows far past the window, a chunk with a cached prefix longer than the window, a chunk longer than
+# the window, a short fresh prompt, a decode row shorter than the window
+WINDOW_BATCH = ([200, 150, 90, 7, 3, 64], [1, 20, 40, 7, 1, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs,window,g,d", [(16, 20, 1, 64), (8, 1, 4, 128), (16, 16, 2, 256), (5, 33, 4, 128),
+                                           (16, 4096, 1, 64)])  # window: a block, one key, past every length
+def test_kernel_sliding_window_vs_dense(kernel, dtype, bs, window, g, d):
+    lens, nqs = WINDOW_BATCH
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, bs, 2, g, d, lens, nqs, seed=bs + window + d)
+    bt_whole, bt = bt, poison_out_of_window(bt, lens, nqs, bs, window, kc.shape[0])
+    scale = d ** -0.5
+    out = kernel.paged_attention(q, kc, vc, bt, torch.tensor(cu, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32), scale, window)
+    truth = dense_causal(q, ks, vs, cu, lens, scale, window)
+    torch.testing.assert_close(out.double(), truth, **TOL[dtype])
+    ref = pa.paged_attention_ref(q, kc, vc, bt, cu, lens, scale, sliding_window=window)  # skips them too
+    torch.testing.assert_close(ref.double(), truth, **TOL[dtype])
+    front = pa.paged_attention(q, kc, vc, bt, cu, lens, scale, sliding_window=window)
+    assert torch.equal(front, out)
+    if window < max(lens):  # the window matters: without it the answer differs
+        full = pa.paged_attention_ref(q, kc, vc, bt_whole, cu, lens, scale)
+        assert not torch.allclose(full.double(), truth, **TOL[dtype])
+
+
+def test_kernel_sliding_window_reads_no_block_before_it(kernel):
+    """A stale id just before the window raises nothing (it is never looked up); one inside it is checked."""
+    lens, nqs, bs, w = [100], [1], 16, 36  # the window starts at 64: block 4
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.float32, bs, 1, 2, 64, lens, nqs, seed=1)
+    cu_t, lens_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    bt[0, :4] = -1
+    out = kernel.paged_attention(q, kc, vc, bt, cu_t, lens_t, 0.125, w)
+    truth = dense_causal(q, ks, vs, cu, lens, 0.125, w)
+    torch.testing.assert_close(out.double(), truth, **TOL[torch.float32])
+    bt[0, 4] = -1
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.paged_attention(q, kc, vc, bt, cu_t, lens_t, 0.125, w)
+    with pytest.raises(RuntimeError, match="out of range"):  # without the window every block is read
+        kernel.paged_attention(q, kc, vc, bt, cu_t, lens_t, 0.125)
+
+
+@pytest.mark.parametrize("scalar", [True, False])
+def test_sliding_window_front_end_on_a_scalar_kernel(kernel, monkeypatch, scalar):
+    """The scalar build's split (decode rows on the kernel, chunks on the reference) keeps the window."""
+    monkeypatch.setattr(pa, "scalar_kernel", lambda kern: scalar)
+    lens, nqs = WINDOW_BATCH
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.bfloat16, 8, 2, 2, 64, lens, nqs, seed=21)
+    bt = poison_out_of_window(bt, lens, nqs, 8, 24, kc.shape[0])
+    out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125, sliding_window=24)
+    truth = dense_causal(q, ks, vs, cu, lens, 0.125, 24)
+    torch.testing.assert_close(out.double(), truth, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 6, 17, 100])
+def test_prefill_attention_sliding_window(kernel, dtype, window):
+    """Fresh prompts: SDPA with a banded mask, the kernel (bf16's path) and the dense truth agree."""
+    lens = [5, 17, 5, 1, 17, 40]
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 16, 2, 2, 64, lens, lens, seed=window)
+    truth = dense_causal(q, ks, vs, cu, lens, 0.125, window)
+    assert pa.kernel_prefill(q, kc, sliding_window=window) == (dtype == torch.bfloat16)
+    via_sdpa = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.125, sliding_window=window)
+    via_kernel = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125, sliding_window=window)
+    torch.testing.assert_close(via_sdpa.double(), truth, **TOL[dtype])
+    torch.testing.assert_close(via_kernel.double(), truth, **TOL[dtype])
+    plain = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.125)
+    no_window = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.125, sliding_window=0)
+    assert torch.equal(no_window, plain)
+
+
+def test_kernel_cache_key_follows_the_source(tmp_path):
+    """The build directory is keyed by the source text: an edited kernel (a new argument, say) is built
+    again instead of an old .so being loaded with the new front end."""
+    from tdpipe.model import jit
+
+    src = tmp_path / "k.cpp"
+    src.write_text("int f() { return 0; }\n")
+    before = jit.cpu_tag(src, jit.CFLAGS)
+    src.write_text("int f(int window = 0) { return window; }\n")
+    assert jit.cpu_tag(src, jit.CFLAGS) != before
+    assert jit.cpu_tag(src, jit.CFLAGS + ["-DX"]) != jit.cpu_tag(src, jit.CFLAGS)

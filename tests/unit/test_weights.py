@@ -217,7 +217,8 @@ def test_resolve_gguf_uses_keyed_cache(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path / "cache"))
     gg = tmp_path / "m.gguf"
     gg.write_bytes(b"not really gguf")
-    cached = bundled._gguf_cache_folder(gg)
+    cached = bundled._gguf_cache_folder(gg, exact=False)
+    assert bundled._gguf_cache_folder(gg, exact=True).name == cached.name.replace("-bf16", "-f32")
     assert cached.parent == tmp_path / "cache" / "models" and cached.name.startswith("m-")
     cached.mkdir(parents=True)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
@@ -225,7 +226,7 @@ def test_resolve_gguf_uses_keyed_cache(tmp_path: Path, monkeypatch: pytest.Monke
     write_manifest(cached, bundled._source_of(gg))
     assert resolve_model(str(gg)) == str(cached)
     os.utime(gg, ns=(1, 1))  # a changed file maps to a new folder
-    assert bundled._gguf_cache_folder(gg) != cached
+    assert bundled._gguf_cache_folder(gg, exact=False) != cached
 
 
 def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

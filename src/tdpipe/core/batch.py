@@ -56,6 +56,9 @@ class Batch:
             seq_ids=[s.seq_id for s in self.seqs],
             kv_epochs=[s.table_epoch for s in self.seqs],
             block_copies=list(self.block_copies),
+            # a sliding-window pool (core/window_blocks.py) gives every scheduled sequence a local table
+            local_block_tables=([s.local_block_table for s in self.seqs]
+                                if self.seqs and self.seqs[0].local_block_table else []),
         )
 
 

@@ -15,9 +15,15 @@ of sharing build on them:
   free capacity: a fresh allocation takes the free list first, then evicts the oldest.
 
 Every block is in exactly one of: the free list, the evictable LRU, or referenced (count > 0).
+
+With sliding-window (local) layers (`window`), those layers' KV lives in a second, smaller pool
+(core/window_blocks.py): every allocation, fork, copy-on-write and free here does the same on the sequence's
+local table, and capacity checks ask both pools. Prefix caching is then off (a cached prefix would need local
+KV that the window already dropped).
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,7 +31,10 @@ from typing import NamedTuple
 
 from tdpipe.core.prefix_cache import (ROOT_HASH, BlockHash, ExtraKey, PrefixCache, encode_extra_key, hash_block,
                                       iter_block_hashes)
+from tdpipe.core.window_blocks import WindowBlockPool
 from tdpipe.sequence import Sequence
+
+log = logging.getLogger("tdpipe")
 
 
 @dataclass
@@ -46,13 +55,25 @@ class PrefixPlan(NamedTuple):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
+                 window: int | None = None, num_window_blocks: int = 0) -> None:
+        """`window` W and `num_window_blocks`: the sliding-window layers' own pool (None: no local layers, or
+        they keep all their blocks in this table, as at pp > 1)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window_pool = WindowBlockPool(num_window_blocks, block_size, window) if window else None
+        if self.window_pool is not None:
+            log.info("sliding-window layers (window %d) keep their KV in a pool of their own: %d blocks of %d "
+                     "tokens, beside %d blocks for the global layers", window, num_window_blocks - 1, block_size,
+                     num_blocks)
+        if self.window_pool is not None and enable_prefix_caching:
+            log.warning("prefix caching is off for this model: its sliding-window layers drop the KV that a "
+                        "cached prefix would need")
+            enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -79,7 +100,10 @@ class BlockManager:
         return self.cache.num_evictable
 
     def usage(self) -> float:
-        """Fraction of blocks in use (KV usage, TD-Pipe Fig. 12)."""
+        """Fraction of blocks in use (KV usage, TD-Pipe Fig. 12); with a sliding-window pool, the fuller one."""
+        if self.window_pool is not None:
+            wp = self.window_pool
+            return max(self.num_used_blocks / self.num_blocks, wp.num_used_blocks / (wp.num_blocks - 1))
         return self.num_used_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -89,7 +113,24 @@ class BlockManager:
         """Whether `num_tokens` (default: all of seq's tokens) fit, keeping `reserve` blocks free."""
         n = seq.num_tokens if num_tokens is None else num_tokens
         need = self.blocks_needed(n) - len(seq.block_table)
-        return need + reserve <= self.num_free_blocks
+        return need + reserve <= self.num_free_blocks and self.window_fits(seq, n)
+
+    def window_fits(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+        """Whether the sliding-window pool has the blocks to grow seq to `num_tokens` positions (keeping
+        `reserve` free); True without one."""
+        wp = self.window_pool
+        return wp is None or wp.blocks_to_add(seq, num_tokens) + reserve <= wp.num_free_blocks
+
+    def chunk_room(self, seq: Sequence) -> int:
+        """Tokens seq can add now (chunked prefill): what its last block and the free blocks hold, in both
+        pools."""
+        bs = self.block_size
+        room = (len(seq.block_table) + self.num_free_blocks) * bs - seq.num_computed_tokens
+        wp = self.window_pool
+        if wp is not None:
+            start = max(len(seq.local_block_table), wp.first_needed(seq.num_computed_tokens))
+            room = min(room, (start + wp.num_free_blocks) * bs - seq.num_computed_tokens)
+        return room
 
     # -- allocation --------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -110,6 +151,8 @@ class BlockManager:
         need = self.blocks_needed(n) - len(seq.block_table)
         if need > self.num_free_blocks:
             raise RuntimeError(f"need {need} KV blocks for seq {seq.seq_id}, {self.num_free_blocks} free")
+        if self.window_pool is not None:  # raises, changing nothing, when the local pool is short
+            self.window_pool.allocate(seq, n)
         new = [self._take() for _ in range(max(0, need))]
         seq.block_table.extend(new)
         return new
@@ -124,6 +167,11 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         """Whether seq can get a slot for its next decode token (position num_tokens - 1): a new block when
         the last one is full, or a private copy when the last one is shared (copy-on-write)."""
+        wp = self.window_pool
+        if wp is not None:
+            local = wp.blocks_to_add(seq, seq.num_tokens) + (1 if wp.cow_needed(seq) else 0)
+            if local > wp.num_free_blocks:
+                return False
         if self.blocks_needed(seq.num_tokens) <= len(seq.block_table) and not self._cow_needed(seq):
             return True
         return self.num_free_blocks > 0
@@ -155,6 +203,13 @@ class BlockManager:
                     self.free_blocks.append(b)
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
+        if self.window_pool is not None:
+            self.window_pool.free(seq)
+
+    def trim_window(self, seq: Sequence) -> None:
+        """After a step: give back seq's local blocks that its next query can no longer see."""
+        if self.window_pool is not None and seq.local_block_table:
+            self.window_pool.trim(seq)
 
     # -- fork and copy-on-write (parallel sampling) ---------------------------------------------------
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
@@ -166,6 +221,8 @@ class BlockManager:
             raise ValueError(f"fork_seq: child seq {child.seq_id} already holds "
                              f"{len(child.block_table)} blocks")
         child.block_table = self.fork(parent.block_table)
+        if self.window_pool is not None:
+            self.window_pool.fork(parent, child)
         st = self._seq_hashes.get(parent.seq_id)
         if st is not None:
             self._seq_hashes[child.seq_id] = _SeqHashes(st.extra, list(st.hashes))
@@ -193,6 +250,15 @@ class BlockManager:
         seq.block_table[i] = dst
         self.ref_counts[src] -= 1  # stays >= 1: another sequence still holds src
         return src, dst
+
+    def prepare_append_window(self, seq: Sequence) -> tuple[int, int] | None:
+        """`prepare_append` for seq's local table (the block it writes is shared after a fork). The pair is
+        given in the executor's joint numbering: local block b is `num_blocks + b` (worker/model_runner.py
+        copies it in the local layers' cache). None without a window pool or when nothing is shared."""
+        if self.window_pool is None:
+            return None
+        cow = self.window_pool.prepare_append(seq)
+        return None if cow is None else (self.num_blocks + cow[0], self.num_blocks + cow[1])
 
     # -- prefix caching --------------------------------------------------------------------------------
     def _match(self, token_ids: list[int], extra: bytes) -> tuple[list[int], list[BlockHash]]:
@@ -387,6 +453,8 @@ class BlockManager:
         self.free_blocks = deque(range(self.num_blocks))
         self.cache.clear()
         self._seq_hashes.clear()
+        if self.window_pool is not None:
+            self.window_pool.reset()
 
     def check_no_leaks(self) -> None:
         """Every block free or evictable with count 0; call when no sequence holds blocks."""
@@ -398,6 +466,8 @@ class BlockManager:
                                  f"of {self.num_blocks}")
         if self._seq_hashes:
             raise AssertionError(f"prefix state left for seqs {sorted(self._seq_hashes)[:8]} (not freed)")
+        if self.window_pool is not None:
+            self.window_pool.check_no_leaks()
 
     def check_invariants(self, block_tables: Iterable[list[int]] | None = None) -> None:
         """The page table's consistency, AssertionError on the first break: free, evictable and referenced

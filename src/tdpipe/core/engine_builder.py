@@ -26,6 +26,7 @@ from tdpipe.config import EngineConfig, ModelConfig, default_threads
 from tdpipe.core.batched_predictor import BatchedPredictor
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.engine_stats import EngineStats
+from tdpipe.core.kv_pools import KVPools, size_kv_pools
 from tdpipe.core.scheduler import Scheduler, get_policy, make_scheduler
 from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
@@ -100,12 +101,13 @@ class EngineBuilder:
         # allocator settings (CPU: per-step [batch, vocab] tensors must not fragment the heap, tdpipe/malloc.py)
         # and threads: workers of their own own the cores; the engine process only samples and schedules
         self.platform.configure_process(config.num_threads or (default_threads() if par.world_size == 1 else 1))
+        self.dtype = resolve_dtype(config.dtype, self.platform)  # before the model: a GGUF converts to it
         hf = self._load_model()
         self.eos_token_ids = self._eos_ids()
-        self.dtype = resolve_dtype(config.dtype, self.platform)
         num_blocks = self._size_kv_cache()
         sched.pipeline_depth = sched.pipeline_depth or self.pp  # one micro-batch per stage unless asked
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          self.kv_pools.window, self.kv_pools.num_window_blocks)
         policy = get_policy(sched.policy)  # what the policy needs: a length predictor, measured step costs
         policy.configure(sched)  # its token budget and knobs: the executor and the profile read them
         self.predictor = make_predictor(sched.predictor, None if hf is not None else self.model_path)
@@ -139,7 +141,7 @@ class EngineBuilder:
                   **self.hf_config}
             self.model_config = ModelConfig.from_hf(hf)
             return hf
-        self.model_path = resolve_model(self.config.model)
+        self.model_path = resolve_model(self.config.model, "float32" if self.dtype == torch.float32 else None)
         simulated = self.executor_factory is not None
         # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
         hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path)
@@ -178,16 +180,27 @@ class EngineBuilder:
             budget = self.platform.kv_cache_bytes(cache.kv_cache_memory, cache.gpu_memory_utilization,
                                                   mc.num_params() * dtype_bytes)
         num_blocks = cache.num_blocks or budget // block_bytes
+        self.kv_pools = KVPools(num_blocks, capacity_tokens=num_blocks * cache.block_size)
+        # sliding-window layers get a pool of their own (core/kv_pools.py); a simulated executor keeps them
+        # in the global table
+        if mc.has_local_layers and self.executor_factory is None:
+            policy = get_policy(sched.policy)
+            policy.configure(sched)  # its token budget: a chunked prefill step bounds the local pool
+            step = sched.max_num_batched_tokens if policy.cls.chunks_prefill else sched.max_model_len
+            self.kv_pools = size_kv_pools(mc, num_blocks * block_bytes if cache.num_blocks else budget,
+                                          cache.block_size, dtype_bytes, sched.max_model_len, step,
+                                          sched.max_num_seqs)
+            num_blocks = self.kv_pools.num_blocks
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block (one block of "
                              f"{cache.block_size} tokens needs {block_bytes} bytes for this model in "
                              f"{str(self.dtype).removeprefix('torch.')})")
-        capacity = num_blocks * cache.block_size
+        capacity = self.kv_pools.capacity_tokens if self.kv_pools.window else num_blocks * cache.block_size
         if capacity < sched.max_model_len:
             # visible: every request is cut to this length, so a silent change would look like a short answer
             log.warning("the KV cache holds only %d tokens (%d blocks of %d): max_model_len lowered from %d to "
                         "%d; a prompt and its output must fit in it (raise --kv-cache-memory for more)",
-                        capacity, num_blocks, cache.block_size, sched.max_model_len, capacity)
+                        capacity, capacity // cache.block_size, cache.block_size, sched.max_model_len, capacity)
             sched.max_model_len = capacity
         return num_blocks
 
@@ -216,7 +229,8 @@ class EngineBuilder:
             weights = None if hf is None else random_weights(hf, self.weights_seed)
             runner = ModelRunner(self.model_config, self.model_path, self.dtype, num_blocks,
                                  self.config.cache.block_size, device=str(self.platform.set_device(0)),
-                                 weights=weights, graphs=self._graph_settings())
+                                 weights=weights, graphs=self._graph_settings(),
+                                 num_window_blocks=self.kv_pools.num_window_blocks)
             self.stage_threads = [torch.get_num_threads()]
             return LocalExecutor(runner)
         from tdpipe.pipeline.executor import PipelineExecutor, StageSpec
@@ -228,7 +242,8 @@ class EngineBuilder:
         return PipelineExecutor(self.model_config, self.model_path, self.dtype, num_blocks,
                                 self.config.cache.block_size, stages,
                                 max(cfg.max_num_batched_tokens, cfg.max_model_len), self.platform, self.tp,
-                                self.lm_head_split, graphs=self._graph_settings())
+                                self.lm_head_split, graphs=self._graph_settings(),
+                                num_window_blocks=self.kv_pools.num_window_blocks)
 
     def _graph_settings(self) -> Any:
         """The decode CUDA graphs the model runners capture (None: eager; worker/cuda_graph.py)."""

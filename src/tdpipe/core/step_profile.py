@@ -99,8 +99,11 @@ def cache_dir() -> Path:
 
 
 def kv_batch(bm: BlockManager) -> int:
-    """Dummy requests of ROOM tokens the KV cache holds, one block spare (0: not even one)."""
-    return (bm.num_blocks - 1) // bm.blocks_needed(ROOM)
+    """Dummy requests of ROOM tokens the KV cache holds, one block spare (0: not even one); in both pools
+    when sliding-window layers have their own (core/window_blocks.py: block 0 is its null block)."""
+    n = (bm.num_blocks - 1) // bm.blocks_needed(ROOM)
+    wp = bm.window_pool
+    return n if wp is None else min(n, (wp.num_blocks - 2) // bm.blocks_needed(ROOM))
 
 
 def _plan(n: int, context: int, budget: int) -> Plan:
@@ -127,7 +130,8 @@ def make_plan(target: ProfileTarget, max_batch: int | None = None) -> Plan | Non
     bm = target.block_manager
     n, context = min(MAX_BATCH if max_batch is None else max_batch, kv_batch(bm)), CONTEXT
     if n < 1:
-        n, context = 1, bm.num_blocks * bm.block_size - REPEATS
+        blocks = bm.num_blocks if bm.window_pool is None else min(bm.num_blocks, bm.window_pool.num_blocks - 1)
+        n, context = 1, blocks * bm.block_size - REPEATS
         if context < 1:
             return None
     return _plan(n, context, target.scheduler_config.max_num_batched_tokens)

@@ -9,6 +9,11 @@
 // online softmax (running max / sum per query row); everything is accumulated in fp32. Software
 // prefetch keeps the next tiles' K/V in flight while the current one is computed.
 //
+// Sliding window W (0: none): query position p sees keys p-W+1 .. p (transformers' meaning). An item's
+// key loop starts at its first query's window start, so blocks wholly before it are neither read nor
+// looked up in the block table (the cache manager frees them; their entries may hold stale ids); rows
+// of a prefill item whose windows start later mask the keys before theirs.
+//
 // Vector layout trick: a "chunk" is 32 head_dim elements held in two 16-lane fp32 vectors. For bf16 the
 // two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
 // so q and the output accumulator are kept in that same permuted order and un-permuted at the end.
@@ -81,8 +86,10 @@ inline __mmask16 mask16(int n) {
 inline __mmask32 mask32(int n) {
   return n >= 32 ? (__mmask32)0xFFFFFFFFu : (n <= 0 ? (__mmask32)0 : (__mmask32)((1u << n) - 1));
 }
-// Lanes >= n become -inf (causal / tail mask).
-inline vf vkeep_first(vf a, int n) { return _mm512_mask_blend_ps(mask16(n), vset1(-INFINITY), a); }
+// Lanes outside [lo, n) become -inf (sliding-window start, causal limit, tail). lo <= 0 without a window.
+inline vf vkeep_range(vf a, int lo, int n) {
+  return _mm512_mask_blend_ps(_kandn_mask16(mask16(lo), mask16(n)), vset1(-INFINITY), a);
+}
 
 // 2^x for x <= 0: round-to-nearest split, degree-7 polynomial on [-0.5, 0.5] (~1e-9 rel. error),
 // scalef for the exponent. Clamping at -200 maps -inf and NaN (max_ps returns its 2nd operand on NaN)
@@ -171,8 +178,9 @@ inline float vhmax(vf a) {
   return m;
 }
 inline float vhadd(vf a) { float s = 0.f; for (int i = 0; i < kLanes; ++i) s += a.x[i]; return s; }
-inline vf vkeep_first(vf a, int n) {
-  for (int i = std::max(n, 0); i < kLanes; ++i) a.x[i] = -INFINITY;
+inline vf vkeep_range(vf a, int lo, int n) {
+  for (int i = 0; i < kLanes; ++i)
+    if (i < lo || i >= n) a.x[i] = -INFINITY;
   return a;
 }
 inline vf vexp2(vf a) {
@@ -260,12 +268,12 @@ inline int chunk_pos(int e) {
 // Micro-kernels
 // ---------------------------------------------------------------------------------------------
 
-// scores[r][t] = q_r . k_t for the R rows and nt (<= kTokTile) keys of one tile, with lanes past the
-// row's causal limit set to -inf. ks holds the tile's keys in fp32, rows padded with zeros to a
+// scores[r][t] = q_r . k_t for the R rows and nt (<= kTokTile) keys of one tile, with lanes outside the
+// row's keys [lo[r], lim[r]] set to -inf (lo: the sliding window's first key, 0 without a window). ks holds the tile's keys in fp32, rows padded with zeros to a
 // multiple of 16; q is already scaled by softmax_scale * log2(e).
 template <int NC>
-void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int* lim, int t0, float* sc,
-             PfQueue& pf) {
+void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int* lo, const int* lim, int t0,
+             float* sc, PfQueue& pf) {
   for (int r = 0; r < R; ++r) {
     vf q[2 * NC];
     for (int c = 0; c < 2 * NC; ++c) q[c] = vload(qs + r * Dp + c * kLanes);
@@ -279,12 +287,12 @@ void qk_tile(const float* qs, int Dp, int R, const float* ks, int nt, const int*
       }
       pf.step();
       const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
-      vstore(sc + r * kTokTile + g0, vkeep_first(vhsum16(a), nvalid));
+      vstore(sc + r * kTokTile + g0, vkeep_range(vhsum16(a), lo[r] - (t0 + g0), nvalid));
     }
   }
 }
 
-using QkFn = void (*)(const float*, int, int, const float*, int, const int*, int, float*, PfQueue&);
+using QkFn = void (*)(const float*, int, int, const float*, int, const int*, const int*, int, float*, PfQueue&);
 constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile<4>,
                                      qk_tile<5>, qk_tile<6>, qk_tile<7>, qk_tile<8>};
 
@@ -296,7 +304,7 @@ constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile
 // padding ones repeat a real row; their lanes are masked).
 template <int NC>
 void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, int nt, __mmask32 tail,
-                  const int* lim, int t0, float scale, float* sc, PfQueue& pf) {
+                  const int* lo, const int* lim, int t0, float scale, float* sc, PfQueue& pf) {
   const vf vscale = vset1(scale);
   for (int r = 0; r < R; ++r) {
     __m512bh q[NC];
@@ -314,12 +322,12 @@ void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, in
       }
       pf.step();
       const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
-      vstore(sc + r * kTokTile + g0, vkeep_first(vmul(vhsum16(a), vscale), nvalid));
+      vstore(sc + r * kTokTile + g0, vkeep_range(vmul(vhsum16(a), vscale), lo[r] - (t0 + g0), nvalid));
     }
   }
 }
-using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int, __mmask32, const int*, int,
-                          float, float*, PfQueue&);
+using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int, __mmask32, const int*,
+                          const int*, int, float, float*, PfQueue&);
 constexpr QkBf16Fn kQkBf16Fns[kMaxChunks] = {qk_tile_bf16<1>, qk_tile_bf16<2>, qk_tile_bf16<3>,
                                              qk_tile_bf16<4>, qk_tile_bf16<5>, qk_tile_bf16<6>,
                                              qk_tile_bf16<7>, qk_tile_bf16<8>};
@@ -435,6 +443,7 @@ struct Args {
   int64_t qs0, qs1;  // bytes
   char* out;         // contiguous [T, Hq, D] of dtype qdt
   float qscale;      // softmax scale * log2(e)
+  int window;        // sliding window W (query p sees keys p-W+1 .. p); 0: none
 };
 
 template <typename Q>
@@ -450,10 +459,10 @@ inline void store_out_row(const float* acc, int D, float inv_l, Q* dst, int (*po
 struct Scratch {
   float* buf = nullptr;
   float *qs, *acc, *m, *l, *corr, *ks, *sc;
-  int* lim;
+  int *lim, *lo;
   Scratch(int Rmax, int Dp) {
     const size_t rq = size_t(Rmax) * Dp, rr = round_up(Rmax, 16);
-    const size_t n = 2 * rq + 2 * rr + rr * kLanes + size_t(kTokTile) * Dp + size_t(Rmax) * kTokTile + rr;
+    const size_t n = 2 * rq + 2 * rr + rr * kLanes + size_t(kTokTile) * Dp + size_t(Rmax) * kTokTile + 2 * rr;
     buf = static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t(64)));
     float* p = buf;
     qs = p; p += rq;
@@ -464,6 +473,7 @@ struct Scratch {
     ks = p; p += size_t(kTokTile) * Dp;
     sc = p; p += size_t(Rmax) * kTokTile;
     lim = reinterpret_cast<int*>(p);
+    lo = lim + rr;
   }
   ~Scratch() { ::operator delete[](buf, std::align_val_t(64)); }
   Scratch(const Scratch&) = delete;
@@ -472,6 +482,11 @@ struct Scratch {
 
 inline int item_kv_end(const int32_t* cu, const int32_t* lens, const Item& it) {
   return lens[it.s] - (cu[it.s + 1] - cu[it.s]) + it.j0 + it.nq;
+}
+// The first key any row of the item sees: its first query's window start (0 without a window). Blocks
+// wholly before it are never read, nor their block table entries (freed blocks may hold stale ids).
+inline int item_kv_start(const int32_t* cu, const int32_t* lens, int window, const Item& it) {
+  return window > 0 ? std::max(0, lens[it.s] - (cu[it.s + 1] - cu[it.s]) + it.j0 - window + 1) : 0;
 }
 
 // Queue the K and V runs (one per block touched) of the key tile starting at t0 of an item.
@@ -500,7 +515,8 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
   const int R = it.nq * G;
   const int n_s = a.cu[it.s + 1] - a.cu[it.s];
   const int first_pos = a.lens[it.s] - n_s + it.j0;  // absolute position of the item's first query
-  const int kv_end = first_pos + it.nq;               // keys [0, kv_end) are visible to some row
+  const int kv_end = first_pos + it.nq;               // keys [kv_start, kv_end) are visible to some row
+  const int kv_start = item_kv_start(a.cu, a.lens, a.window, it);
   auto pos = &chunk_pos<T>;
 
   std::fill(w.qs, w.qs + size_t(R) * Dp, 0.f);
@@ -522,6 +538,7 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
         }
       }
       w.lim[r] = first_pos + jj;
+      w.lo[r] = a.window > 0 ? first_pos + jj - a.window + 1 : 0;
       w.m[r] = kNegBig;
       std::fill(w.l + r * kLanes, w.l + (r + 1) * kLanes, 0.f);
     }
@@ -550,11 +567,12 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
   // tile it continues with the first tiles of the item this thread runs next, so the next item starts
   // warm. Only a thread's first item pays for an unhidden start.
   PfQueue pf;
-  const int ntiles = cdiv(kv_end, kTokTile);
+  const int ntiles = cdiv(kv_end - kv_start, kTokTile);
+  const int next_start = next ? item_kv_start(a.cu, a.lens, a.window, *next) : 0;
   auto queue_tile = [&](int j) {
     pf.clear();
-    if (j < ntiles) queue_item_tile(a, it, j * kTokTile, pf);
-    else if (next) queue_item_tile(a, *next, (j - ntiles) * kTokTile, pf);
+    if (j < ntiles) queue_item_tile(a, it, kv_start + j * kTokTile, pf);
+    else if (next) queue_item_tile(a, *next, next_start + (j - ntiles) * kTokTile, pf);
     pf.start();
   };
   if (first)
@@ -565,16 +583,16 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
 
   const T* krow[kTokTile];
   const T* vrow[kTokTile];
-  for (int t0 = 0; t0 < kv_end; t0 += kTokTile) {
+  for (int t0 = kv_start; t0 < kv_end; t0 += kTokTile) {
     const int nt = fill_rows(t0, krow, vrow);
     const int ntp = round_up(nt, kLanes);
     for (int i = nt; i < ntp; ++i) krow[i] = krow[nt - 1];  // padding lanes: valid memory, masked
-    queue_tile(t0 / kTokTile + kPrefetchTiles);
+    queue_tile((t0 - kv_start) / kTokTile + kPrefetchTiles);
 
     if constexpr (kDot) {
 #ifdef TDPIPE_BF16_DOT
       kQkBf16Fns[NC - 1](qb, Dp, R, reinterpret_cast<const bf16* const*>(krow), nt,
-                         mask32(D - (NC - 1) * kChunk), w.lim, t0, a.qscale, w.sc, pf);
+                         mask32(D - (NC - 1) * kChunk), w.lo, w.lim, t0, a.qscale, w.sc, pf);
 #endif
     } else {
       // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
@@ -586,7 +604,7 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
           vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
         }
       if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
-      kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lim, t0, w.sc, pf);
+      kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lo, w.lim, t0, w.sc, pf);
     }
 
     // Online softmax (base 2; the scale and log2(e) are folded into the scores). The running sum is
@@ -646,8 +664,10 @@ void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                           const at::Tensor& seq_lens, double scale) {
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
   check_cache(k_cache, v_cache);
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be >= 0 (0: none)");
+  const int window = int(sliding_window);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "q must be a CPU tensor [T, Hq, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
                   q.scalar_type() == at::kHalf,
@@ -685,7 +705,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(lens[s] >= n_s, "seq_lens[", s, "] = ", lens[s], " is shorter than its ", n_s, " queries");
     const int64_t used = (int64_t(lens[s]) + bs - 1) / bs;
     TORCH_CHECK(used <= max_blocks, "seq_lens[", s, "] exceeds its block table");
-    for (int64_t b = 0; b < used; ++b) {
+    // with a window, blocks wholly before the first query's window are never read (nor checked)
+    const int64_t first = window > 0 ? std::max<int64_t>(0, int64_t(lens[s]) - n_s - window + 1) / bs : 0;
+    for (int64_t b = first; b < used; ++b) {
       const int32_t id = bt[s * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < nblocks, "block id ", id, " out of range (sequence ", s, ")");
     }
@@ -693,7 +715,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     Rmax = std::max(Rmax, nq * G);
     for (int j0 = 0; j0 < n_s; j0 += nq) {
       const int cnt = std::min(nq, n_s - j0);
-      const int64_t keys = int64_t(lens[s]) - n_s + j0 + cnt;
+      const int64_t end = int64_t(lens[s]) - n_s + j0 + cnt;
+      const int64_t keys = window > 0 ? std::min<int64_t>(end, window + cnt - 1) : end;
       for (int h = 0; h < Hkv; ++h) items.push_back({int(s), h, j0, cnt, keys * (cnt * G + 4)});
     }
   }
@@ -718,6 +741,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     a.qs1 = q.stride(1) * q.element_size();
     a.out = static_cast<char*>(out.data_ptr());
     a.qscale = float(scale) * kLog2e;
+    a.window = window;
     const int64_t n = int64_t(items.size());
     const bool dot = kHaveDot && std::is_same_v<T, bf16> && a.qdt == at::kBFloat16;
     // Dynamic schedule with one item of lookahead: a thread claims its next item before running the
@@ -803,7 +827,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.def("paged_attention", &paged_attention, "Causal attention over a paged KV cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("store_kv", &store_kv, "Scatter K/V rows into the paged cache", py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),

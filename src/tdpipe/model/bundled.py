@@ -46,7 +46,8 @@ def _source_of(gguf: Path, extra: dict[str, str] | None = None) -> dict[str, Any
     return {"gguf": gguf.name, "size": st.st_size} | (extra or {})
 
 
-def _convert(gguf_path: str, out: Path, provenance: dict[str, str], source: dict[str, Any], what: str) -> str:
+def _convert(gguf_path: str, out: Path, provenance: dict[str, str], source: dict[str, Any], what: str,
+             dtype: str = "bfloat16") -> str:
     """Convert into `out` once, under a lock (one converter per entry across processes); the result is
     built in a temporary folder beside `out`, given its manifest, then renamed into place."""
     from tdpipe.model.gguf import convert_gguf_to_hf_folder  # pulls in gguf/transformers lazily
@@ -70,7 +71,7 @@ def _convert(gguf_path: str, out: Path, provenance: dict[str, str], source: dict
         t = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            built = convert_gguf_to_hf_folder(gguf_path, tmp / out.name, provenance=provenance)
+            built = convert_gguf_to_hf_folder(gguf_path, tmp / out.name, dtype=dtype, provenance=provenance)
             write_manifest(built, source)
             if out.exists() or out.is_symlink():  # the damaged entry: out of the way, then removed
                 trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -105,19 +106,22 @@ def bundled_model_path() -> str:
     return _convert(str(gguf), out, provenance, source, f"the bundled {BUNDLED_MODEL} GGUF")
 
 
-def _gguf_cache_folder(path: Path) -> Path:
-    """Key by name + size + mtime: cheap, and a replaced file gets a fresh conversion."""
+def _gguf_cache_folder(path: Path, exact: bool) -> Path:
+    """Key by name + size + mtime: cheap, and a replaced file gets a fresh conversion. `exact`: kept in
+    float32, the exact dequantised values (a float32 run then matches transformers on the same file);
+    otherwise bf16, half the disk, for the bf16 runs that would round the weights at load anyway."""
     st = path.stat()
     key = hashlib.sha256(f"{path.name}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{path.stem}-{key}-bf16"
+    return cache_dir() / "models" / f"{path.stem}-{key}-{'f32' if exact else 'bf16'}"
 
 
-def resolve_model(model: str | None) -> str:
+def resolve_model(model: str | None, dtype: str | None = None) -> str:
     """Turn a user's ``--model`` into a local HF folder path.
 
     Accepts None (the bundled model), a folder containing config.json, a
     ``.gguf`` file (converted once into the cache), or ``random:NAME`` (random weights of a published
-    config, generated once into the cache: model/random_model.py).
+    config, generated once into the cache: model/random_model.py). `dtype` "float32": a GGUF is converted
+    to float32 weights (the exact dequantised values); anything else: to bf16.
     """
     if model is None:
         return bundled_model_path()
@@ -131,11 +135,13 @@ def resolve_model(model: str | None) -> str:
             return str(path)
         raise ValueError(f"model folder {model!r} has no config.json; expected a Hugging Face model folder")
     if path.is_file() and path.suffix.lower() == ".gguf":
-        out = _gguf_cache_folder(path)
+        exact = dtype in ("float32", "fp32")
+        out = _gguf_cache_folder(path, exact)
         source = _source_of(path)
         if check_entry(out, source) is None:
             return str(out)
-        return _convert(str(path), out, {"source_path": str(path.resolve())}, source, str(path))
+        return _convert(str(path), out, {"source_path": str(path.resolve())}, source, str(path),
+                        "float32" if exact else "bfloat16")
     if not path.exists():
         raise ValueError(f"--model {model}: no such file or folder (tdpipe never downloads from a hub)")
     raise ValueError(

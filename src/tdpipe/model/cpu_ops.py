@@ -39,6 +39,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return weight * xf.to(x.dtype)
 
 
+def add_gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """Gemma's norm(x + residual) = normed * (1 + w), the product in float32 and then cast (transformers'
+    Gemma3RMSNorm); `residual` (when given) is updated in place to x + residual. Torch ops only."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up over the fused [rows, 2 * inter] gate/up projection (Gemma's GeGLU MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use(gate_up) and gate_up.is_contiguous():
         return kernel().silu_and_mul(gate_up)

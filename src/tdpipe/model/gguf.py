@@ -2,7 +2,9 @@
 
 tdpipe's model code only knows HF parameter names and HF's rotate_half rope
 layout, so everything GGUF-specific (names, quantisation, llama.cpp's rope row
-order) is undone here, once, at conversion time.
+order, Gemma's 1 + w norms) is undone here, once, at conversion time. What each
+architecture needs is one table in model/gguf_families.py; every tensor type
+gguf-py can dequantise is read through its generic ``dequantize``.
 """
 
 from __future__ import annotations
@@ -12,40 +14,22 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-# GGUF architecture -> (HF architectures entry, HF model_type, undo q/k rope permutation?)
-# llama.cpp permutes attn_q/attn_k rows only for Llama-family converters; Qwen2 is stored as-is.
-_ARCHS: dict[str, tuple[str, str, bool]] = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-}
+from tdpipe.model.gguf_families import (FAMILIES, GLOBAL_NAMES, ROPE_FACTOR_TENSORS, ROPE_FREQS, Family,
+                                        family_of, hf_config)
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_T = TypeVar("_T")
 
 
 GGUF_MAGIC = b"GGUF"
@@ -86,15 +70,15 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def hf_name(gguf_name: str) -> str:
-    """Map a GGUF tensor name to the HF parameter name tdpipe's model uses."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, family: Family = FAMILIES["llama"]) -> str:
+    """Map a GGUF tensor name to the HF parameter name of ``family``'s model."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+    if m is None or m.group(2) not in family.names:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r} for {family.hf_arch}")
     layer, part, kind = m.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{family.names[part]}.{kind}"
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -110,79 +94,55 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _config(reader: GGUFReader) -> tuple[dict, bool]:
-    arch = _field(reader, "general.architecture")
-    if arch not in _ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; tdpipe converts {sorted(_ARCHS)}")
-    hf_arch, model_type, permute = _ARCHS[arch]
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"GGUF {arch!r} model uses rope_freqs (llama3-style rope scaling); not supported")
-
-    def key(k: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{k}", default)
-        if value is None:
-            raise ValueError(f"GGUF file lacks required metadata {arch}.{k}")
-        return value
-
-    hidden = int(key("embedding_length"))
-    heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"partial rotary (rope dim {rope_dim} != head dim {head_dim}) is not supported")
-    eps = np.float32(key("attention.layer_norm_rms_epsilon"))
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:  # older files: count the embedding rows (GGUF shape is reversed)
-        vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
-    cfg = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        # stored as float32 in the file: round so 1e-5 is not written as 9.99999974e-06
-        "rms_norm_eps": float(np.format_float_positional(eps)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
-        "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    if model_type == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
-    return cfg, permute
+def _config(reader: GGUFReader) -> tuple[dict, Family]:
+    meta, family = family_of(reader)
+    return hf_config(meta, family), family
 
 
-def _tensors(reader: GGUFReader, cfg: dict, permute: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _dequantize(t: Any) -> np.ndarray:
+    """Any tensor type gguf-py reads, as float32 in HF's (out_features, in_features) order."""
+    if t.tensor_type == GGMLQuantizationType.F64:  # gguf-py's dequantize stops at F32 / F16 for plain floats
+        return np.asarray(t.data, dtype=np.float64).astype(np.float32)
+    try:
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except (ValueError, NotImplementedError) as e:  # a scrambled type, a short data block, an unknown type
+        raise ValueError(f"GGUF tensor {t.name!r} (type {getattr(t.tensor_type, 'name', t.tensor_type)}) "
+                         f"cannot be dequantised: {' '.join(str(e).split())}") from None
+
+
+def _tensors(reader: GGUFReader, cfg: dict, family: Family) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantise lazily, one tensor at a time, so peak memory stays one tensor."""
     q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in reader.tensors:
-        name = hf_name(t.name)
-        try:
-            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except (ValueError, NotImplementedError) as e:  # a scrambled type or a short data block
-            raise ValueError(f"GGUF tensor {t.name!r} (type {t.tensor_type!r}) cannot be dequantised: "
-                             f"{' '.join(str(e).split())}") from None
+        if t.name in ROPE_FACTOR_TENSORS or t.name == ROPE_FREQS:  # rope settings: in cfg["rope_scaling"]
+            continue
+        name = hf_name(t.name, family)
+        arr = _dequantize(t)
         # numpy dims are already HF's (out_features, in_features); GGUF's `shape` is reversed.
         w = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
-        if permute and ".q_proj." in name:
+        if family.permute_qk and ".q_proj." in name:
             w = unpermute_rope_rows(w, q_heads)
-        elif permute and ".k_proj." in name:
+        elif family.permute_qk and ".k_proj." in name:
             w = unpermute_rope_rows(w, kv_heads)
+        if family.norm_offset and t.name.endswith("norm.weight"):
+            w = w - family.norm_offset  # in float32, as transformers' Gemma loader does
         yield name, w.contiguous()
 
 
 def gguf_to_hf(gguf_path: str | Path) -> tuple[dict, Iterator[tuple[str, torch.Tensor]]]:
     """Return an HF config dict and a lazy iterator of float32 tensors under HF names."""
     reader = open_gguf(gguf_path)
-    cfg, permute = _config(reader)
-    return cfg, _tensors(reader, cfg, permute)
+    cfg, family = _config(reader)
+    return cfg, _tensors(reader, cfg, family)
+
+
+def _progress(items: Iterable[_T], total: int, name: str) -> Iterable[_T]:
+    """A bar over the tensors on a terminal (a conversion takes seconds to minutes, once); nothing in logs."""
+    if not sys.stderr.isatty():
+        return items
+    from tqdm.auto import tqdm  # a transformers dependency
+
+    return tqdm(items, total=total, desc=f"converting {name}", unit="tensor", leave=False, file=sys.stderr)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -193,8 +153,25 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict) -> None:
-    """Let transformers rebuild the fast tokenizer from the GGUF vocab, then pin eos/bos."""
+# A chat template ends each turn with one of these (Gemma, Phi-3, ChatML, Llama 3), while the file's eos is
+# often the end of the whole text; llama.cpp stops on them by their text too (llama-vocab.cpp, its EOG set).
+END_OF_TURN = ("<end_of_turn>", "<|end|>", "<|im_end|>", "<|eot_id|>")
+
+
+def _stop_ids(reader: GGUFReader, cfg: dict, tok: Any) -> list[int]:
+    """generation_config's eos list, which tdpipe stops on: the file's eos, the end-of-turn / end-of-message
+    ids it names, and for a chat model (one with a template) its end-of-turn token."""
+    ids = [cfg["eos_token_id"], _field(reader, "tokenizer.ggml.eot_token_id"),
+           _field(reader, "tokenizer.ggml.eom_token_id")]
+    if tok.chat_template:
+        vocab = tok.get_vocab()
+        ids += [vocab.get(t) for t in END_OF_TURN]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict) -> Any:
+    """Let transformers rebuild the fast tokenizer from the GGUF vocab (every family's: SentencePiece for
+    Llama / Gemma / Phi-3, byte-level BPE for Qwen), pin eos/bos, save it; returns it."""
     from transformers import AutoTokenizer  # heavy import, only needed here
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -204,24 +181,29 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict) -> None:
         if tid is not None:
             setattr(tok, f"{attr}_token", tok.convert_ids_to_tokens(tid))
     tok.save_pretrained(str(out))
-    if not tok.chat_template:
-        return
+    if not tok.chat_template:  # a base model (Gemma 3 270M): completions only
+        return tok
     # Older/newer transformers store the template in different places; make sure one exists.
     if not (out / "chat_template.jinja").exists():
         tc_path = out / "tokenizer_config.json"
         tc = json.loads(tc_path.read_text(encoding="utf-8"))
         tc.setdefault("chat_template", tok.chat_template)
         tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False), encoding="utf-8")
+    return tok
 
 
-def _provenance(gguf_path: Path, reader_license: str | None, extra: dict[str, str] | None) -> str:
+def _provenance(gguf_path: Path, reader_license: str | None, extra: dict[str, str] | None,
+                family: Family = FAMILIES["llama"]) -> str:
+    undone = ["q/k rows un-permuted to HF rope layout"] if family.permute_qk else []
+    undone += [f"norm weights stored as {family.norm_offset:g} + w by llama.cpp: offset removed"] \
+        if family.norm_offset else []
     lines = {
         "source_file": gguf_path.name,
         "license": reader_license or "unknown",
         **(extra or {}),
         "gguf_sha256": sha256_file(gguf_path),
         "converted_by": "tdpipe.model.gguf.convert_gguf_to_hf_folder",
-        "note": "weights dequantised from GGUF; q/k rows un-permuted to HF rope layout",
+        "note": "; ".join(["weights dequantised from GGUF", *undone]),
     }
     return "".join(f"{k}: {v}\n" for k, v in lines.items())
 
@@ -229,11 +211,12 @@ def _provenance(gguf_path: Path, reader_license: str | None, extra: dict[str, st
 def convert_gguf_to_hf_folder(
     gguf_path: str | Path,
     out_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     provenance: dict[str, str] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a self-contained HF model folder converted from ``gguf_path``.
+    """Write a self-contained HF model folder converted from ``gguf_path``, its weights in ``dtype``
+    (float32 keeps the dequantised values exactly, as transformers loads them from the file).
 
     Everything is written to a temporary sibling and moved into place with one
     ``os.replace``, so readers never see a half-written folder and a process that
@@ -241,6 +224,7 @@ def convert_gguf_to_hf_folder(
     unless ``overwrite``.
     """
     gguf_path, out = Path(gguf_path), Path(out_dir)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if out.is_dir() and (out / "config.json").is_file() and not overwrite:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -248,8 +232,9 @@ def convert_gguf_to_hf_folder(
     try:
         reader = open_gguf(gguf_path)
         try:
-            cfg, permute = _config(reader)
-            tensors = {name: w.to(dtype) for name, w in _tensors(reader, cfg, permute)}
+            cfg, family = _config(reader)
+            tensors = {name: w.to(dtype) for name, w in _progress(_tensors(reader, cfg, family),
+                                                                   len(reader.tensors), gguf_path.name)}
         except ValueError as e:  # name the file: the conversion usually runs behind --model or the bundle
             from tdpipe.model.weights import ModelFileError
 
@@ -258,12 +243,13 @@ def convert_gguf_to_hf_folder(
         del tensors
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
-        gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": [cfg["eos_token_id"]]}
-        gen = {k: v for k, v in gen.items() if v not in (None, [None])}
+        tok = _write_tokenizer(gguf_path, tmp, cfg)
+        gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": _stop_ids(reader, cfg, tok)}
+        gen = {k: v for k, v in gen.items() if v not in (None, [])}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
-        _write_tokenizer(gguf_path, tmp, cfg)
         license_ = _field(reader, "general.license")
-        (tmp / "PROVENANCE.txt").write_text(_provenance(gguf_path, license_, provenance), encoding="utf-8")
+        (tmp / "PROVENANCE.txt").write_text(_provenance(gguf_path, license_, provenance, family),
+                                            encoding="utf-8")
         _move_into_place(tmp, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op once moved

@@ -22,10 +22,32 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x * (1 + w), the product taken in float32 before the cast back (transformers'
+    Gemma3RMSNorm; the checkpoint stores w around 0)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.add_gemma_rms_norm(x, residual, self.weight, self.eps)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> RMSNorm:
+    return GemmaRMSNorm(dim, eps) if kind == "gemma" else RMSNorm(dim, eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the `head_dim` rotated dims: plain rope, or scaled as transformers'
+    rope init functions do: "linear" (positions / factor), "llama3" (a ramp between short and long
+    wavelengths), "longrope" (Phi-3: per-frequency short or, with `long`, long factors)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    kind = None if scaling is None else scaling["rope_type"] if "rope_type" in scaling else "llama3"
+    if kind == "longrope":
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * theta ** exponent)
+    inv = 1.0 / (theta ** exponent)
+    if kind is None:
         return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
     # llama3: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -39,16 +61,51 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """A float32 [max_positions, 2 * head_dim] table of (cos | sin), applied in place to q and k by position."""
+def rope_attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by (longrope: sqrt(1 + ln(factor) / ln(original length)) unless
+    the config gives attention_factor; 1 for the other kinds)."""
+    if scaling is None or scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    orig = scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+
+class RotaryEmbedding(nn.Module):
+    """A float32 [max_positions, 2 * rotary_dim] table of (cos | sin), applied in place to q and k by position.
+
+    `rotary_dim` < head_dim (partial rotary, Phi-3/4) turns the first rotary_dim dims only. longrope: the
+    positions below the pretraining length use the short factors, the others the long ones. transformers
+    instead switches a whole forward call to the long factors once any position in it passes that length,
+    so beyond it the two can differ (vLLM switches per batch; per position needs no state)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
-        inv = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = t[:, None] * inv[None, :]
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.rotary_dim = rotary_dim or head_dim
+        self.register_buffer("cos_sin", self._table(), persistent=False)
+
+    def _table(self, device: torch.device | str | None = None) -> torch.Tensor:
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = t[:, None] * rope_inv_freq(self.rotary_dim, self.theta, self.scaling)[None, :]
+        if self.scaling is not None and self.scaling.get("rope_type") == "longrope":
+            orig = self.scaling["original_max_position_embeddings"]
+            long = t[orig:, None] * rope_inv_freq(self.rotary_dim, self.theta, self.scaling, long=True)[None, :]
+            freqs[orig:] = long
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_sin", torch.cat((emb.cos(), emb.sin()), dim=-1), persistent=False)
+        a = rope_attention_factor(self.scaling)
+        cos, sin = (emb.cos(), emb.sin()) if a == 1.0 else (emb.cos() * a, emb.sin() * a)
+        return torch.cat((cos, sin), dim=-1).to(device)
+
+    def rebuild(self, device: torch.device | str) -> None:
+        """The float32 table again, on `device`: after a meta-device construction or a cast of the model."""
+        self.cos_sin = self._table(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim != x.shape[-1]:
+            ops.rope_(x[..., :self.rotary_dim], positions, self.cos_sin)
+            return x
         return ops.rope_(x, positions, self.cos_sin)

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style) and Qwen2 (q/k/v bias) over a paged KV cache.
+"""The decoder of every supported family over a paged KV cache: Llama 2/3 (SmolLM2), Mistral, Qwen2 (q/k/v
+bias), Qwen3 (q/k norms), Gemma 3 text (Gemma norms around attention and MLP, GeGLU, scaled embeddings,
+local and global layers with their own rope) and Phi-3 (fused checkpoint tensors, longrope, partial rope).
+One model class reads the family's differences from ModelConfig (tdpipe/families.py fills them): the parts a
+family lacks are never built, so Llama and Qwen2 run the ops they always ran.
 
 A model object holds a contiguous slice of layers [start_layer, end_layer): the embedding lives on the
 first slice, the final norm and lm_head on the last, so a pipeline stage is just a slice (pp = 1 holds all).
@@ -18,7 +22,8 @@ from torch import nn
 from tdpipe.config import ModelConfig
 from tdpipe.model import paged_attention as pa
 from tdpipe.model import cpu_ops as ops
-from tdpipe.model.layers import RMSNorm, RotaryEmbedding
+from tdpipe.model.layers import RotaryEmbedding, make_norm
+from tdpipe.model.weights import canonical_name
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup, greedy_ids, head_split, shard_range
 
 
@@ -33,12 +38,16 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [S]
     fresh: bool  # no cached prefix anywhere: attend over the new tokens only
     cu_seqlens_list: list[int]
+    # the sliding-window layers' own view when they keep their KV in a pool of their own (core/window_blocks.py):
+    # its slot_mapping and block_tables index that pool; None: windowed layers read the fields above
+    local: "AttentionMetadata | None" = None
 
 
 class Attention(nn.Module):
-    """q/k/v column-parallel (this rank's heads), o_proj row-parallel + one all-reduce."""
+    """q/k/v column-parallel (this rank's heads), o_proj row-parallel + one all-reduce. `window`: this
+    layer's sliding window (None: global); q/k norms over head_dim before rope where the family has them."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE, window: int | None = None) -> None:
         super().__init__()
         heads = head_split(cfg.num_heads, cfg.num_kv_heads, tp.size)[tp.rank]
         self.tp = tp
@@ -47,27 +56,38 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.window = window
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(t, self.num_heads, self.head_dim), meta.positions)
-        k = rotary(k.view(t, self.num_kv_heads, self.head_dim), meta.positions)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotary(q, meta.positions)
+        k = rotary(k, meta.positions)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        w = self.window
         if meta.fresh and not pa.kernel_prefill(q, k_cache):
-            o = pa.prefill_attention(q, k, v, meta.cu_seqlens_list, self.scale)
+            o = pa.prefill_attention(q, k, v, meta.cu_seqlens_list, self.scale, w)
         else:
             o = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-                                   self.scale)
+                                   self.scale, w)
         return self.tp.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    """gate/up column-parallel (this rank's rows of the intermediate size), down row-parallel + one all-reduce."""
+    """gate/up column-parallel (this rank's rows of the intermediate size), down row-parallel + one all-reduce.
+    SwiGLU, or GeGLU (gelu_pytorch_tanh: Gemma)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -76,9 +96,10 @@ class MLP(nn.Module):
         self.inter = b - a
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.act = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce_(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce_(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -100,11 +121,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
+    """Pre-norm layer (Llama): x + attn(norm(x)), then + mlp(norm(.)), the residual adds fused into the norms."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE, window: int | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, tp, window)
+        self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
@@ -119,6 +142,28 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, rotary, meta, k_cache, v_cache)
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3: the attention and MLP outputs are normalised too before joining the residual stream:
+    x + post_attn_norm(attn(input_norm(x))), then + post_ff_norm(mlp(pre_ff_norm(.)))."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE, window: int | None = None) -> None:
+        super().__init__(cfg, tp, window)
+        self.pre_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
+                meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, rotary, meta, k_cache, v_cache))
+        h = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,31 +183,74 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_range = shard_range(cfg.vocab_size, tp.size, tp.rank)  # of the embedding and the lm_head
         self.inter_range = shard_range(cfg.intermediate_size, tp.size, tp.rank)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if self.is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(self.end_layer - start_layer))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        windows = cfg.layer_windows[start_layer:self.end_layer]
+        self.layers = nn.ModuleList(layer_cls(cfg, tp, w) for w in windows)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.rotary_dim)
+        # Gemma 3's local layers turn with their own base, unscaled (transformers' rope_local_base_freq)
+        self.rotary_local = None
+        if cfg.local_rope_theta is not None and any(w is not None for w in windows):
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
+                                                None, cfg.rotary_dim)
+        self._rotary_of = [self.rotary_local if w is not None and self.rotary_local is not None else self.rotary
+                           for w in windows]
+        # per layer: does it slide (its KV may live in the local pool)? [] when none does
+        self._windowed = [w is not None for w in windows] if any(w is not None for w in windows) else []
+        self._embed_scales: dict[torch.dtype, float] = {}
         self.head_range = head_range or self.vocab_range
         self.has_head = self.is_last or head_range is not None
         if self.is_last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
         if self.has_head:
             a, b = self.head_range
             self.lm_head = nn.Linear(cfg.hidden_size, b - a, bias=False)
 
+    def init_rotary(self, device: torch.device | str) -> None:
+        """(Re)build the float32 rope tables on `device`: after a meta-device construction, and after the
+        model is cast to bf16 (the tables stay float32)."""
+        for r in (self.rotary, self.rotary_local):
+            if r is not None:
+                r.rebuild(device)
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """Gemma's sqrt(hidden) as transformers applies it: a float32 scalar cast to the embedding's dtype
+        (bf16: 25.25 for hidden 640, not 25.298); a Python float, so CUDA graphs capture no host tensor."""
+        scale = self._embed_scales.get(dtype)
+        if scale is None:
+            scale = self._embed_scales[dtype] = float(torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(dtype))
+        return scale
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        c = self.cfg.final_logit_softcap
+        return logits if c is None else torch.tanh(logits / c) * c
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. kv_cache: [L, 2, ...]."""
+        """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. kv_cache: [L, 2, ...], or with
+        sliding-window layers in a pool of their own anything whose [i, 0] / [i, 1] are layer i's K / V cache
+        (worker/model_runner.py); those layers then read meta.local's slots and block tables."""
         if self.is_first:
             x = self.embed_tokens(x)
+            if self.cfg.embed_scale is not None:
+                x = x * self._embed_scale(x.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, self.rotary, meta, kv_cache[i, 0], kv_cache[i, 1])
+        if not self._windowed:  # every layer global (Llama, Qwen2): the loop as it always was
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, self.rotary, meta, kv_cache[i, 0], kv_cache[i, 1])
+        else:
+            local = meta.local if meta.local is not None else meta
+            for i, layer in enumerate(self.layers):
+                m = local if self._windowed[i] else meta
+                x, residual = layer(x, residual, self._rotary_of[i], m, kv_cache[i, 0], kv_cache[i, 1])
         return x + residual if residual is not None else x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, only on the rows that are sampled: this rank's vocabulary range [S, V_rank]
         (all of it with T = 1)."""
-        return self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden))
+        return logits if self.cfg.final_logit_softcap is None else self._softcap(logits)
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -171,7 +259,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """This slice's part of the lm_head on already normalised rows (the head split across stages)."""
-        return self.lm_head(normed)
+        logits = self.lm_head(normed)
+        return logits if self.cfg.final_logit_softcap is None else self._softcap(logits)
 
     @torch.inference_mode()
     def greedy_ids(self, local_logits: torch.Tensor) -> torch.Tensor:
@@ -180,9 +269,12 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, end) of the checkpoint tensor `name` that this rank holds; None: all of it. Rows of
-        column-parallel weights (and their biases), columns of row-parallel ones, vocabulary rows."""
+        column-parallel weights (and their biases), columns of row-parallel ones, vocabulary rows. Tensors
+        stored fused (Phi-3's qkv_proj, gate_up_proj) are read whole and cut in load_weights: a rank's part
+        of them is several row ranges."""
         if self.tp.size == 1:
             return None
+        name = canonical_name(name) or name
         hd, h = self.cfg.head_dim, self.heads
         if name.startswith("model.embed_tokens") or name.startswith("lm_head"):
             return (0, *self.vocab_range)
@@ -199,11 +291,28 @@ class LlamaForCausalLM(nn.Module):
             return (1, *self.inter_range)
         return None
 
+    def _rank_rows(self, proj: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole fused checkpoint tensor (qkv_proj: [q | k | v] rows; gate_up_proj:
+        [gate | up] rows)."""
+        if self.tp.size == 1:
+            return t
+        hd, h, cfg = self.cfg.head_dim, self.heads, self.cfg
+        if proj == "qkv_proj":
+            q, k, v = t.split([cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd], dim=0)
+            kv = slice(h.kv_start * hd, (h.kv_start + h.kv_count) * hd)
+            return torch.cat([q[h.q_start * hd:(h.q_start + h.q_count) * hd], k[kv], v[kv]], dim=0)
+        a, b = self.inter_range
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate[a:b], up[a:b]], dim=0)
+
     # -- loading -------------------------------------------------------------------------------------
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
     def wants(self, name: str) -> bool:
         """Whether a checkpoint tensor belongs to this slice (so a stage loads only its weights)."""
+        name = canonical_name(name)
+        if name is None:
+            return False
         m = self._LAYER.match(name)
         if m:
             return self.start_layer <= int(m.group(1)) < self.end_layer
@@ -219,7 +328,9 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
 
         def put(name: str, t: torch.Tensor) -> None:
-            p = params[name]
+            p = params.get(name)
+            if p is None:
+                raise ValueError(f"checkpoint tensor {name} has no place in a {self.cfg.architecture} model")
             if p.shape != t.shape:
                 raise ValueError(f"checkpoint tensor for {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
             with torch.no_grad():
@@ -236,6 +347,7 @@ class LlamaForCausalLM(nn.Module):
         for name, t in tensors:
             if not self.wants(name) or "rotary_emb" in name:
                 continue
+            name = canonical_name(name)
             if name.startswith("model.embed_tokens"):
                 if self.is_first:
                     put("embed_tokens.weight", t)
@@ -245,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
             if name.startswith("lm_head"):
                 put("lm_head.weight", head_rows(t))
                 continue
-            if name.startswith("lm_head") or name.startswith("model.norm"):
+            if name.startswith("model.norm"):
                 put(name.removeprefix("model."), t)
                 continue
             m = self._LAYER.match(name)
@@ -261,6 +373,8 @@ class LlamaForCausalLM(nn.Module):
                 if len(group) == (3 if target == "qkv_proj" else 2):
                     put(key, torch.cat([group[str(i)] for i in range(len(group))], dim=0))
                     del pending[key]
+            elif proj in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): read whole, this rank's rows
+                put(f"layers.{local}.{rest}", self._rank_rows(proj, t))
             else:
                 put(f"layers.{local}.{rest}", t)
         missing = sorted(set(params) - loaded)

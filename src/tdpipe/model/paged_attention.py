@@ -5,6 +5,12 @@ Token ``t`` of a sequence lives in block ``block_tables[s, t // block_size]`` at
 A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
 (the last ``n_s`` of its ``seq_lens[s]`` tokens, whose K/V are already stored) and attends causally.
 
+Sliding window W (``sliding_window``; None or 0: global attention): query position p sees keys p-W+1 .. p,
+itself included (transformers' ``kv_idx > q_idx - sliding_window``). Every path then reads, per sequence,
+only the blocks from the one holding its first query's window start (position ``seq_len - n_s - W + 1``)
+on: the block-table entries before it are never looked up, so a cache manager may free those blocks and
+leave stale ids behind. The K/V of every position from there on must be stored.
+
 Backends: CPU tensors take the C++ kernel (model/triton_attention.py is never imported for them); CUDA
 tensors take the Triton kernels (model/triton_attention.py, not yet run on a GPU).
 TDPIPE_ATTENTION_BACKEND=triton (or set_attention_backend("triton")) sends CPU tensors through the Triton
@@ -127,7 +133,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         sliding_window: int | None = None) -> torch.Tensor:
     """Reference: per sequence, gather its blocks, dense fp32 attention with a causal mask. Any device.
     `seqs`: only these sequences (their rows of `out`, which it then fills in place). `sliding_window` W:
-    query position p sees keys p-W+1 .. p only."""
+    query position p sees keys p-W+1 .. p only; blocks wholly before the first query's window are skipped."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -143,16 +149,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if n == 0:
             continue
         nb = -(-seq_len // bs)
-        blocks = bt[s, :nb]
-        # [nb, Hkv, bs, D] -> [Hkv, nb*bs, D] -> first seq_len tokens
-        k = k_cache[blocks].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
-        v = v_cache[blocks].transpose(0, 1).reshape(hkv, nb * bs, d)[:, :seq_len].float()
+        b0 = max(0, seq_len - n - sliding_window + 1) // bs if sliding_window else 0
+        blocks = bt[s, b0:nb]
+        # [nb - b0, Hkv, bs, D] -> [Hkv, (nb - b0) * bs, D] -> tokens b0 * bs .. seq_len - 1
+        k = k_cache[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs].float()
+        v = v_cache[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs].float()
         qs = q[q0:q1].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
         qpos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] > qpos[:, None]  # [n, L]
+        kpos = torch.arange(b0 * bs, seq_len, device=q.device)
+        mask = kpos[None, :] > qpos[:, None]  # [n, L]
         if sliding_window:
-            mask |= torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None] - sliding_window
+            mask |= kpos[None, :] <= qpos[:, None] - sliding_window
         scores.masked_fill_(mask, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(1))  # [Hkv, G, n, D]
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
@@ -173,18 +181,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of q [T, Hq, D] over cached K/V; returns [T, Hq, D] in q's dtype.
 
     block_tables int32 [S, max_blocks], cu_seqlens_q int32 [S+1], seq_lens int32 [S] (lists accepted).
-    `sliding_window` W: each query sees its last W keys, itself included (Triton kernels or, on CPU, the
-    reference: the C++ kernel has no window).
+    `sliding_window` W (None / 0: none): each query sees its last W keys, itself included; blocks wholly
+    before a sequence's first query's window are not read (module docstring).
     """
     if use_triton(q):
         return _triton().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                          sliding_window=sliding_window)
-    if sliding_window:
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                   sliding_window=sliding_window)
+    window = int(sliding_window or 0)
     kern = _attention_kernel(q, k_cache)
     if kern is None:
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                   sliding_window=window)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if not isinstance(block_tables, torch.Tensor):
@@ -193,10 +200,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         cu = _as_list(cu_seqlens_q)
         chunks = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] > 1]
         if chunks:
-            return _split_by_query_len(kern, q, k_cache, v_cache, block_tables, cu, seq_lens, scale, chunks)
+            return _split_by_query_len(kern, q, k_cache, v_cache, block_tables, cu, seq_lens, scale, chunks,
+                                       window)
     return kern.paged_attention(q, k_cache, v_cache, _int_tensor(block_tables, torch.int32),
                                 _int_tensor(cu_seqlens_q, torch.int32), _int_tensor(seq_lens, torch.int32),
-                                float(scale))
+                                float(scale), window)
 
 
 @functools.cache
@@ -209,7 +217,7 @@ def scalar_kernel(kern: ModuleType) -> bool:
 
 def _split_by_query_len(kern: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu: list[int], seq_lens: IntSeq, scale: float,
-                        chunks: list[int]) -> torch.Tensor:
+                        chunks: list[int], window: int = 0) -> torch.Tensor:
     """Decode rows (one query each) through the kernel, prefill chunks through the torch path."""
     out = torch.empty_like(q)
     lens = _as_list(seq_lens)
@@ -220,8 +228,10 @@ def _split_by_query_len(kern: ModuleType, q: torch.Tensor, k_cache: torch.Tensor
         out[rows] = kern.paged_attention(q[rows].contiguous(), k_cache, v_cache,
                                          block_tables[idx].to(torch.int32).contiguous(),
                                          torch.arange(len(decode) + 1, dtype=torch.int32),
-                                         torch.tensor([lens[s] for s in decode], dtype=torch.int32), float(scale))
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, lens, scale, seqs=chunks, out=out)
+                                         torch.tensor([lens[s] for s in decode], dtype=torch.int32),
+                                         float(scale), window)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, lens, scale, seqs=chunks, out=out,
+                               sliding_window=window)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,21 +239,26 @@ def _split_by_query_len(kern: ModuleType, q: torch.Tensor, k_cache: torch.Tensor
 # ----------------------------------------------------------------------------------------------------
 
 
-def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int | None = None) -> bool:
     """Should fresh prompts (no cached prefix) attend through the paged kernel rather than SDPA? Yes for
     bf16 on CPU: their K/V are already stored, and the kernel runs 2-2.4x faster than torch's CPU flash
     SDPA (2048 prompt tokens over 8 prompts, one layer: 10 ms vs 25 ms), about a tenth of a prefill
-    layer. float32 keeps SDPA, the path that matches transformers bit for bit."""
+    layer. float32 keeps SDPA, the path that matches transformers bit for bit. A sliding window does not
+    change the choice: both paths take it (the kernel then reads only each query's window, SDPA masks a
+    dense [n, n] band), so the caller passes the same `sliding_window` to whichever runs."""
+    del sliding_window  # same answer with or without a window (see above)
     if use_triton(q):  # Triton: one launch for the whole batch; float32 keeps SDPA as on CPU
         return q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)
     return q.dtype == k_cache.dtype == torch.bfloat16 and _attention_kernel(q, k_cache) is not None
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: IntSeq,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal self-attention of fresh sequences packed varlen-style (q [T, Hq, D], k/v [T, Hkv, D]).
 
-    Uses SDPA; sequences of equal length are batched into one call.
+    Uses SDPA; sequences of equal length are batched into one call. `sliding_window` W (None / 0: none):
+    query i sees keys i-W+1 .. i. A sequence of at least W tokens gets an explicit banded causal mask, as
+    transformers' SDPA path builds it (shorter ones keep `is_causal`, where the band changes nothing).
     """
     cu = _as_list(cu_seqlens)
     t, hq, d = q.shape
@@ -261,6 +276,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             first = torch.tensor(starts, device=q.device)[:, None]
             rows = (first + torch.arange(n, device=q.device)).reshape(-1)
             qs, ks, vs = (x[rows].view(len(starts), n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        if sliding_window and n >= sliding_window:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_band_mask(n, sliding_window, q.device),
+                                               scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out[rows] = o.transpose(1, 2).reshape(-1, hq, d)
     return out
+
+
+def _band_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """bool [n, n], True where query i may see key j: i - window < j <= i."""
+    i = torch.arange(n, device=device)
+    diff = i[:, None] - i[None, :]
+    return (diff >= 0) & (diff < window)

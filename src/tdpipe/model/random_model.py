@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import shutil
 import struct
@@ -47,24 +48,41 @@ def published_config(name: str) -> dict[str, Any]:
 
 
 def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, init) of every tensor of a Llama/Qwen2 checkpoint with this config, in HF names."""
+    """(name, shape, init) of every tensor of a checkpoint with this config, in HF names, for each supported
+    family (tdpipe/families.py): q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3), Gemma's four norms per
+    layer (initialised to zeros: Gemma scales by 1 + w), Phi-3's fused qkv_proj and gate_up_proj."""
+    from tdpipe.families import family_of
+
+    arch, fam, cfg = family_of(cfg)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
     hd = cfg.get("head_dim") or h // nh
-    bias = cfg["architectures"][0] == "Qwen2ForCausalLM"
+    norm = "zeros" if fam.norm == "gemma" else "ones"
     out = [("model.embed_tokens.weight", (v, h), "normal")]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (h,), "ones"), (p + "post_attention_layernorm.weight", (h,), "ones"),
-                (p + "self_attn.q_proj.weight", (nh * hd, h), "normal"),
-                (p + "self_attn.k_proj.weight", (nkv * hd, h), "normal"),
-                (p + "self_attn.v_proj.weight", (nkv * hd, h), "normal"),
-                (p + "self_attn.o_proj.weight", (h, nh * hd), "normal"),
-                (p + "mlp.gate_proj.weight", (inter, h), "normal"), (p + "mlp.up_proj.weight", (inter, h), "normal"),
-                (p + "mlp.down_proj.weight", (h, inter), "normal")]
-        if bias:
+        out += [(p + "input_layernorm.weight", (h,), norm), (p + "post_attention_layernorm.weight", (h,), norm)]
+        if fam.sandwich_norms:
+            out += [(p + "pre_feedforward_layernorm.weight", (h,), norm),
+                    (p + "post_feedforward_layernorm.weight", (h,), norm)]
+        if arch == "Phi3ForCausalLM":
+            out += [(p + "self_attn.qkv_proj.weight", ((nh + 2 * nkv) * hd, h), "normal")]
+        else:
+            out += [(p + "self_attn.q_proj.weight", (nh * hd, h), "normal"),
+                    (p + "self_attn.k_proj.weight", (nkv * hd, h), "normal"),
+                    (p + "self_attn.v_proj.weight", (nkv * hd, h), "normal")]
+        if fam.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (hd,), norm), (p + "self_attn.k_norm.weight", (hd,), norm)]
+        out.append((p + "self_attn.o_proj.weight", (h, nh * hd), "normal"))
+        if arch == "Phi3ForCausalLM":
+            out.append((p + "mlp.gate_up_proj.weight", (2 * inter, h), "normal"))
+        else:
+            out += [(p + "mlp.gate_proj.weight", (inter, h), "normal"), (p + "mlp.up_proj.weight", (inter, h), "normal")]
+        out.append((p + "mlp.down_proj.weight", (h, inter), "normal"))
+        if fam.qkv_bias:
             out += [(p + f"self_attn.{k}_proj.bias", (n * hd,), "zeros") for k, n in (("q", nh), ("k", nkv), ("v", nkv))]
-    out.append(("model.norm.weight", (h,), "ones"))
+    out.append(("model.norm.weight", (h,), norm))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (v, h), "normal"))
     return out
@@ -84,9 +102,9 @@ def byte_level_bpe(vocab_size: int, special: dict[int, str]) -> tuple[dict[str, 
                          f"{len(alphabet) + len(special)})")
     tokens: list[str] = list(alphabet)
     merges: list[tuple[str, str]] = []
-    pairs = [(x, y) for x in alphabet for y in alphabet]
-    pairs += [(x + y, z) for x, y in pairs for z in alphabet]
-    for x, y in pairs[:n - len(alphabet)]:
+    twos = [(x, y) for x in alphabet for y in alphabet]
+    threes = ((x + y, z) for x, y in twos for z in alphabet)  # lazily: 16.7M of them, a few hundred k used
+    for x, y in itertools.islice(itertools.chain(twos, threes), n - len(alphabet)):
         tokens.append(x + y)
         merges.append((x, y))
     ids = iter(i for i in range(vocab_size) if i not in special)
@@ -95,7 +113,7 @@ def byte_level_bpe(vocab_size: int, special: dict[int, str]) -> tuple[dict[str, 
     return vocab, merges
 
 
-def _write_tokenizer(folder: Path, cfg: dict[str, Any]) -> None:
+def write_tokenizer(folder: Path, cfg: dict[str, Any]) -> None:
     """A self-contained tokenizer over exactly the config's vocabulary: text in (any bytes), gibberish out."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -148,7 +166,7 @@ def _generate(folder: Path, cfg: dict[str, Any], seed: int, what: str) -> None:
     _write_safetensors(folder / "model.safetensors", tensor_shapes(cfg), seed, what)
     config = {k: v for k, v in cfg.items() if not k.startswith("_")}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    _write_tokenizer(folder, cfg)
+    write_tokenizer(folder, cfg)
     (folder / "README.md").write_text(f"Random weights (seed {seed}) of {cfg.get('_source', 'a custom config')}. "
                                       "For throughput benchmarks only: the outputs are meaningless.\n")
 
@@ -189,4 +207,4 @@ def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | 
     return str(out)
 
 
-__all__ = ["PREFIX", "known_configs", "published_config", "random_model_folder", "tensor_shapes"]
+__all__ = ["PREFIX", "known_configs", "published_config", "random_model_folder", "tensor_shapes", "write_tokenizer"]

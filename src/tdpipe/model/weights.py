@@ -179,6 +179,27 @@ def iter_safetensors(
             raise ModelFileError(f"{shard}: cannot read safetensors (corrupt?): {_one_line(e)}") from None
 
 
+# Checkpoint names -> the decoder's (Llama's) names, one table for every family: (prefix, replacement or None
+# for tensors no decoder reads). Families whose names are Llama's (Mistral, Qwen2/3, Gemma3ForCausalLM, Phi-3:
+# its qkv_proj / gate_up_proj are simply stored fused) need no row. Gemma3ForConditionalGeneration keeps the
+# text decoder under language_model (transformers 4: language_model.model.*, 5: model.language_model.*).
+NAME_MAP: tuple[tuple[str, str | None], ...] = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("vision_tower.", None), ("model.vision_tower.", None),
+    ("multi_modal_projector.", None), ("model.multi_modal_projector.", None),
+)
+
+
+def canonical_name(name: str) -> str | None:
+    """The decoder's name for checkpoint tensor `name` (NAME_MAP); None: a tensor no decoder reads."""
+    for prefix, repl in NAME_MAP:
+        if name.startswith(prefix):
+            return None if repl is None else repl + name[len(prefix):]
+    return name
+
+
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -214,5 +235,5 @@ def check_model_folder(folder: str | Path, tokenizer: bool = True) -> dict[str, 
     return cfg
 
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "MissingModelFile", "ModelFileError", "check_model_folder",
+__all__ = ["INDEX_FILE", "NAME_MAP", "canonical_name", "SINGLE_FILE", "MissingModelFile", "ModelFileError", "check_model_folder",
            "check_safetensors", "check_tokenizer_files", "check_weights", "human_size", "iter_safetensors", "load_hf_config"]

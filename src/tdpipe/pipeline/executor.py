@@ -120,9 +120,11 @@ class _InFlight:
 class PipelineExecutor(Executor):
     def __init__(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
                  stages: list[StageSpec], max_num_batched_tokens: int, platform: Platform,
-                 tensor_parallel_size: int = 1, lm_head_split: float = 0.0, graphs: object | None = None) -> None:
+                 tensor_parallel_size: int = 1, lm_head_split: float = 0.0, graphs: object | None = None,
+                 num_window_blocks: int = 0) -> None:
         """`platform`: the workers' device (each worker gets platform.torch_device(its worker index) and the
-        groups' backends from pipeline/wire/groups.py's choose_backends)."""
+        groups' backends from pipeline/wire/groups.py's choose_backends). `num_window_blocks`: the
+        sliding-window layers' own KV pool (core/window_blocks.py; 0: none)."""
         self.num_stages = len(stages)
         self.stages = stages
         self.layout = lay = Layout(self.num_stages, tensor_parallel_size)
@@ -154,6 +156,8 @@ class PipelineExecutor(Executor):
         self._waiter: _Waiter | None = None
         self._connecting: threading.Event | None = None  # set when the group-building thread is done
         self.sender = BlockTableSender()
+        self.num_window_blocks = num_window_blocks
+        self.local_sender = BlockTableSender()  # the sliding-window layers' tables, when they have a pool
         self._inflight: deque[_InFlight] = deque()
         _live.add(self)
         try:
@@ -181,7 +185,7 @@ class PipelineExecutor(Executor):
             init = m.StageInit(k, self.num_stages, s.start_layer, s.end_layer, model_config, model_path, dname,
                                num_blocks, block_size, s.threads, str(devices[r - 1]), max_num_batched_tokens, t,
                                lay.tp, self.head_ranges.get(r), peer, backends.stages, backends.tp,
-                               graphs=self.graphs)
+                               graphs=self.graphs, num_window_blocks=self.num_window_blocks)
             self._send_all([r], m.INIT, init)
         for r in lay.worker_ranks():
             kind, info = self._reply(r)
@@ -289,6 +293,7 @@ class PipelineExecutor(Executor):
 
     def release(self, seq_ids: list[int]) -> None:
         self.sender.release(seq_ids)
+        self.local_sender.forget(seq_ids)
 
     # -- Executor ----------------------------------------------------------------------------------------
     def submit(self, step: StepInput) -> None:
@@ -313,6 +318,9 @@ class PipelineExecutor(Executor):
                                     step.shape(), time.time(), step.block_copies or None,
                                     step.all_logits if any(step.all_logits) else None,
                                     temperatures=step.temperatures or None, stage_seed=step.stage_seed)
+                if step.local_block_tables:
+                    msg.local_deltas = self.local_sender.deltas(step.seq_ids, step.kv_epochs,
+                                                                step.local_block_tables)
                 try:
                     works = [self.t.irecv(b, r, tensor_tag(step.batch_id)) for r, b in srcs]
                 except RuntimeError as e:

@@ -72,7 +72,8 @@ class StageWorker:
             self.tp = GlooTPGroup(pg, init.tp_rank, init.tp_size)
         self.runner = ModelRunner(init.model_config, init.model_path, dtype, init.num_blocks, init.block_size,
                                   init.start_layer, init.end_layer, device=init.device, tp=self.tp,
-                                  head_range=init.head_range, graphs=init.graphs)
+                                  head_range=init.head_range, graphs=init.graphs,
+                                  num_window_blocks=init.num_window_blocks)
         self.head_peer = init.head_peer  # the lm_head split: the last stage's rank (first) / the first's (last)
         self.dtype = dtype
         self.hidden = init.model_config.hidden_size
@@ -81,6 +82,7 @@ class StageWorker:
         self.buffers = [torch.empty(cap, dtype=dtype, device=init.device) for _ in range(2)]
         self.buffer_free = threading.Semaphore(2)
         self.mirror = BlockTableMirror()
+        self.local_mirror = BlockTableMirror()  # the sliding-window layers' tables (core/window_blocks.py)
         # bounded by the engine's micro-batches in flight (P), and by the two receive buffers below
         self.ready: queue.Queue = queue.Queue()
         self.heads: queue.Queue = queue.Queue()  # receives of normalised rows, for the head waiter
@@ -103,6 +105,8 @@ class StageWorker:
                 step = StepInput(msg.batch_id, msg.token_ids, msg.query_lens, msg.seq_lens, tables,
                                  msg.is_prefill, seq_ids=msg.seq_ids, block_copies=msg.block_copies or [],
                                  all_logits=msg.all_logits or [])
+                if msg.local_deltas is not None:
+                    step.local_block_tables = self.local_mirror.apply(msg.seq_ids, msg.local_deltas, msg.freed)
                 inp = self.runner.prepare(step)
                 work = buf = None
                 if not self.first:

@@ -46,7 +46,8 @@ class DeviceSampler:
         sub = x if rows is None else x[rows]
         temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32, device=dev)
         e = torch.empty_like(sub).exponential_(generator=self.generator(dev, seed, salt))
-        sub = sub / temps[:, None] - e.clamp_min_(torch.finfo(e.dtype).tiny).log_()
+        # in place (the copy is ours): the same values as sub / T - log(e), two [S, V] tensors fewer
+        sub = sub.div_(temps[:, None]).sub_(e.clamp_min_(torch.finfo(e.dtype).tiny).log_())
         if rows is None:
             return sub
         x[rows] = sub

@@ -1,6 +1,14 @@
-"""Turns a batch of last-position logits into one next token per row, each row with its own params."""
+"""Turns a batch of last-position logits into one next token per row, each row with its own params.
+
+Large vocabularies (Gemma 3: 262,144 columns; 256 rows of float32 logits are 268 MB): the caller's logits
+are read in place and only the rows a stage needs are copied once (the rows bans or penalties change, the
+random rows scaled by their temperature, the logprob rows); greedy rows take their argmax on views. Top-k /
+top-p / min-p work on each row's top candidates, widening to WIDE_CANDIDATES before a full sort.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -85,6 +93,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 CANDIDATES = 256  # top tokens per row on the fast path of top-k / top-p sampling
+# Wider tries for rows whose survivors the first candidates do not hold (a flat distribution's nucleus of
+# thousands of tokens), before a full sort: on a 262,144-column row topk(4096) takes ~4 ms, topk(32768)
+# ~9 ms, the sort ~50 ms (one core)
+WIDE_CANDIDATES = (4096, 32768)
+
+
+def _logsumexp(x: torch.Tensor, top: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x[rows].logsumexp(-1) (all rows: None) when the rows' maxima `top` [R, 1] are known (the first top-k
+    value): the same operations as torch's (max, sum of exp of the difference, log, add back), less the
+    pass for the max; the gathered rows are the one temporary."""
+    top = top.masked_fill(top.abs() == float("inf"), 0.0)
+    y = x - top if rows is None else x[rows].sub_(top)
+    return y.exp_().sum(-1).log_().add_(top.squeeze(1))
 
 
 def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -103,8 +124,12 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     covered = within | (k == vocab)
     if bool((top_p < 1).any()):
         # probabilities renormalised over the top-k set (top-k applies first), else over the whole row
-        lse = torch.where(within, vals.masked_fill(~keep, float("-inf")).logsumexp(-1),
-                          logits.logsumexp(-1)).unsqueeze(1)
+        # (computed only for the top-p rows without a top-k inside the candidates: a pass over the row)
+        lse = vals.masked_fill(~keep, float("-inf")).logsumexp(-1)
+        whole = ((top_p < 1) & ~within).nonzero().squeeze(1)
+        if whole.numel():
+            lse[whole] = _logsumexp(logits, vals[whole, :1], None if whole.numel() == b else whole)
+        lse = lse.unsqueeze(1)
         p = (vals - lse).exp() * keep
         above = p.cumsum(-1) - p  # mass of the tokens ranked above each candidate
         nucleus = above < top_p.unsqueeze(1)
@@ -161,35 +186,50 @@ class Sampler:
                 self._fill_logprobs(x, tokens, want, num_logprobs, entries)
             return tokens, entries
 
-        logits = logits.to(torch.float32, copy=True)
-        for i, b in bans:
-            logits[i, b] = float("-inf")
-        rows = [i for i, p in enumerate(params) if p.needs_penalties]
-        if rows:
-            logits[rows] = apply_penalties(
-                logits[rows],
-                [meta.prompt_ids[i] for i in rows],
-                [meta.output_ids[i] for i in rows],
-                torch.tensor([params[i].repetition_penalty for i in rows]),
-                torch.tensor([params[i].frequency_penalty for i in rows]),
-                torch.tensor([params[i].presence_penalty for i in rows]),
-            )
+        # The processed logits without a [B, V] copy: the rows bans or penalties change are copied and
+        # changed (`fixed`), the others read from the caller's tensor where they lie
+        pen = [i for i, p in enumerate(params) if p.needs_penalties]
+        fix_rows = sorted({i for i, _ in bans} | set(pen))
+        fix_at = {i: j for j, i in enumerate(fix_rows)}
+        if fix_rows:
+            fixed = logits[fix_rows].to(torch.float32)
+            for i, b in bans:
+                fixed[fix_at[i], b] = float("-inf")
+            if pen:
+                at = [fix_at[i] for i in pen]
+                fixed[at] = apply_penalties(
+                    fixed[at],
+                    [meta.prompt_ids[i] for i in pen],
+                    [meta.output_ids[i] for i in pen],
+                    torch.tensor([params[i].repetition_penalty for i in pen]),
+                    torch.tensor([params[i].frequency_penalty for i in pen]),
+                    torch.tensor([params[i].presence_penalty for i in pen]),
+                )
+
+        def take(rows: list[int], temps: torch.Tensor) -> torch.Tensor:
+            """These rows of the processed logits divided by `temps` [len(rows)]: one gathered float32 copy,
+            scaled in place (a division per row into a preallocated tensor reads less, but its one parallel
+            region per row stalls on a loaded machine: 3x slower with 2 threads)."""
+            out = logits[rows].to(torch.float32)
+            for j, i in enumerate(rows):
+                if i in fix_at:
+                    out[j] = fixed[fix_at[i]]
+            return out.div_(temps.unsqueeze(1))
 
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
         tokens = [0] * len(params)
-        if greedy:  # greedy rows' answer (random rows' below); an argmax over only the rows that need it
-            for i, tok in zip(greedy, (logits if len(greedy) == len(params) else logits[greedy]).argmax(-1).tolist()):
-                tokens[i] = tok
+        for i, p in enumerate(params):  # greedy rows: an argmax of each row where it lies, no copy
+            if p.is_greedy:
+                tokens[i] = int((fixed[fix_at[i]] if i in fix_at else logits[i]).argmax())
         if rows:
-            sub = logits if len(rows) == len(params) else logits[rows]
-            sampled = self._sample(sub, [params[i] for i in rows], [meta.keys[i] for i in rows])
+            sampled = self._sample(lambda js, temps: take([rows[j] for j in js], temps),
+                                   [params[i] for i in rows], [meta.keys[i] for i in rows])
             for i, tok in zip(rows, sampled):
                 tokens[i] = tok
         entries = [None] * len(params)
         if want:
             temps = torch.tensor([1.0 if params[i].is_greedy else params[i].temperature for i in want])
-            self._fill_logprobs(logits[want] / temps.unsqueeze(1), tokens, want, num_logprobs, entries)
+            self._fill_logprobs(take(want, temps), tokens, want, num_logprobs, entries)
         return tokens, entries
 
     @staticmethod
@@ -220,19 +260,25 @@ class Sampler:
                 entry += [(t, v, r + 1) for r, (t, v) in enumerate(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))]
             out[i] = entry
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+    def _sample(self, take: Callable[[list[int], torch.Tensor], torch.Tensor], params: list[SamplingParams],
                 generators: list[RowRandom]) -> list[int]:
         """Temperature, then top-k / top-p / min-p on the candidate fast path where a row has top-k or top-p
-        and its survivors lie within its top CANDIDATES tokens; every other row takes the full path."""
-        vocab = logits.shape[-1]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-        logits = logits / temps  # a new tensor: `sample`'s copy keeps the unscaled logits for logprobs
-        tokens = [0] * len(params)
+        and its survivors lie within its top CANDIDATES tokens; every other row takes the full path.
+        `take(rows, temps)`: those rows' logits divided by their temperatures, a new float32 tensor."""
+        n = len(params)
+
+        def scaled(rows: list[int]) -> torch.Tensor:
+            return take(rows, torch.tensor([params[i].temperature for i in rows], dtype=torch.float32))
+
+        tokens = [0] * n
+        rest, rest_x = list(range(n)), None
         fast = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         if fast:
             sub = [params[i] for i in fast]
+            x = scaled(fast)
+            vocab = x.shape[-1]
             vals, ids, keep, covered = candidate_masks(
-                logits[fast], torch.tensor([min(p.top_k, vocab) for p in sub]),
+                x, torch.tensor([min(p.top_k, vocab) for p in sub]),
                 torch.tensor([p.top_p for p in sub]), torch.tensor([p.min_p for p in sub]))
             rows = [j for j, c in enumerate(covered.tolist()) if c]
             if rows:
@@ -240,10 +286,15 @@ class Sampler:
                 picked = self._race(probs, [generators[fast[j]] for j in rows])
                 for j, c in zip(rows, picked):
                     tokens[fast[j]] = int(ids[j, c])
-            fast = [fast[j] for j in rows]
-        rest = sorted(set(range(len(params))) - set(fast))
+            done = {fast[j] for j in rows}
+            left = [j for j in range(len(fast)) if fast[j] not in done]
+            rest = [i for i in range(n) if i not in done]
+            if len(left) == len(rest):  # the rows left are all uncovered fast rows: reuse their scaled logits
+                rest_x = x if len(left) == len(fast) else x[left]
+            del x
         if rest:
-            sub = logits if len(rest) == len(params) else logits[rest]
+            sub = rest_x if rest_x is not None else scaled(rest)
+            del rest_x
             for i, t in zip(rest, self._sample_full(sub, [params[i] for i in rest], [generators[i] for i in rest])):
                 tokens[i] = t
         return tokens
@@ -273,12 +324,41 @@ class Sampler:
 
     def _sample_full(self, logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[RowRandom]) -> list[int]:
-        """The whole vocabulary: masks by a full sort, then the race over every token."""
+        """The whole vocabulary: the race over every token (in vocabulary order, so a seeded row draws one
+        value per column as it always has). A top-k / top-p row's masks come from its WIDE_CANDIDATES top
+        tokens where they hold its survivors, the other rows' from a full sort."""
         vocab = logits.shape[-1]
-        top_k = (torch.tensor([min(p.top_k, vocab) for p in params]) if any(p.top_k > 0 for p in params)
-                 else None)
-        top_p = torch.tensor([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-        if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params]))
-        return self._race(logits.softmax(dim=-1), generators)
+        probs: torch.Tensor | None = None
+        rest = list(range(len(params)))
+        for k in WIDE_CANDIDATES:
+            wide = [i for i in rest if params[i].top_k > 0 or params[i].top_p < 1]
+            if not wide or k >= vocab:
+                break
+            sub = [params[i] for i in wide]
+            vals, ids, keep, covered = candidate_masks(
+                logits if len(wide) == len(params) else logits[wide],
+                torch.tensor([min(p.top_k, vocab) for p in sub]), torch.tensor([p.top_p for p in sub]),
+                torch.tensor([p.min_p for p in sub]), k=k)
+            hit = covered.nonzero().squeeze(1)
+            if hit.numel():
+                got = vals[hit].masked_fill(~keep[hit], float("-inf")).softmax(-1)
+                if probs is None:
+                    probs = torch.zeros_like(logits)
+                at = torch.tensor(wide)[hit]
+                probs[at] = torch.zeros(len(at), vocab).scatter_(1, ids[hit], got)
+                done = set(at.tolist())
+                rest = [i for i in rest if i not in done]
+        if rest:
+            sub = [params[i] for i in rest]
+            x = logits if len(rest) == len(params) else logits[rest]
+            top_k = (torch.tensor([min(p.top_k, vocab) for p in sub]) if any(p.top_k > 0 for p in sub)
+                     else None)
+            top_p = torch.tensor([p.top_p for p in sub]) if any(p.top_p < 1 for p in sub) else None
+            x = apply_top_k_top_p(x, top_k, top_p)
+            if any(p.min_p > 0 for p in sub):
+                x = apply_min_p(x, torch.tensor([p.min_p for p in sub]))
+            if probs is None:
+                probs = x.softmax(dim=-1)
+            else:
+                probs[rest] = x.softmax(dim=-1)
+        return self._race(probs, generators)

@@ -70,7 +70,44 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
         sample_idx = torch.tensor(rows, dtype=torch.int64)
     else:
         sample_idx = cu[1:] - 1
+    if step.local_block_tables:  # sliding-window layers' own pool (core/window_blocks.py)
+        meta.local = _local_meta(meta, step.local_block_tables, seq_idx, positions, block_size, dev)
     return PreparedInput(step, ids, meta, sample_idx.to(dev, non_blocking=nb))
+
+
+def _local_meta(meta: AttentionMetadata, tables: list[list[int]], seq_idx: torch.Tensor, positions: torch.Tensor,
+                block_size: int, dev: torch.device) -> AttentionMetadata:
+    """The metadata of the sliding-window layers: their own slots and block tables, the rest shared. Entries of
+    blocks out of the window are the null block 0, which the window masks."""
+    nb = dev.type != "cpu"
+    width = max(len(b) for b in tables)
+    bt = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int32)
+    slots = bt[seq_idx, positions // block_size].to(torch.int64) * block_size + positions % block_size
+    return AttentionMetadata(positions=meta.positions, slot_mapping=slots.to(dev, non_blocking=nb),
+                             block_tables=bt.to(dev, non_blocking=nb), cu_seqlens_q=meta.cu_seqlens_q,
+                             seq_lens=meta.seq_lens, fresh=meta.fresh, cu_seqlens_list=meta.cu_seqlens_list)
+
+
+class LayerCaches:
+    """A slice's KV caches when its sliding-window layers have a pool of their own: layer i's cache lives in
+    the global tensor [Lg, 2, NB, Hkv, bs, D] or the local one [Ll, 2, NBw, ...], indexed as the model indexes
+    one [L, 2, ...] tensor."""
+
+    def __init__(self, global_cache: torch.Tensor, local_cache: torch.Tensor, is_local: list[bool]) -> None:
+        self.global_cache, self.local_cache = global_cache, local_cache
+        self._where: list[tuple[torch.Tensor, int]] = []
+        n_local = 0
+        for loc in is_local:
+            self._where.append((local_cache, n_local) if loc else (global_cache, len(self._where) - n_local))
+            n_local += loc
+
+    def __getitem__(self, key: int | tuple[int, int]) -> torch.Tensor:
+        """Layer i's [2, NB, Hkv, bs, D] cache (`[i]`), or its K / V cache (`[i, j]`)."""
+        if isinstance(key, tuple):
+            t, k = self._where[key[0]]
+            return t[k, key[1]]
+        t, k = self._where[key]
+        return t[k]
 
 
 class ModelRunner:
@@ -78,12 +115,14 @@ class ModelRunner:
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
                  device: str = "cpu", tp: TPGroup = SINGLE, head_range: tuple[int, int] | None = None,
                  weights: Iterable[tuple[str, torch.Tensor]] | None = None, graphs: GraphSettings | None = None,
-                 graph_backend: GraphBackend | None = None) -> None:
+                 graph_backend: GraphBackend | None = None, num_window_blocks: int = 0) -> None:
         """`tp`: this rank's tensor-parallel group; it then holds its shard of the slice and the KV cache of
         its KV heads (model/tensor_parallel.py). `head_range`: its part of an lm_head split across stages.
         `weights`: (HF name, tensor) pairs in memory instead of model_path's checkpoint (a whole model).
         `graphs`: capture decode graphs of these sizes (worker/cuda_graph.graph_settings; None: eager), through
-        `graph_backend` (None: CUDA graphs where the platform has them, else eager; tests inject a fake)."""
+        `graph_backend` (None: CUDA graphs where the platform has them, else eager; tests inject a fake).
+        `num_window_blocks`: the sliding-window layers' own pool (core/window_blocks.py; 0: they use the global
+        cache like every layer); such a slice runs eagerly (no decode graphs: never run on a GPU yet)."""
         self.platform = get_platform(device)
         self.platform.configure_runner()
         self.cfg = model_config
@@ -94,17 +133,25 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, start_layer, end_layer, tp, head_range)
         model = model.to_empty(device=self.device)
-        model.rotary.__init__(model_config.head_dim, model_config.max_position_embeddings,
-                              model_config.rope_theta, model_config.rope_scaling)  # buffers were on meta
-        model.rotary.to(self.device)
         model.load_weights(weights if weights is not None
                            else iter_safetensors(model_path, names=model.wants, slicer=model.shard_of))
         self.model = model.to(dtype).eval()
         pack_linears(self.model)  # bf16 on CPU: weights packed for oneDNN once, not per call
-        self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32
+        self.model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
         n_layers = model.end_layer - model.start_layer
-        shape = (n_layers, 2, num_blocks, model.heads.kv_count, block_size, model_config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        is_local = [w is not None for w in model_config.layer_windows[model.start_layer:model.end_layer]]
+        self.num_global_blocks = num_blocks
+        self.local_cache: torch.Tensor | None = None
+        if num_window_blocks and any(is_local):
+            n_loc = sum(is_local)
+            block = (model.heads.kv_count, block_size, model_config.head_dim)
+            glob = torch.zeros((n_layers - n_loc, 2, num_blocks, *block), dtype=dtype, device=self.device)
+            self.local_cache = torch.zeros((n_loc, 2, num_window_blocks, *block), dtype=dtype, device=self.device)
+            self.kv_cache: torch.Tensor | LayerCaches = LayerCaches(glob, self.local_cache, is_local)
+            graphs = None
+        else:
+            shape = (n_layers, 2, num_blocks, model.heads.kv_count, block_size, model_config.head_dim)
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.sampler = DeviceSampler()
         self.graphs: DecodeGraphs | None = None
         if graph_backend is None and graphs is not None and self.platform.supports_cuda_graphs:
@@ -129,6 +176,15 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the KV of block src into block dst, in every layer of this slice. Runs in the
         compute thread just before the batch that writes dst, so it sees every earlier batch's writes."""
+        if self.local_cache is not None:  # local blocks are numbered past the global pool (block_manager.py)
+            ng = self.num_global_blocks
+            for cache, pairs in ((self.kv_cache.global_cache, [c for c in copies if c[0] < ng]),
+                                 (self.local_cache, [(a - ng, b - ng) for a, b in copies if a >= ng])):
+                if pairs:
+                    src = torch.tensor([c[0] for c in pairs], device=self.device)
+                    dst = torch.tensor([c[1] for c in pairs], device=self.device)
+                    cache[:, :, dst] = cache[:, :, src]
+            return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

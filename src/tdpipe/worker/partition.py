@@ -68,7 +68,7 @@ class StageCosts:
         own = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            one = ModelConfig(**{**cfg.__dict__, "num_layers": 1})
+            one = replace(cfg, num_layers=1, layer_windows=cfg.layer_windows[:1])
             model = LlamaLike(one, dtype, platform)
             d_embed, d_layer, d_head = model.time_step([1] * batch, [context] * batch, repeats)
             half = prefill_tokens // 2
@@ -184,7 +184,7 @@ class LlamaLike:
         self.device = self.platform.torch_device(0)
         self.model = LlamaForCausalLM(cfg).to(dtype).to(self.device).eval()
         pack_linears(self.model)  # the same GEMMs the stages run
-        self.model.rotary.cos_sin = self.model.rotary.cos_sin.float()  # the table stays float32
+        self.model.init_rotary(self.device)  # the rope tables stay float32
         self.cfg, self.dtype = cfg, dtype
 
     def time_step(self, query_lens: list[int], seq_lens: list[int], repeats: int) -> tuple[float, float, float]:

@@ -20,6 +20,8 @@ class Scheduler:
     Sequences in a batch that has not returned are `in_flight` and are never scheduled twice.
     """
 
+    chunks_prefill = False  # whether a prompt is prefilled in chunks of the token budget (KV pool sizing)
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()) -> None:
         if config.pipeline_depth is None:  # no pipeline given (the engine builder sets it from pp): one batch
             config.pipeline_depth = 1
@@ -63,10 +65,13 @@ class Scheduler:
         if len(rows) != len(token_ids):
             raise ValueError(f"batch {batch.batch_id}: {len(token_ids)} tokens for {len(rows)} sampled rows")
         caching = self.bm.enable_prefix_caching
+        window = self.bm.window_pool is not None
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             if caching and seq.block_table:
                 self.bm.commit_full_blocks(seq)
+            if window:  # local blocks out of the next query's window go back to their pool
+                self.bm.trim_window(seq)
         finished = []
         for i, tok in zip(rows, token_ids):
             seq = batch.seqs[i]
@@ -152,7 +157,13 @@ class Scheduler:
         return self.bm.prefix_plan(seq, num_tokens)
 
     def can_admit(self, seq: Sequence, reserve: int = 0) -> bool:
-        return self.prefill_plan(seq).num_new_blocks + reserve <= self.bm.num_free_blocks
+        return (self.prefill_plan(seq).num_new_blocks + reserve <= self.bm.num_free_blocks
+                and self.window_admits(seq, seq.num_tokens))
+
+    def window_admits(self, seq: Sequence, num_tokens: int) -> bool:
+        """Room in the sliding-window pool for seq's prefill up to `num_tokens`, keeping one block per running
+        sequence free (a decode may open a new local block before its oldest one leaves the window)."""
+        return self.bm.window_pool is None or self.bm.window_fits(seq, num_tokens, len(self.running))
 
     def _allocate_prompt(self, seq: Sequence, num_tokens: int | None = None) -> int:
         """Blocks for a request being admitted: the longest cached prefix mapped in, fresh blocks up to
@@ -206,6 +217,9 @@ class Scheduler:
                 cow = self.bm.prepare_append(seq)  # the block it writes is shared (fork): a private copy
                 if cow is not None:
                     self.block_copies.append(cow)
+                    seq.table_epoch += 1
+                if self.bm.window_pool is not None and (cow := self.bm.prepare_append_window(seq)) is not None:
+                    self.block_copies.append(cow)  # numbered past the global pool (prepare_append_window)
                     seq.table_epoch += 1
                 chosen.append(seq)
                 taken.add(seq.seq_id)

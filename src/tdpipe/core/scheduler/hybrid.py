@@ -25,6 +25,7 @@ from tdpipe.sequence import Sequence, SequenceStatus
          "then chunked prefill",
     budget_help="Sarathi-Serve's fixed budget for decodes + prefill chunks")
 class HybridScheduler(Scheduler):
+    chunks_prefill = True
     # -- budget hooks (the throttle policy overrides these) ---------------------------------------------
     def decode_limit(self) -> int:
         """Most decodes in this micro-batch."""
@@ -92,7 +93,7 @@ class HybridScheduler(Scheduler):
         bm = self.bm
         want = min(seq.num_tokens - seq.num_computed_tokens, budget)
         while True:
-            room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+            room = bm.chunk_room(seq)
             if room > 0:
                 return min(want, room)
             victim = None
@@ -123,6 +124,8 @@ class HybridScheduler(Scheduler):
             if plan.num_new_blocks + reserve > self.bm.num_free_blocks:
                 break
             n = min(seq.num_tokens - plan.num_cached_tokens, budget - used)
+            if self.bm.window_pool is not None and not self.window_admits(seq, plan.num_cached_tokens + n):
+                break
             self.waiting.popleft()
             self._allocate_prompt(seq, plan.num_cached_tokens + n)
             num_seqs += seq.num_samples_pending

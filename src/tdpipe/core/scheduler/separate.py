@@ -39,6 +39,8 @@ class SeparateScheduler(Scheduler):
                 break
             if plan.num_new_blocks + (self.watermark_blocks if self.running or seqs else 0) > self.bm.num_free_blocks:
                 break
+            if self.bm.window_pool is not None and not self.window_admits(seq, seq.num_tokens):
+                break
             self.waiting.popleft()
             self._admit(seq)
             self.on_prefill_admit(seq)

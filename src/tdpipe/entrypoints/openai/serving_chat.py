@@ -15,7 +15,7 @@ from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 DeltaMessage)
 from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, StreamCursor,
                                                sse, sse_events)
-from tdpipe.tokenizer import chat_prompt
+from tdpipe.tokenizer import NoChatTemplate, chat_prompt
 
 
 def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: bool,
@@ -23,6 +23,8 @@ def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: 
     """The conversation's prompt token ids; a template that rejects it (roles out of order...) is a 400."""
     try:
         text, ids = chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt)
+    except NoChatTemplate as e:
+        raise bad_request(str(e), "messages", "invalid_value") from None
     except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception
         raise bad_request(f"the model's chat template rejected 'messages': {' '.join(str(e).split())}",
                           "messages", "invalid_value") from None

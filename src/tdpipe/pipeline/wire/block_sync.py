@@ -4,6 +4,9 @@ Every stage needs each sequence's block table to find its KV, but the tables onl
 16 tokens, so the engine sends what is new since the last message: per sequence (epoch, start, new blocks).
 A sequence's epoch is its preemption count: after a recompute preemption its table is rebuilt from scratch
 and the stage replaces its copy. Finished sequences are listed in `freed` so the copies do not pile up.
+Sliding-window layers' tables (core/window_blocks.py) travel the same way through a second sender / mirror:
+they grow in step with the global ones; entries that leave the window turn into the null block on the
+engine's side only, and the stages keep the old ids there, which the window never reads.
 Pure Python: the same two classes run in the engine and in every stage process.
 """
 from __future__ import annotations
@@ -32,6 +35,11 @@ class BlockTableSender:
         for sid in seq_ids:
             if self._sent.pop(sid, None) is not None:
                 self._freed.append(sid)
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """These sequences finished, and another sender's `freed` list tells the stages (a second table)."""
+        for sid in seq_ids:
+            self._sent.pop(sid, None)
 
     def take_freed(self) -> list[int]:
         freed, self._freed = self._freed, []

@@ -38,6 +38,7 @@ class StageInit:
     stage_backend: str = "gloo"
     tp_backends: tuple[str, ...] = ()
     graphs: object | None = None  # decode CUDA graphs to capture (worker/cuda_graph.GraphSettings; None: eager)
+    num_window_blocks: int = 0  # the sliding-window layers' own KV pool (core/window_blocks.py); 0: none
 
 
 @dataclass
@@ -62,3 +63,4 @@ class StepMessage:
     # every row (greedy; 0.0: argmax; None: argmax all), and the seed of the step's draws
     temperatures: list[float] | None = None
     stage_seed: int = 0
+    local_deltas: list[Delta] | None = None  # the sliding-window layers' table deltas (None: no such pool)

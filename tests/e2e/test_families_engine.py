@@ -1,0 +1,83 @@
+"""Greedy tokens of the families beside Llama and Qwen2 through tdpipe's engine, transformers the oracle:
+random tiny checkpoints saved by transformers itself (its names, its config.json), float32, at pp = 1 for
+each family, pp = 2 for Gemma 3 and Mistral, tp = 2 for Phi-3 (fused q/k/v and gate/up tensors cut per rank).
+Prompts run past the sliding windows (Mistral 20 tokens, Gemma 3's local layers 8), the case a window that is
+read but not applied gets wrong; Gemma 3 has the 262,144-token vocabulary of the published models."""
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from conftest import hf_greedy
+from tdpipe import LLM, SamplingParams
+from tdpipe.model.random_model import write_tokenizer
+
+N_OUT = 16
+SIZES = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, bos_token_id=2, pad_token_id=0)
+MISTRAL_WINDOW = 20
+
+
+def _configs() -> dict:
+    return {
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(**SIZES, vocab_size=300, head_dim=32, tie_word_embeddings=False)),
+        "mistral": (MistralForCausalLM, MistralConfig(**SIZES, vocab_size=300, sliding_window=MISTRAL_WINDOW)),
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(
+            **SIZES, vocab_size=262144, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1e6, rope_local_base_freq=1e4)),
+        "phi3": (Phi3ForCausalLM, Phi3Config(
+            **SIZES, vocab_size=300, partial_rotary_factor=0.5, original_max_position_embeddings=128,
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                          "long_factor": [2.0, 3.0, 4.0, 5.0]})),
+    }
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """name -> (folder, prompts, transformers' greedy tokens) of that family, each built once per module."""
+    made: dict = {}
+
+    def get(name: str) -> tuple[str, list[list[int]], list[list[int]]]:
+        if name not in made:
+            cls, cfg = _configs()[name]
+            torch.manual_seed(0)
+            model = cls(cfg).eval()
+            with torch.no_grad():  # every weight away from its init (Gemma's norms start at 0): no near-ties
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            d = tmp_path_factory.mktemp(name)
+            model.save_pretrained(d)
+            write_tokenizer(d, {"vocab_size": cfg.vocab_size, "eos_token_id": 1, "max_position_embeddings": 256})
+            g = torch.Generator().manual_seed(1)
+            prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (41, 26, 5)]
+            made[name] = str(d), prompts, [hf_greedy(model, p, N_OUT) for p in prompts]
+        return made[name]
+
+    return get
+
+
+def _run(folder: str, prompts: list[list[int]], **kw) -> list[list[int]]:
+    with LLM(model=folder, dtype="float32", kv_cache_memory=32 << 20, **kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True), use_tqdm=False)
+        llm.engine.block_manager.check_no_leaks()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3", "phi3"])
+def test_greedy_parity_pp1(families, name):
+    folder, prompts, ref = families(name)
+    assert max(len(p) for p in prompts) + N_OUT > 2 * MISTRAL_WINDOW  # well past every window
+    assert _run(folder, prompts) == ref
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_greedy_parity_pp2(families, name):
+    folder, prompts, ref = families(name)
+    assert _run(folder, prompts, pipeline_parallel_size=2) == ref
+
+
+def test_greedy_parity_tp2_phi3_fused_tensors(families):
+    folder, prompts, ref = families("phi3")
+    assert _run(folder, prompts, tensor_parallel_size=2) == ref

@@ -86,6 +86,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.rotary_dim = rotary_dim or head_dim
+        if torch.get_default_device().type == "meta":
+            # a shell on the meta device, its table built on the real device by rebuild() (ModelRunner):
+            # computing on meta tensors runs torch's Python reference ops, which import torch._dynamo (and
+            # triton where installed), about half a second of every engine and stage start-up
+            self.register_buffer("cos_sin", torch.empty(self.max_positions, 2 * self.rotary_dim), persistent=False)
+            return
         self.register_buffer("cos_sin", self._table(), persistent=False)
 
     def _table(self, device: torch.device | str | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Greedy tokens of the families beside Llama and Qwen2 through tdpipe's engine, transformers the oracle:
 random tiny checkpoints saved by transformers itself (its names, its config.json), float32, at pp = 1 for
-each family, pp = 2 for Gemma 3 and Mistral, tp = 2 for Phi-3 (fused q/k/v and gate/up tensors cut per rank).
+each family and pp = 2 for each, tp = 2 for Phi-3 (fused q/k/v and gate/up tensors cut per rank).
 Prompts run past the sliding windows (Mistral 20 tokens, Gemma 3's local layers 8), the case a window that is
 read but not applied gets wrong; Gemma 3 has the 262,144-token vocabulary of the published models."""
 import pytest
@@ -72,10 +72,10 @@ def test_greedy_parity_pp1(families, name):
     assert _run(folder, prompts) == ref
 
 
-@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3", "phi3"])
 def test_greedy_parity_pp2(families, name):
     folder, prompts, ref = families(name)
-    assert _run(folder, prompts, pipeline_parallel_size=2) == ref
+    assert _run(folder, prompts, pipeline_parallel_size=2, layer_partition=[2, 2], lm_head_split=0.0) == ref
 
 
 def test_greedy_parity_tp2_phi3_fused_tensors(families):

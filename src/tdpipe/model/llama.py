@@ -134,14 +134,17 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer output."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self._input_norm(x, residual)
         h = self.self_attn(h, rotary, meta, k_cache, v_cache)
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_layernorm of the layer input, the residual stream): the first layer starts the stream with
+        x; later ones add the previous layer's output to it in place, fused into the norm."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual), residual
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -156,11 +159,7 @@ class SandwichDecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+        h, residual = self._input_norm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, rotary, meta, k_cache, v_cache))
         h = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

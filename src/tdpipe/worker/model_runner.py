@@ -48,10 +48,7 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
     else:
         seq_idx = torch.repeat_interleave(torch.arange(s), q)
         positions = torch.arange(t) - cu[:-1][seq_idx] + (seq_lens - q)[seq_idx]
-    max_blocks = max(len(b) for b in step.block_tables)
-    bt = torch.tensor([row + [0] * (max_blocks - len(row)) for row in step.block_tables], dtype=torch.int32)
-    blk = bt[seq_idx, positions // block_size].to(torch.int64)
-    slots = blk * block_size + positions % block_size
+    bt, slots = _tables_and_slots(step.block_tables, seq_idx, positions, block_size)
     meta = AttentionMetadata(
         positions=positions.to(dev, non_blocking=nb),
         slot_mapping=slots.to(dev, non_blocking=nb),
@@ -75,14 +72,21 @@ def prepare_input(step: StepInput, block_size: int, device: torch.device) -> Pre
     return PreparedInput(step, ids, meta, sample_idx.to(dev, non_blocking=nb))
 
 
+def _tables_and_slots(tables: list[list[int]], seq_idx: torch.Tensor, positions: torch.Tensor,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables padded to one width (int32 [S, max_blocks]) and each new token's KV slot."""
+    width = max(len(b) for b in tables)
+    bt = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int32)
+    slots = bt[seq_idx, positions // block_size].to(torch.int64) * block_size + positions % block_size
+    return bt, slots
+
+
 def _local_meta(meta: AttentionMetadata, tables: list[list[int]], seq_idx: torch.Tensor, positions: torch.Tensor,
                 block_size: int, dev: torch.device) -> AttentionMetadata:
     """The metadata of the sliding-window layers: their own slots and block tables, the rest shared. Entries of
     blocks out of the window are the null block 0, which the window masks."""
     nb = dev.type != "cpu"
-    width = max(len(b) for b in tables)
-    bt = torch.tensor([row + [0] * (width - len(row)) for row in tables], dtype=torch.int32)
-    slots = bt[seq_idx, positions // block_size].to(torch.int64) * block_size + positions % block_size
+    bt, slots = _tables_and_slots(tables, seq_idx, positions, block_size)
     return AttentionMetadata(positions=meta.positions, slot_mapping=slots.to(dev, non_blocking=nb),
                              block_tables=bt.to(dev, non_blocking=nb), cu_seqlens_q=meta.cu_seqlens_q,
                              seq_lens=meta.seq_lens, fresh=meta.fresh, cu_seqlens_list=meta.cu_seqlens_list)
@@ -176,18 +180,20 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the KV of block src into block dst, in every layer of this slice. Runs in the
         compute thread just before the batch that writes dst, so it sees every earlier batch's writes."""
-        if self.local_cache is not None:  # local blocks are numbered past the global pool (block_manager.py)
-            ng = self.num_global_blocks
-            for cache, pairs in ((self.kv_cache.global_cache, [c for c in copies if c[0] < ng]),
-                                 (self.local_cache, [(a - ng, b - ng) for a, b in copies if a >= ng])):
-                if pairs:
-                    src = torch.tensor([c[0] for c in pairs], device=self.device)
-                    dst = torch.tensor([c[1] for c in pairs], device=self.device)
-                    cache[:, :, dst] = cache[:, :, src]
+        if self.local_cache is None:
+            self._copy(self.kv_cache, copies)
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        ng = self.num_global_blocks  # local blocks are numbered past the global pool (block_manager.py)
+        for cache, pairs in ((self.kv_cache.global_cache, [c for c in copies if c[0] < ng]),
+                             (self.local_cache, [(a - ng, b - ng) for a, b in copies if a >= ng])):
+            if pairs:
+                self._copy(cache, pairs)
+
+    def _copy(self, cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """cache[:, :, dst] = cache[:, :, src] for every (src, dst) pair, in one indexed copy."""
+        src = torch.tensor([c[0] for c in pairs], device=self.device)
+        dst = torch.tensor([c[1] for c in pairs], device=self.device)
+        cache[:, :, dst] = cache[:, :, src]
 
     # -- compute -------------------------------------------------------------------------------------
     def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None,

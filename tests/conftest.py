@@ -52,14 +52,11 @@ def hf_fp32(bundled_path):
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    """Transformers' greedy continuation of one unpadded prompt: the correctness oracle."""
-    import torch
+    """Transformers' greedy continuation of one unpadded prompt: the correctness oracle (an EOS argmax is kept,
+    as the engine's ignore_eos keeps it: tdpipe.bench.parity.hf_greedy)."""
+    from tdpipe.bench.parity import hf_greedy as greedy
 
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    return g[0, ids.shape[1]:].tolist()
+    return greedy(model, [prompt_ids], n)[0]
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -35,6 +35,17 @@ def test_greedy_parity_bundled_fp32(llm_fp32, hf_fp32):
         assert o.outputs[0].finish_reason == "length"
 
 
+def test_ignore_eos_keeps_an_eos_argmax(llm_fp32, hf_fp32):
+    """ignore_eos (as vLLM's) generates past an EOS, it does not forbid one: the oracle must not mask EOS either
+    (transformers' min_new_tokens does, and the GPU check once failed on that). This prompt's 30th token is EOS."""
+    tok = llm_fp32.get_tokenizer()
+    ids = tok.encode(PROMPTS[0])
+    ref = hf_greedy(hf_fp32, ids, 32)
+    assert ref[29] == tok.eos_token_id
+    out = llm_fp32.generate([{"prompt_token_ids": ids}], greedy(32), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref and out.finish_reason == "length"
+
+
 def test_greedy_parity_under_preemption(bundled_path, hf_fp32):
     # 14 blocks x 16 tokens = 224 slots for ~8 x (20..60 + 24) tokens: recompute preemption must happen
     llm = LLM(dtype="float32", num_kv_blocks=14)

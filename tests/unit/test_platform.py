@@ -260,3 +260,13 @@ def test_new_group_refuses_what_it_cannot_build(monkeypatch):
         new_group(NCCL, dist.HashStore(), 0, 1, timeout, timeout)
     with pytest.raises(ValueError, match="unknown distributed backend 'mpi'"):
         new_group("mpi", dist.HashStore(), 0, 1, timeout, timeout)
+
+
+def test_the_real_memory_probe_hands_back_cached_blocks_first(monkeypatch):
+    """A second LLM in one process must see the memory the first one freed: torch's allocator keeps freed
+    blocks cached and mem_get_info counts them as used, so the probe empties the cache before reading."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: calls.append(f"mem_get_info({i})") or (5, 10))
+    assert CudaPlatform(device_count=lambda: 1).mem_get_info(0) == (5, 10)
+    assert calls == ["empty_cache", "mem_get_info(0)"]

@@ -91,17 +91,24 @@ def compare(prompts: list[list[int]], engine: list[list[int]], reference: list[l
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt alone (unpadded): the oracle, exactly n tokens."""
+    """transformers' greedy continuation of each prompt alone (unpadded): the oracle, exactly n tokens.
+
+    A plain argmax loop over the model's KV cache rather than `generate(min_new_tokens=n)`: that masks the
+    EOS logit until n tokens, while the engine's `ignore_eos` (as vLLM's) only keeps going after an EOS, so
+    the two would part wherever EOS is the argmax."""
     import torch
 
     dev = next(model.parameters()).device
     out = []
     for p in prompts:
-        ids = torch.tensor([p], device=dev)
+        ids, cache, got = torch.tensor([p], device=dev), None, []
         with torch.inference_mode():
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-        out.append(g[0, ids.shape[1]:].tolist())
+            for _ in range(n):
+                o = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache, tok = o.past_key_values, int(o.logits[0, -1].argmax())
+                got.append(tok)
+                ids = torch.tensor([[tok]], device=dev)
+        out.append(got)
     return out
 
 

@@ -76,6 +76,7 @@ class StageWorker:
                                   num_window_blocks=init.num_window_blocks)
         self.head_peer = init.head_peer  # the lm_head split: the last stage's rank (first) / the first's (last)
         self.dtype = dtype
+        self.device = init.device
         self.hidden = init.model_config.hidden_size
         # two alternating receive buffers: prep fills one while compute reads the other (SiPipe §5.2)
         cap = max(1, init.max_num_batched_tokens) * self.hidden
@@ -120,7 +121,7 @@ class StageWorker:
                     work = self.t.irecv(buf, self.prev, tensor_tag(msg.batch_id))
                 self.ready.put((m.STEP, (msg, inp, buf, work, t_meta, time.time())))
                 if self.first and self.head_peer is not None and not self.last:
-                    rows = torch.empty(step.logit_rows(), self.hidden, dtype=self.dtype)
+                    rows = torch.empty(step.logit_rows(), self.hidden, dtype=self.dtype, device=self.device)
                     self.heads.put((msg, rows, self.t.irecv(rows, self.head_peer, head_tag(msg.batch_id))))
         except BaseException:  # noqa: BLE001
             self.fatal(f"{self.name} (input preparation)")

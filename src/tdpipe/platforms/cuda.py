@@ -1,7 +1,7 @@
 """The CUDA platform: stages on NVIDIA GPUs, NCCL between GPUs, the Triton paged-attention kernels, bf16.
 
-NOT YET RUN ON A GPU: this file has only been imported and unit-tested on a CPU-only machine (the probes
-injected); nothing here has touched a real device. scripts/gpu_check.sh is what validates it.
+Run on a GPU: `tdpipe gpu-check` passed on an NVIDIA H200 (docs/gpu.md, "Results"); the unit tests inject the
+probes so they run without one.
 
 Memory: `--gpu-memory-utilization` means what it means in vLLM: the share of the device's *total* memory
 this process may end up using, weights, KV cache and everything already allocated on it included. The KV
@@ -9,13 +9,15 @@ cache gets what is left of that share:
 
     kv_bytes = gpu_memory_utilization * total - (total - free) - weights_bytes
 
-with (free, total) from torch.cuda.mem_get_info, read before the weights load (the engine sizes the cache
+with (free, total) from torch.cuda.mem_get_info after this process's unreferenced tensors are collected and
+torch's cached blocks handed back (so a second LLM in one process sees what the first one freed), read before the weights load (the engine sizes the cache
 before the stages start) and `weights_bytes` what they will take. Memory other processes hold counts as
 used, as in vLLM. Activations, the sampler's [batch, vocab] tensors and CUDA-graph pools are not measured
 (vLLM profiles a forward pass for them): the (1 - utilization) margin must cover them.
 """
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 
@@ -68,6 +70,8 @@ class CudaPlatform(Platform):
     def mem_get_info(self, index: int = 0) -> tuple[int, int]:
         if self._mem_get_info is not None:
             return self._mem_get_info(index)
+        gc.collect()  # an LLM shut down earlier in this process: its weights and KV cache are garbage by now
+        torch.cuda.empty_cache()  # ... but torch's allocator keeps their blocks cached, counted as used
         return torch.cuda.mem_get_info(index)
 
     def default_dtype(self) -> torch.dtype:

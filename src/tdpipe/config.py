@@ -234,7 +234,7 @@ class ParallelConfig:
     # from the measured stage costs (tdpipe/worker/partition.py: choose_head_split)
     lm_head_split: float | None = None
     # auto | cpu | cuda; auto: cuda where torch sees a CUDA device (tdpipe/platforms/resolve_device). The CUDA
-    # path (NCCL between stage GPUs) has not yet run on a GPU
+    # path ran on one H200 (docs/gpu.md); NCCL between stage GPUs and TP on CUDA have not yet run
     device: str = "auto"
 
     def __post_init__(self) -> None:

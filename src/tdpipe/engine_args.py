@@ -90,8 +90,9 @@ class EngineArgs:
                                             "instructions, else float32; on CUDA bfloat16 (default: %(default)s)",
                         "--dtype", choices=["auto", "bfloat16", "float32"])
     device: str = option(ParallelConfig.device, "where the model runs: auto = cuda where torch sees a CUDA device, "
-                                                "else cpu. The cuda path (Triton attention, NCCL between stage "
-                                                "GPUs) has not yet run on a GPU (default: %(default)s)",
+                                                "else cpu. The cuda path ran on one H200 (docs/gpu.md); tensor "
+                                                "parallelism on cuda has not yet run on a GPU, nor has NCCL "
+                                                "between stage GPUs (default: %(default)s)",
                          "--device", choices=list(DEVICES))
     seed: int = option(EngineConfig.seed, "engine seed for unseeded random sampling (default: %(default)s)",
                        "--seed", type=int)
@@ -180,7 +181,7 @@ class EngineArgs:
         metavar="FILE", group="")
     enforce_eager: bool = option(
         EngineConfig.enforce_eager, "cuda: run every step eagerly instead of replaying decode steps as CUDA "
-                                    "graphs; cpu runs eagerly anyway. CUDA graphs have not yet run on a GPU "
+                                    "graphs; cpu runs eagerly anyway. CUDA graphs ran on one H200 "
                                     "(default: off)", "--enforce-eager", action="bool")
     cuda_graph_sizes: list[int] | None = option(
         EngineConfig.cuda_graph_sizes, "cuda: decode batch sizes captured as CUDA graphs, comma-separated; a "

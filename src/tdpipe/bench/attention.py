@@ -4,7 +4,7 @@ Decode at the SmolLM2-135M shape by default (batch 256, context 1024, Hq=9, Hkv=
 layer, effective bandwidth (K+V bytes read / time), the pure-torch reference for comparison, store_kv,
 and a chunked-prefill case. The 30-layer run cycles through 30 distinct layer caches (as the engine does),
 so nothing stays in the last-level cache between calls. `--device cuda` times the Triton kernels
-(model/triton_attention.py; not yet run on a GPU); `--backend triton` runs them on CPU tensors through
+(model/triton_attention.py; run on an H200); `--backend triton` runs them on CPU tensors through
 Triton's interpreter (correctness of the bench's own path only: use tiny shapes, the times mean nothing).
 """
 from __future__ import annotations

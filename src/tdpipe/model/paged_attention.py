@@ -12,7 +12,7 @@ on: the block-table entries before it are never looked up, so a cache manager ma
 leave stale ids behind. The K/V of every position from there on must be stored.
 
 Backends: CPU tensors take the C++ kernel (model/triton_attention.py is never imported for them); CUDA
-tensors take the Triton kernels (model/triton_attention.py, not yet run on a GPU).
+tensors take the Triton kernels (model/triton_attention.py; run on an H200, sliding window not yet).
 TDPIPE_ATTENTION_BACKEND=triton (or set_attention_backend("triton")) sends CPU tensors through the Triton
 kernels too, run by Triton's interpreter: the engine's GPU attention path, checked on a CPU (about 2000x
 slower than compiled; tests only).

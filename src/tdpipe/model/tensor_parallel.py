@@ -81,8 +81,8 @@ class ProcessGroupTP(TPGroup):
     without a default group): gloo, or NCCL where the stage's ranks have a GPU each. bfloat16 is reduced in
     float32 and copied back: a bf16 ring sum rounds at every hop, and float32 on T = 2 ranks gives the same
     sum as the unsharded matmul's float32 accumulation up to one final rounding. gloo reduces host memory:
-    device tensors (ranks sharing a GPU) go through the host and back (the NCCL path has not yet run on a
-    GPU)."""
+    device tensors (ranks sharing a GPU) go through the host and back (tensor parallelism on CUDA, NCCL or
+    gloo, has not yet run on a GPU)."""
 
     def __init__(self, pg: torch.distributed.ProcessGroup, rank: int, size: int) -> None:
         super().__init__()

@@ -1,8 +1,9 @@
 """Device platforms: everything that depends on the device kind, behind one object (platforms/interface.py).
 
 `resolve_device` turns --device (auto | cpu | cuda) into a device kind, `get_platform` gives its Platform.
-The CUDA platform has not yet run on a GPU (platforms/cuda.py). This module imports torch only when it
-must probe for CUDA, so the configuration layer (engine_args) stays importable without torch.
+The CUDA platform (platforms/cuda.py) ran on one H200, one GPU only (docs/gpu.md). This module imports
+torch only when it must probe for CUDA, so the configuration layer (engine_args) stays importable without
+torch.
 """
 from __future__ import annotations
 

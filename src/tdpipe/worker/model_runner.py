@@ -126,7 +126,8 @@ class ModelRunner:
         `graphs`: capture decode graphs of these sizes (worker/cuda_graph.graph_settings; None: eager), through
         `graph_backend` (None: CUDA graphs where the platform has them, else eager; tests inject a fake).
         `num_window_blocks`: the sliding-window layers' own pool (core/window_blocks.py; 0: they use the global
-        cache like every layer); such a slice runs eagerly (no decode graphs: never run on a GPU yet)."""
+        cache like every layer); such a slice runs eagerly (no decode graphs; the window pool has not yet run
+        on a GPU)."""
         self.platform = get_platform(device)
         self.platform.configure_runner()
         self.cfg = model_config

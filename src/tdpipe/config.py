@@ -42,6 +42,8 @@ class ModelConfig:
     # per layer: None = global attention, W = a sliding window of the last W keys (the query itself included,
     # transformers' meaning); empty: all global, filled to num_layers on construction
     layer_windows: list[int | None] = field(default_factory=list)
+    # how the linears run (model/quantization.py): set by the engine from --quantization, not by config.json
+    quantization: str = "none"
 
     SUPPORTED = tuple(sorted(families.FAMILIES))  # Hugging Face architectures names
 
@@ -269,10 +271,14 @@ class ParallelConfig:
         return self.threads_per_stage or max(1, default_threads() // self.world_size)
 
 
+QUANTIZATIONS = ("none", "w8a8")  # --quantization: how the linears run (model/quantization.py)
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto | bfloat16 | float32
+    quantization: str = "none"  # one of QUANTIZATIONS (model/quantization.py)
     seed: int = 0
     num_threads: int | None = None  # None: all cores
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -297,6 +303,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in self.DTYPES, f"dtype must be one of {self.DTYPES}, got {self.dtype!r}")
+        _check(self.quantization in QUANTIZATIONS,
+               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.num_threads is not None:
             _check(self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         _check(self.trace_max_events >= 1, f"trace_max_events must be >= 1, got {self.trace_max_events}")

@@ -15,7 +15,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from tdpipe.config import DEVICES, SAMPLING_DEVICES, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from tdpipe.config import (DEVICES, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig, EngineConfig, ParallelConfig,
+                           SchedulerConfig)
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
 from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
 from tdpipe.platforms import check_device
@@ -89,6 +90,12 @@ class EngineArgs:
     dtype: str = option(EngineConfig.dtype, "auto = the device's: on CPU bfloat16 where the CPU has bf16 "
                                             "instructions, else float32; on CUDA bfloat16 (default: %(default)s)",
                         "--dtype", choices=["auto", "bfloat16", "float32"])
+    quantization: str = option(EngineConfig.quantization,
+                               "how the linear layers run: none = in --dtype (bf16 weights prepacked for oneDNN "
+                               "on CPU); w8a8 = int8 weights per output channel, quantised at load, and int8 "
+                               "activations per token, int32 accumulation (CPU only; the lm_head stays in "
+                               "--dtype; docs/quantization.md) (default: %(default)s)",
+                               "--quantization", "-q", choices=list(QUANTIZATIONS))
     device: str = option(ParallelConfig.device, "where the model runs: auto = cuda where torch sees a CUDA device, "
                                                 "else cpu. The cuda path ran on one H200 (docs/gpu.md); tensor "
                                                 "parallelism on cuda has not yet run on a GPU, nor has NCCL "
@@ -285,7 +292,8 @@ class EngineArgs:
         before any model loads; so does a device this machine lacks: --device cuda without CUDA)."""
         check_device(self.device)  # DeviceUnavailable, one line; the engine builder resolves auto
         return EngineConfig(
-            model=self.model, dtype=self.dtype, seed=self.seed, num_threads=self.num_threads, trace=self.trace,
+            model=self.model, dtype=self.dtype, quantization=self.quantization, seed=self.seed,
+            num_threads=self.num_threads, trace=self.trace,
             record_history=self.record_history, collect_trace=self.collect_trace,
             enforce_eager=self.enforce_eager, cuda_graph_sizes=self.cuda_graph_sizes,
             sampling_device=self.sampling_device,

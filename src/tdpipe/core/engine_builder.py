@@ -13,6 +13,8 @@ come as token ids.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 import logging
@@ -127,6 +129,13 @@ class EngineBuilder:
                            stats, self.seq_ids)
 
     # -- the model ---------------------------------------------------------------------------------------
+    def _with_quantization(self, mc: ModelConfig) -> ModelConfig:
+        """The model config carries --quantization to every stage (model/quantization.py)."""
+        from tdpipe.model.quantization import check_quantization
+
+        check_quantization(self.config.quantization, self.platform.name)
+        return dataclasses.replace(mc, quantization=self.config.quantization)
+
     def _load_model(self) -> dict[str, Any] | None:
         """The model's config and tokenizer; returns the in-memory config dict, or None for a folder."""
         from tdpipe.model.bundled import resolve_model
@@ -139,13 +148,13 @@ class EngineBuilder:
             self.model_path = IN_MEMORY
             hf = {"architectures": ["LlamaForCausalLM"], "num_key_value_heads": self.hf_config["num_attention_heads"],
                   **self.hf_config}
-            self.model_config = ModelConfig.from_hf(hf)
+            self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
             return hf
         self.model_path = resolve_model(self.config.model, "float32" if self.dtype == torch.float32 else None)
         simulated = self.executor_factory is not None
         # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
         hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path)
-        self.model_config = ModelConfig.from_hf(hf)
+        self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
         if not simulated:
             self.tokenizer = load_tokenizer(self.model_path)
         return None

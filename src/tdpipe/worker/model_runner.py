@@ -14,7 +14,7 @@ import torch
 
 from tdpipe.config import ModelConfig
 from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
-from tdpipe.model.packed_linear import pack_linears
+from tdpipe.model.quantization import prepare_linears
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup
 from tdpipe.model.weights import iter_safetensors
 from tdpipe.platforms import get_platform
@@ -141,7 +141,7 @@ class ModelRunner:
         model.load_weights(weights if weights is not None
                            else iter_safetensors(model_path, names=model.wants, slicer=model.shard_of))
         self.model = model.to(dtype).eval()
-        pack_linears(self.model)  # bf16 on CPU: weights packed for oneDNN once, not per call
+        prepare_linears(self.model, model_config.quantization)  # w8a8, or bf16 packed for oneDNN once
         self.model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
         n_layers = model.end_layer - model.start_layer
         is_local = [w is not None for w in model_config.layer_windows[model.start_layer:model.end_layer]]

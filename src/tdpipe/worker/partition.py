@@ -178,12 +178,12 @@ class LlamaLike:
 
     def __init__(self, cfg: ModelConfig, dtype, platform: Platform | None = None) -> None:
         from tdpipe.model.llama import LlamaForCausalLM
-        from tdpipe.model.packed_linear import pack_linears
+        from tdpipe.model.quantization import prepare_linears
 
         self.platform = platform or get_platform("cpu")
         self.device = self.platform.torch_device(0)
         self.model = LlamaForCausalLM(cfg).to(dtype).to(self.device).eval()
-        pack_linears(self.model)  # the same GEMMs the stages run
+        prepare_linears(self.model, cfg.quantization)  # the same GEMMs the stages run
         self.model.init_rotary(self.device)  # the rope tables stay float32
         self.cfg, self.dtype = cfg, dtype
 

@@ -1,0 +1,158 @@
+// W8A8 on CPU: the two passes around torch._int_mm (oneDNN's s8 x s8 -> s32 GEMM, VNNI where the CPU has it).
+//   quantize_rows:  x [M, K] (bf16 / fp32) -> q int8 [M, K], scale fp32 [M]: symmetric per row (per token),
+//                   scale = max|x| / 127, q = round_half_even(x * (127 / max|x|)) (a zero row: q = 0, scale 0)
+//   dequant_rows:   acc int32 [M, N], sx [M], sw [N], bias [N]? -> out [M, N] = acc * sx[m] * sw[n] (+ bias[n]),
+//                   fp32 math, stored as bf16 (round to nearest even) or fp32
+// One pass over memory each, where the torch expressions make four to six.
+#include <torch/extension.h>
+#include <omp.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+inline float bf16_to_f(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename T> inline float ld(const T* p, int64_t i);
+template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f(p[i]); }
+template <typename T> inline void st(T* p, int64_t i, float v);
+template <> inline void st<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void st<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f_to_bf16(v); }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+// 16 values as fp32 (bf16: widened by a shift, exact)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// One row: its scale, and q = round_half_even(x * (127 / amax)) clamped to [-127, 127]. The vector and scalar
+// paths give the same bits: the same fp32 product, rounded to nearest even (cvtps2dq under the default MXCSR;
+// the scalar path by adding and subtracting 1.5 * 2^23, exact for |v| < 2^22).
+template <typename T>
+void quantize_row(const T* xr, int8_t* qr, float* scale, int64_t k) {
+  float amax = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 vmax = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(xr + i)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(ld<T>(xr, i)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+  i = 0;
+#ifdef __AVX512F__
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (; i + 16 <= k; i += 16) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + i), vinv));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtepi32_epi8(v));
+  }
+#endif
+  for (; i < k; ++i) {
+    float v = (ld<T>(xr, i) * inv + 12582912.f) - 12582912.f;
+    qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+}
+
+template <typename T>
+void quantize_impl(const T* x, int8_t* q, float* scale, int64_t rows, int64_t k) {
+#pragma omp parallel for schedule(static) if (rows * k > 16384)
+  for (int64_t r = 0; r < rows; ++r) quantize_row<T>(x + r * k, q + r * k, scale + r, k);
+}
+
+template <typename T, typename B>
+void dequant_impl(const int32_t* acc, const float* sx, const float* sw, const B* bias, T* out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows * n > 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* ar = acc + r * n;
+    T* orow = out + r * n;
+    const float s = sx[r];
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) st<T>(orow, j, static_cast<float>(ar[j]) * s * sw[j] + ld<B>(bias, j));
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) st<T>(orow, j, static_cast<float>(ar[j]) * s * sw[j]);
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: contiguous [M, K]");
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32, "quantize_rows: bf16 or fp32");
+  const int64_t rows = x.size(0), k = x.size(1);
+  auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+  if (x.dtype() == torch::kBFloat16) {
+    quantize_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                            rows, k);
+  } else {
+    quantize_impl<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k);
+  }
+  return {q, scale};
+}
+
+torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw, c10::optional<torch::Tensor> bias,
+                           torch::ScalarType out_dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.dtype() == torch::kInt32, "dequant_rows: contiguous int32 [M, N]");
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(sx.dtype() == torch::kFloat32 && sx.is_contiguous() && sx.numel() == rows, "dequant_rows: fp32 sx [M]");
+  TORCH_CHECK(sw.dtype() == torch::kFloat32 && sw.is_contiguous() && sw.numel() == n, "dequant_rows: fp32 sw [N]");
+  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "dequant_rows: bf16 or fp32 out");
+  auto out = torch::empty({rows, n}, acc.options().dtype(out_dtype));
+  const int32_t* a = acc.data_ptr<int32_t>();
+  const float* px = sx.data_ptr<float>();
+  const float* pw = sw.data_ptr<float>();
+  const bool has_bias = bias.has_value();
+  torch::Tensor b;
+  if (has_bias) {
+    b = bias.value();
+    TORCH_CHECK(b.is_contiguous() && b.numel() == n && (b.dtype() == torch::kBFloat16 || b.dtype() == torch::kFloat32),
+                "dequant_rows: bias [N] bf16 or fp32");
+  }
+  auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    if (!has_bias) {
+      dequant_impl<T, float>(a, px, pw, nullptr, o, rows, n);
+    } else if (b.dtype() == torch::kBFloat16) {
+      dequant_impl<T, uint16_t>(a, px, pw, reinterpret_cast<const uint16_t*>(b.data_ptr()), o, rows, n);
+    } else {
+      dequant_impl<T, float>(a, px, pw, b.data_ptr<float>(), o, rows, n);
+    }
+  };
+  if (out_dtype == torch::kBFloat16) {
+    run(reinterpret_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    run(out.data_ptr<float>());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantisation: (q, scale)");
+  m.def("dequant_rows", &dequant_rows, "int32 GEMM output times row and column scales (+ bias), bf16 or fp32");
+}

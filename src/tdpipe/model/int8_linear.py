@@ -1,0 +1,103 @@
+"""W8A8 linear layers for CPU (`--quantization w8a8`): int8 weights per output channel, int8 activations per
+token, int32 accumulation, scales applied in float32 after the GEMM.
+
+Why: past a decode batch of about 8 a CPU step is compute-bound, and AVX-512 VNNI (VPDPBUSD) does twice the
+multiply-adds per instruction in int8 that AVX512_BF16 does in bf16. The GEMM is torch._int_mm (oneDNN's
+s8 x s8 -> s32, which uses VNNI where the CPU has it); the activation quantisation before it and the scaling
+after it are one pass each in csrc/int8.cpp (pure torch where that kernel is unavailable, same numbers).
+
+    W ~ diag(s_w) Q_w   (s_w[n] = max_k |W[n, k]| / 127, per output channel, computed once at load)
+    x ~ diag(s_x) Q_x   (s_x[m] = max_k |x[m, k]| / 127, per token, at every call)
+    y = (Q_x Q_w^T) * s_x[:, None] * s_w[None, :] (+ b)
+
+Tensor parallelism needs nothing more: each rank quantises its own shard, and a row-parallel shard's partial
+sums are dequantised before the all-reduce.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from tdpipe.model.jit import build
+
+QMAX = 127  # symmetric: -127..127, so that -q is always representable
+
+
+@functools.cache
+def kernel():
+    """The compiled csrc/int8.cpp, or None (the torch expressions below then run)."""
+    return build("tdpipe_int8", "int8.cpp", ["-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only", "-fno-signed-zeros",
+                                        "-ffp-contract=off"])  # vectorised min / max; no FMA: torch's rounding
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [M, K], scale float32 [M]): per-row symmetric quantisation, round half to even."""
+    k = kernel()
+    if k is not None and x.device.type == "cpu" and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
+        return k.quantize_rows(x)
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    inv = torch.where(amax > 0, amax.new_full(amax.shape, QMAX) / amax, 0.0)  # not QMAX / amax: 1/a * 127 in torch
+    q = torch.round(xf * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
+
+
+def dequant_rows(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """acc * sx[:, None] * sw[None, :] (+ bias) in float32, returned in `dtype`."""
+    k = kernel()
+    if k is not None and acc.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+        return k.dequant_rows(acc.contiguous(), sx, sw, bias, dtype)
+    y = acc.float() * sx[:, None] * sw[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q_w^T int8 [K, N] contiguous, s_w float32 [N]) of a [N, K] weight: per output channel."""
+    q, s = quantize_rows(w.detach().float().contiguous())
+    return q.t().contiguous(), s
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) as W8A8 (module docstring). Inference only; the float weight is dropped."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        qt, s = quantize_weight(linear.weight)
+        self.register_buffer("qweight_t", qt)  # [K, N]: torch._int_mm's right operand, row-major
+        self.register_buffer("weight_scale", s)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        q, sx = quantize_rows(x2)
+        acc = torch._int_mm(q, self.qweight_t)
+        y = dequant_rows(acc, sx, self.weight_scale, self.bias, x.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
+
+
+def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear under `module` (except children named in `skip`) by an Int8Linear; returns how
+    many were replaced."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if name in skip:
+            continue
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear(child))
+            n += 1
+        else:
+            n += quantize_linears(child, skip)
+    return n
+
+
+__all__ = ["Int8Linear", "QMAX", "dequant_rows", "kernel", "quantize_linears", "quantize_rows", "quantize_weight"]

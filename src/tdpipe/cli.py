@@ -301,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("tdpipe.bench.sampler", fromlist=["add_parser"]).add_parser(bsub)
     __import__("tdpipe.bench.llama_cpp", fromlist=["add_parser"]).add_parser(bsub)
     __import__("tdpipe.bench.gemm", fromlist=["add_parser"]).add_parser(bsub)
+    __import__("tdpipe.bench.perplexity", fromlist=["add_parser"]).add_parser(bsub)
 
     pl = sub.add_parser("plot", help="pictures of pipeline traces",
                         description="Pictures of pipeline-parallel traces: 'timeline' draws the per-stage "

@@ -85,6 +85,52 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
 
 
+@functools.cache
+def onednn_qlinear_available() -> bool:
+    """oneDNN's prepacked int8 linear exists in this torch build and computes what it should."""
+    try:
+        w = torch.tensor([[1, -2, 3], [4, 5, -6]], dtype=torch.int8)
+        x = torch.tensor([[129, 127, 130]], dtype=torch.uint8)  # 1, -1, 2 with zero point 128
+        y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 128, torch.ops.onednn.qlinear_prepack(w, None),
+                                               torch.ones(2), torch.zeros(2, dtype=torch.int64), None, 1.0, 0,
+                                               torch.float32, "none", [], "")
+        return torch.equal(y, torch.tensor([[9.0, -13.0]]))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Int8Head(nn.Module):
+    """The lm_head as W8A8 with ONE activation scale per call (the batch's max |x| / 127), in oneDNN's
+    prepacked int8 linear, which applies both scales and writes bf16 itself.
+
+    Why not per token as the other linears: at the head's shape (tens of thousands of outputs) the int32
+    result of torch._int_mm plus a scaling pass over it cost more than the bf16 GEMM they replace, and
+    oneDNN's op takes a single activation scale. The head's input is the final RMSNorm's output, whose rows
+    all have unit RMS before the norm weight, so one scale per batch costs little precision (the perplexity
+    bench measures it: docs/quantization.md)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, s = quantize_rows(linear.weight.detach().float().contiguous())
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.register_buffer("weight_scale", s)
+        self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, self.in_features).float()
+        amax = float(xf.abs().max()) if xf.numel() else 0.0
+        scale = amax / QMAX if amax > 0 else 1.0
+        qx = torch.round(xf * (1.0 / scale)).clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(qx, scale, 128, self.packed, self.weight_scale, self.weight_zero,
+                                               None, 1.0, 0, x.dtype, "none", [], "")
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 (per-tensor activations)"
+
+
 def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     """Replace every nn.Linear under `module` (except children named in `skip`) by an Int8Linear; returns how
     many were replaced."""
@@ -100,4 +146,4 @@ def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return n
 
 
-__all__ = ["Int8Linear", "QMAX", "dequant_rows", "kernel", "quantize_linears", "quantize_rows", "quantize_weight"]
+__all__ = ["Int8Head", "Int8Linear", "QMAX", "onednn_qlinear_available", "dequant_rows", "kernel", "quantize_linears", "quantize_rows", "quantize_weight"]

@@ -1,0 +1,98 @@
+"""W8A8 (model/int8_linear.py, csrc/int8.cpp): the compiled passes give the torch fallback's bits, the layer
+approximates the float one, the engine wiring refuses what it cannot run."""
+import pytest
+import torch
+
+from tdpipe.config import EngineConfig
+from tdpipe.model import int8_linear as il
+from tdpipe.model.quantization import check_quantization, prepare_linears
+
+
+def _torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    inv = torch.where(amax > 0, amax.new_full(amax.shape, il.QMAX) / amax, 0.0)
+    return torch.round(xf * inv[:, None]).clamp(-il.QMAX, il.QMAX).to(torch.int8), amax / il.QMAX
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = il.kernel()
+    if k is None:
+        pytest.fail("the int8 kernel did not build (gcc is part of the set-up)")
+    return k
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [576, 37, 8])  # vector body + tail, tail only
+def test_kernel_quantisation_is_the_torch_expression(kernel, dtype, k):
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(33, k, generator=g) * 4).to(dtype)
+    x[3] = 0  # a zero row: scale 0, q 0
+    x[5, : min(k, 4)] = torch.tensor([63.5, -63.5, 0.5, -0.5][: min(k, 4)])  # exact halves after scaling
+    q, s = kernel.quantize_rows(x.contiguous())
+    rq, rs = _torch_quantize(x)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    assert int(q.abs().max()) == 127 and torch.all(q[3] == 0) and s[3] == 0
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [None, torch.bfloat16, torch.float32])
+def test_kernel_dequantisation_is_the_torch_expression(kernel, out, bias):
+    g = torch.Generator().manual_seed(1)
+    acc = torch.randint(-(1 << 20), 1 << 20, (9, 70), generator=g, dtype=torch.int32)
+    sx, sw = torch.rand(9, generator=g) / 100, torch.rand(70, generator=g) / 100
+    b = None if bias is None else torch.randn(70, generator=g).to(bias)
+    y = kernel.dequant_rows(acc, sx, sw, b, out)
+    ref = acc.float() * sx[:, None] * sw[None, :]
+    if b is not None:
+        ref = ref + b.float()
+    assert y.dtype == out and torch.equal(y, ref.to(out))
+
+
+def test_the_layer_approximates_the_float_linear():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 96, bias=True)
+    x = torch.randn(2, 5, 256)
+    q = il.Int8Linear(lin)
+    y, ref = q(x), lin(x)
+    assert y.shape == ref.shape == (2, 5, 96)
+    assert ((y - ref).norm() / ref.norm()).item() < 0.02
+    assert q.qweight_t.dtype == torch.int8 and q.qweight_t.shape == (256, 96)
+
+
+def test_int_mm_result_is_exact_integer_arithmetic():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(-127, 128, (17, 64), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (64, 40), generator=g, dtype=torch.int8)
+    assert torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+
+
+def test_prepare_linears_gives_the_head_its_own_int8_layer():
+    m = torch.nn.Module()
+    m.block = torch.nn.Module()
+    m.block.proj = torch.nn.Linear(8, 8)
+    m.lm_head = torch.nn.Linear(8, 16)
+    assert il.onednn_qlinear_available()
+    assert prepare_linears(m, "w8a8") == 2
+    assert isinstance(m.block.proj, il.Int8Linear) and isinstance(m.lm_head, il.Int8Head)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_int8_head_approximates_the_float_head(dtype):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 500, bias=False)
+    x = torch.nn.functional.rms_norm(torch.randn(7, 64), (64,))  # the final norm's output: unit RMS rows
+    q = il.Int8Head(head)
+    y, ref = q(x.to(dtype)), head(x)
+    assert y.dtype == dtype and y.shape == (7, 500)
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 0.02
+    assert (y.float().argmax(1) == ref.argmax(1)).float().mean() >= 6 / 7
+
+
+def test_bad_quantization_names_the_field():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="CPU only"):
+        check_quantization("w8a8", "cuda")
+    check_quantization("none", "cuda")

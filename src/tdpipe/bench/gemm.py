@@ -10,6 +10,8 @@ M (decode micro-batches and a prefill chunk), the best of `--iters` timed calls 
                  zero point 128 (its s8-activation path is a reference loop, far slower), fp32 out, no scaling
   w8a8           the engine's W8A8 linear: per-token quantisation + torch._int_mm + scaling to bf16
                  (model/int8_linear.py, csrc/int8.cpp)
+  w8a8-head      the engine's W8A8 lm_head: one activation scale per call, oneDNN's prepacked int8 linear
+                 writing bf16 (Int8Head; meant for the lm_head row)
 
 GOP/s = 2 M N K / seconds (multiply-adds count two operations, int8 or bf16 alike), same run, same threads.
 The quantisation paths for W8A8 were chosen by this measurement: see docs/quantization.md.
@@ -24,12 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tdpipe.model.int8_linear import Int8Linear, kernel
+from tdpipe.model.int8_linear import Int8Head, Int8Linear, kernel, onednn_qlinear_available
 from tdpipe.model.packed_linear import PackedLinear, packing_available
 
 DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 DEFAULT_ROWS = (16, 128, 256, 2048)
-PATHS = ("bf16", "bf16-packed", "int8-mm", "int8-onednn", "w8a8")
+PATHS = ("bf16", "bf16-packed", "int8-mm", "int8-onednn", "w8a8", "w8a8-head")
 
 
 def model_shapes(name: str) -> list[tuple[str, int, int]]:
@@ -86,6 +88,9 @@ def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATH
         elif p == "w8a8":
             q8 = Int8Linear(lin)
             out[p] = _best(lambda: q8(x), iters)
+        elif p == "w8a8-head" and onednn_qlinear_available():
+            h8 = Int8Head(lin)
+            out[p] = _best(lambda: h8(x), iters)
     return out
 
 
@@ -107,11 +112,12 @@ def run(models: tuple[str, ...] = DEFAULT_MODELS, rows: tuple[int, ...] = DEFAUL
 
 def table(r: dict[str, Any]) -> str:
     paths = [p for p in PATHS if any(p in x["gops"] for x in r["results"])]
-    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | w8a8 / bf16-packed |",
+    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | engine w8a8 / bf16-packed |",
              "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | --- |"]
     for x in r["results"]:
         g = x["gops"]
-        ratio = g["w8a8"] / g["bf16-packed"] if "w8a8" in g and "bf16-packed" in g else float("nan")
+        used = "w8a8-head" if x["linear"] == "lm_head" else "w8a8"  # what --quantization w8a8 runs there
+        ratio = g[used] / g["bf16-packed"] if used in g and "bf16-packed" in g else float("nan")
         lines.append(f"| {x['model']} | {x['linear']} | {x['m']} x {x['n']} x {x['k']} | "
                      + " | ".join(f"{g[p]:.0f}" if p in g else "-" for p in paths) + f" | {ratio:.2f}x |")
     return "\n".join(lines)

@@ -11,8 +11,8 @@ also compared with the first: `top1_agreement` is the share of positions whose m
 same (the greedy agreement of teacher-forced decoding), reported, not judged.
 
 Default text: the recorded prompts in data/history/prompts.jsonl (chatterbot-corpus lines and templated
-instructions, see data/history/README.md); a .jsonl file gives its "text" or "prompt" fields, any other file
-its raw text.
+instructions, see data/history/README.md); a .jsonl file gives its "text" or "prompt" fields (or its
+"messages" contents), any other file its raw text.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ DEFAULT_DATASET = Path(__file__).resolve().parents[3] / "data" / "history" / "pr
 
 
 def read_text(path: Path) -> str:
-    """The file's text: a .jsonl's "text" (else "prompt") fields joined by blank lines, or the raw text."""
+    """The file's text: a .jsonl's "text" (else "prompt", else the "messages" contents) fields joined by blank
+    lines, or the raw text."""
     if path.suffix == ".jsonl":
         parts = []
         for i, line in enumerate(path.read_text().splitlines()):
@@ -37,8 +38,11 @@ def read_text(path: Path) -> str:
                 continue
             row = json.loads(line)
             text = row.get("text", row.get("prompt"))
+            if text is None and isinstance(row.get("messages"), list):  # a chat: its turns' contents
+                text = "\n".join(str(m.get("content", "")) for m in row["messages"] if isinstance(m, dict))
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{i + 1}: a line without a string 'text' or 'prompt' field")
+                raise ValueError(f"{path}:{i + 1}: a line without a string 'text' or 'prompt' field, or "
+                                 "'messages' with 'content'")
             parts.append(text)
         return "\n\n".join(parts)
     return path.read_text()

@@ -100,14 +100,12 @@ def onednn_qlinear_available() -> bool:
 
 
 class Int8Head(nn.Module):
-    """The lm_head as W8A8 with ONE activation scale per call (the batch's max |x| / 127), in oneDNN's
-    prepacked int8 linear, which applies both scales and writes bf16 itself.
-
-    Why not per token as the other linears: at the head's shape (tens of thousands of outputs) the int32
-    result of torch._int_mm plus a scaling pass over it cost more than the bf16 GEMM they replace, and
-    oneDNN's op takes a single activation scale. The head's input is the final RMSNorm's output, whose rows
-    all have unit RMS before the norm weight, so one scale per batch costs little precision (the perplexity
-    bench measures it: docs/quantization.md)."""
+    """An lm_head as W8A8 with ONE activation scale per call (the batch's max |x| / 127), in oneDNN's
+    prepacked int8 linear, which applies both scales and writes bf16 itself: 1.7x the packed bf16 GEMM at
+    256 x 49152 x 576, where torch._int_mm's int32 output makes the per-token path slower than bf16.
+    Measured, not used by the engine: on SmolLM2 it alone cost +2.5% perplexity (one scale for rows whose
+    ranges differ after the norm weight), so `--quantization w8a8` keeps the head in bf16
+    (docs/quantization.md). `tdpipe bench gemm` times it (path w8a8-head)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -3,19 +3,19 @@ layers into what executes them, for the stages and for the step-cost profile ali
 
   none   bf16 weights prepacked for oneDNN on CPU (model/packed_linear.py); float32 and CUDA as loaded
   w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU;
-         the lm_head int8 too, with one activation scale per call in oneDNN's prepacked int8 linear
-         (Int8Head: at its shape torch._int_mm's int32 output measured slower than the bf16 GEMM; `tdpipe
-         bench gemm`, docs/quantization.md), or bf16 where that op is missing
+         the lm_head stays bf16 (packed): per token, torch._int_mm's int32 output at its shape is slower
+         than the bf16 GEMM, and the fast int8 head (Int8Head, one activation scale per call) measured +2.5%
+         perplexity on its own (`tdpipe bench gemm`, `tdpipe bench perplexity`, docs/quantization.md)
 """
 from __future__ import annotations
 
 from torch import nn
 
 from tdpipe.config import QUANTIZATIONS
-from tdpipe.model.int8_linear import Int8Head, onednn_qlinear_available, quantize_linears
+from tdpipe.model.int8_linear import quantize_linears
 from tdpipe.model.packed_linear import pack_linears
 
-HEAD = "lm_head"  # the child that gets Int8Head rather than Int8Linear under w8a8
+KEEP_FLOAT = ("lm_head",)  # children left in floating point under w8a8
 
 
 def check_quantization(method: str, device: str) -> None:
@@ -29,16 +29,9 @@ def check_quantization(method: str, device: str) -> None:
 def prepare_linears(model: nn.Module, method: str) -> int:
     """Replace the linears for `method` after the weights are loaded and cast; returns how many were
     quantised (0 for none)."""
-    n = 0
-    if method == "w8a8":
-        n = quantize_linears(model, skip=(HEAD,))
-        for parent in [model, *model.modules()]:
-            head = getattr(parent, HEAD, None)
-            if isinstance(head, nn.Linear) and onednn_qlinear_available():
-                setattr(parent, HEAD, Int8Head(head))
-                n += 1
+    n = quantize_linears(model, skip=KEEP_FLOAT) if method == "w8a8" else 0
     pack_linears(model)  # whatever stays bf16 on CPU
     return n
 
 
-__all__ = ["HEAD", "QUANTIZATIONS", "check_quantization", "prepare_linears"]
+__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "check_quantization", "prepare_linears"]

@@ -28,3 +28,15 @@ def pin_mmap_threshold(nbytes: int | None = None) -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
     except (OSError, AttributeError):
         return False
+
+
+def trim_heap() -> bool:
+    """malloc_trim(0): give the heap's free pages back to the OS now. The CPU platform keeps freed memory
+    in the heap between steps (platforms/cpu.keep_freed_memory), so a KV cache or weights dropped by
+    sleep() would otherwise stay resident. Returns whether glibc released anything (False off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(ctypes.c_size_t(0)))
+    except (OSError, AttributeError):
+        return False

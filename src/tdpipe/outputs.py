@@ -47,3 +47,4 @@ class RequestOutput:
     error: str | None = None  # set when the request was rejected; the other requests still complete
     metrics: RequestMetrics | None = field(default=None, repr=False)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams(prompt_logprobs=k)
+    weight_version: int = 0  # the engine's weights that produced it: 0 as loaded, +1 per update_weights

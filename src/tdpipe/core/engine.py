@@ -63,6 +63,8 @@ class LLMEngine:
         self._inflight: deque[Batch] = deque()
         self.requests: dict[str, SampleGroup] = {}  # unfinished requests by id (abort_request looks them up)
         self._closed = False
+        self.weight_version = 0  # bumped by every update_weights (core/weight_sync.py)
+        self.sleeping = 0  # the level of sleep(); 0: awake
         self.tracing = self.config.collect_trace
         self.trace_start = self.clock()
         self.kv_trace: deque[tuple[float, float]] = self._bounded()  # (time, KV usage): TD-Pipe Fig. 12
@@ -81,6 +83,8 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> Sequence:
         """Validate and queue a request. Raises ValueError naming the problem; nothing is queued then."""
         self._check_open()
+        if self.sleeping:
+            raise RuntimeError("the engine is asleep (sleep() freed its KV cache): call wake_up() first")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):

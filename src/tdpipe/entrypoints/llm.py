@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdpipe.config import EngineConfig
+from tdpipe.core import weight_sync
 from tdpipe.core.engine import LLMEngine
 from tdpipe.engine_args import EngineArgs
 from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.pipeline.executor import PipelineError
 from tdpipe.interrupt import deferred_sigint, raise_if_dropped
 from tdpipe.core.output_processor import OutputProcessor
+from tdpipe.core.weight_sync import WeightSource
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.tokenizer import chat_prompt
@@ -80,6 +82,7 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(items)
         try:
             for i, out in self._generate(items, sampling_params, use_tqdm):
+                out.weight_version = self.engine.weight_version
                 outputs[i] = out
         except PipelineError as e:
             left = sum(1 for o in outputs if o is None)
@@ -220,6 +223,32 @@ class LLM:
             except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) too
                 prompts.append(_Rejected(f"conversation {i}: {e}"))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- weights and memory between calls (core/weight_sync.py) -------------------------------------------
+    def update_weights(self, weights: WeightSource) -> int:
+        """New weights without a restart: a checkpoint folder (each pipeline stage and tensor-parallel rank
+        loads its own slices), or an iterable of (Hugging Face name, tensor) at pp = tp = 1. Runs between
+        generate() calls, so every request finishes on the weights it started with; the prefix cache is
+        emptied. Returns the new weight version (RequestOutput.weight_version)."""
+        self._check_open()
+        return weight_sync.update_weights(self.engine, weights)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1) and the weights too (level 2) until wake_up(); generate() raises
+        meanwhile."""
+        self._check_open()
+        weight_sync.sleep(self.engine, level)
+
+    def wake_up(self) -> None:
+        """Reallocate what sleep() freed (level 2: the weights reload from the checkpoint folder)."""
+        self._check_open()
+        weight_sync.wake_up(self.engine)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """Call `method` of every worker's ModelRunner with `args`, between steps; results in worker order
+        (vLLM's LLM.collective_rpc, for custom weight loading)."""
+        self._check_open()
+        return self.engine.executor.collective_rpc(method, args)
 
     def shutdown(self) -> None:
         """Stop the stage workers and release the weights and the KV cache; every later call raises."""

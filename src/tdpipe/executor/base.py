@@ -47,5 +47,11 @@ class Executor:
         """Per stage, the trace events recorded since the last call (absolute time.time() stamps)."""
         return [[] for _ in range(self.num_stages)]
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Call `method` of every worker's ModelRunner (every stage, every tensor-parallel rank) with `args`,
+        with nothing in flight; the results in worker order (vLLM's LLM.collective_rpc). What weight updates
+        and sleep / wake_up are built on (core/weight_sync.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no workers to call {method!r} on")
+
     def shutdown(self) -> None:
         pass

@@ -19,6 +19,9 @@ class LocalExecutor(Executor):
         self._done: deque[StepResult] = deque()
         self._events: deque[dict] = deque(maxlen=MAX_STAGE_EVENTS)
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return [getattr(self.runner, method)(*args)]
+
     def submit(self, step: StepInput) -> None:
         t0 = time.time()
         inp = self.runner.prepare(step)

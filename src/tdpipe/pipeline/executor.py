@@ -404,6 +404,33 @@ class PipelineExecutor(Executor):
                 raise
         return out
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Every worker (all P x T ranks) runs `method` of its ModelRunner between steps; their results in
+        rank order. A worker whose call raised answers with the error's text: raised here as RuntimeError."""
+        if self._dead:
+            raise PipelineError(self.processes.failure or "the pipeline was shut down")
+        out: list = []
+        errors: list[str] = []
+        ranks = self.layout.worker_ranks()
+        with deferred_sigint():  # a reply left half-received would answer the next call
+            try:
+                self._send_all(ranks, m.RPC, (method, args))
+                for r in ranks:
+                    kind, (ok, value) = self._reply(r)
+                    if kind != m.RPC_DATA:
+                        raise PipelineError(f"{self.layout.name(r)} answered {kind} to {method!r}")
+                    out.append(value)
+                    if not ok:
+                        errors.append(f"{self.layout.name(r)}: {value}")
+            except PipelineError:
+                raise
+            except BaseException:
+                self._abandon()
+                raise
+        if errors:
+            raise RuntimeError(f"{method} failed on " + "; ".join(errors))
+        return out
+
     def shutdown(self) -> None:
         """STOP the stages (they finish what is in flight first) and wait for them; kill what is left after
         a few seconds, or at once if the pipeline is dead. Idempotent."""

@@ -175,6 +175,15 @@ class StageWorker:
                 events, self.events = list(self.events), deque(maxlen=MAX_STAGE_EVENTS)
                 self.t.send_obj(self.t.reply, m.TRACE_DATA, events, ENGINE)
                 continue
+            if kind == m.RPC:
+                self.outbox.join()  # every earlier result sent: the call sees the stage between steps
+                method, args = payload
+                try:
+                    reply = (True, getattr(self.runner, method)(*args))
+                except Exception as e:  # noqa: BLE001 - the engine raises it, naming this worker
+                    reply = (False, f"{type(e).__name__}: {e}")
+                self.t.send_obj(self.t.reply, m.RPC_DATA, reply, ENGINE)
+                continue
             if kind == HEAD:
                 self._head(*payload, t_wait)
                 continue

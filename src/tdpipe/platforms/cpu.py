@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from tdpipe.config import GiB, available_memory, cpu_supports_bf16
-from tdpipe.malloc import pin_mmap_threshold
+from tdpipe.malloc import pin_mmap_threshold, trim_heap
 from tdpipe.platforms.interface import KvRequest, Platform
 
 DEFAULT_KV_BYTES = 4 * GiB  # --kv-cache-memory unset: min(4 GiB, DEFAULT_KV_FRACTION of available memory)
@@ -61,6 +61,10 @@ class CpuPlatform(Platform):
 
     def configure_runner(self) -> None:
         keep_freed_memory()
+
+    def empty_cache(self) -> None:
+        """The heap keeps freed memory (keep_freed_memory): hand its free pages back (sleep)."""
+        trim_heap()
 
     def kv_cache_bytes(self, requested: KvRequest, gpu_memory_utilization: float, weights_bytes: int) -> int:
         """As before the platforms existed: the weights are not subtracted (`available` is measured before

@@ -110,5 +110,8 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
 
 __all__ = ["ALLOC_CONF", "CudaPlatform", "cuda_kv_bytes"]

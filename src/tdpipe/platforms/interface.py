@@ -51,6 +51,10 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Wait for the device's queued work (timing); a no-op where work is synchronous."""
 
+    def empty_cache(self) -> None:
+        """Hand memory the framework keeps cached back to the system (sleep); a no-op on CPU, where freed
+        tensors above the mmap threshold are unmapped at once (tdpipe/malloc.py)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

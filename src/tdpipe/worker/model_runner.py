@@ -7,6 +7,9 @@ captured batch size (worker/cuda_graph.py); prefills and larger batches run eage
 """
 from __future__ import annotations
 
+import gc
+import os
+
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -134,37 +137,91 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
-        torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(model_config, start_layer, end_layer, tp, head_range)
-        model = model.to_empty(device=self.device)
-        model.load_weights(weights if weights is not None
-                           else iter_safetensors(model_path, names=model.wants, slicer=model.shard_of))
-        self.model = model.to(dtype).eval()
-        prepare_linears(self.model, model_config.quantization)  # w8a8, or bf16 packed for oneDNN once
-        self.model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
-        n_layers = model.end_layer - model.start_layer
-        is_local = [w is not None for w in model_config.layer_windows[model.start_layer:model.end_layer]]
+        self.model_path = model_path
+        self._slice = (start_layer, end_layer, tp, head_range)
         self.num_global_blocks = num_blocks
-        self.local_cache: torch.Tensor | None = None
-        if num_window_blocks and any(is_local):
-            n_loc = sum(is_local)
-            block = (model.heads.kv_count, block_size, model_config.head_dim)
-            glob = torch.zeros((n_layers - n_loc, 2, num_blocks, *block), dtype=dtype, device=self.device)
-            self.local_cache = torch.zeros((n_loc, 2, num_window_blocks, *block), dtype=dtype, device=self.device)
-            self.kv_cache: torch.Tensor | LayerCaches = LayerCaches(glob, self.local_cache, is_local)
-            graphs = None
-        else:
-            shape = (n_layers, 2, num_blocks, model.heads.kv_count, block_size, model_config.head_dim)
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.num_window_blocks = num_window_blocks
+        self.model = self._build_model(weights if weights is not None else model_path)
+        self.is_local = [w is not None
+                         for w in model_config.layer_windows[self.model.start_layer:self.model.end_layer]]
+        if num_window_blocks and any(self.is_local):
+            graphs = None  # the window pool runs eagerly
+        self._allocate_kv()
         self.sampler = DeviceSampler()
         self.graphs: DecodeGraphs | None = None
         if graph_backend is None and graphs is not None and self.platform.supports_cuda_graphs:
             graph_backend = CudaGraphBackend()
         if graphs is not None and graph_backend is not None:
-            self.graphs = DecodeGraphs(self._layers, first=model.is_first, hidden_size=model_config.hidden_size,
+            self.graphs = DecodeGraphs(self._layers, first=self.model.is_first, hidden_size=model_config.hidden_size,
                                        dtype=dtype, device=self.device, block_size=block_size, settings=graphs,
-                                       backend=graph_backend, copy_out=not model.is_last)
+                                       backend=graph_backend, copy_out=not self.model.is_last)
+            self.graphs.capture()
+
+    def _build_model(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> LlamaForCausalLM:
+        """This slice's model with weights from a checkpoint folder or (HF name, tensor) pairs, cast to the
+        run's dtype, its linears prepared (--quantization) and its rope tables built on the device."""
+        start, end, tp, head_range = self._slice
+        torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.cfg, start, end, tp, head_range)
+        model = model.to_empty(device=self.device)
+        model.load_weights(iter_safetensors(source, names=model.wants, slicer=model.shard_of)
+                           if isinstance(source, str) else source)
+        model = model.to(self.dtype).eval()
+        prepare_linears(model, self.cfg.quantization)  # w8a8, or bf16 packed for oneDNN once
+        model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
+        return model
+
+    def _allocate_kv(self) -> None:
+        """The slice's KV cache, zeroed: one tensor, or the global and sliding-window pools."""
+        model, cfg = self.model, self.cfg
+        n_layers = model.end_layer - model.start_layer
+        block = (model.heads.kv_count, self.block_size, cfg.head_dim)
+        self.local_cache: torch.Tensor | None = None
+        if self.num_window_blocks and any(self.is_local):
+            n_loc = sum(self.is_local)
+            glob = torch.zeros((n_layers - n_loc, 2, self.num_global_blocks, *block), dtype=self.dtype,
+                               device=self.device)
+            self.local_cache = torch.zeros((n_loc, 2, self.num_window_blocks, *block), dtype=self.dtype,
+                                           device=self.device)
+            self.kv_cache: torch.Tensor | LayerCaches | None = LayerCaches(glob, self.local_cache, self.is_local)
+        else:
+            self.kv_cache = torch.zeros((n_layers, 2, self.num_global_blocks, *block), dtype=self.dtype,
+                                        device=self.device)
+
+    # -- weights and memory between steps (collective_rpc; core/weight_sync.py) ------------------------------
+    def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """New weights for this slice from a checkpoint folder or (HF name, tensor) pairs, the KV cache kept
+        (the engine drops every cached prefix); later loads after sleep(2) read the folder again. Returns
+        the slice's parameter count."""
+        self.model = None  # the old weights go before the new ones load: peak memory is one model
+        self.model = self._build_model(source)
+        if isinstance(source, str):
+            self.model_path = source
+        if self.graphs is not None:
+            self.graphs.capture()  # the captured graphs read the old parameters
+        return sum(p.numel() for p in self.model.parameters())
+
+    def sleep(self, level: int) -> None:
+        """level 1: free the KV cache; level 2: the weights too (wake_up reloads them from the last folder)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if level == 2 and not os.path.isdir(self.model_path):
+            raise ValueError("sleep(level=2) drops the weights, and wake_up() reloads them from the checkpoint "
+                             "folder; this engine's weights came from memory: use level 1, or update_weights(FOLDER)")
+        self.kv_cache = self.local_cache = None
+        if level == 2:
+            self.model = None
+        gc.collect()
+        self.platform.empty_cache()
+
+    def wake_up(self) -> None:
+        """Undo sleep(): the weights (if dropped) from the last checkpoint folder, then a zeroed KV cache."""
+        if self.model is None:
+            self.model = self._build_model(self.model_path)
+        if self.kv_cache is None:
+            self._allocate_kv()
+        if self.graphs is not None:
             self.graphs.capture()
 
     def _layers(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from tdpipe.pipeline.wire.block_sync import Delta
 
 # ctrl group, engine -> stages
-INIT, STEP, TRACE, STOP = 1, 2, 3, 4
+INIT, STEP, TRACE, STOP, RPC = 1, 2, 3, 4, 5  # RPC: (method of the ModelRunner, args), run between steps
 # reply group, stages -> engine
-READY, TRACE_DATA, FAILED = 10, 11, 12
+READY, TRACE_DATA, FAILED, RPC_DATA = 10, 11, 12, 13  # RPC_DATA: (ok, the result or the error's text)
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""Weights and memory between generate calls, for RL and data-generation loops: `update_weights` (new
+weights in place, vLLM's collective_rpc-based weight sync and SGLang's update_weights_from_disk), `sleep` /
+`wake_up` (give the KV cache, and optionally the weights, back while a trainer runs).
+
+All three need an idle engine (no unfinished request): the offline `LLM` runs them between generate calls,
+so a request always finishes on the weights it started with. Every worker (each pipeline stage, each
+tensor-parallel rank) does its own part through `Executor.collective_rpc`; no process starts or stops.
+The prefix cache is emptied each time: no request may reuse KV computed by other weights (or lost in sleep).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tdpipe.core.engine import LLMEngine
+
+WeightSource = str | os.PathLike | Iterable[tuple[str, torch.Tensor]]
+# what new weights must share with the loaded model: the engine's KV cache, partition and tables depend on them
+SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias")
+
+
+def _idle(engine: LLMEngine, what: str) -> None:
+    if engine.has_unfinished():
+        raise RuntimeError(f"{what} needs an idle engine: {len(engine.requests)} request(s) are unfinished "
+                           "(call it between generate() calls, or abort them first)")
+
+
+def update_weights(engine: LLMEngine, source: WeightSource) -> int:
+    """Load new weights: a checkpoint folder (every worker reads its own slices from disk), or (Hugging Face
+    name, tensor) pairs in memory (pp = tp = 1: a pipeline's workers are other processes). Returns the new
+    weight version, which every later RequestOutput carries."""
+    _idle(engine, "update_weights")
+    if isinstance(source, (str, os.PathLike)):
+        from tdpipe.config import ModelConfig
+        from tdpipe.model.weights import check_model_folder
+
+        folder = os.path.abspath(os.fspath(source))
+        # one clear line for a missing or broken folder, before any worker loads (a trainer's checkpoint
+        # need not carry the tokenizer)
+        new = ModelConfig.from_hf(check_model_folder(folder, tokenizer=False))
+        old = engine.model_config
+        differ = [f for f in SHAPE_FIELDS if getattr(new, f) != getattr(old, f)]
+        if differ:
+            raise ValueError(f"update_weights: {folder} is a different model: its {', '.join(differ)} differ "
+                             "from the loaded one's")
+        payload: Any = folder
+    else:
+        if engine.executor.num_stages > 1 or engine.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("update_weights with tensors in memory runs at pipeline_parallel_size = "
+                             "tensor_parallel_size = 1; save them and pass the checkpoint folder")
+        payload = list(source)
+    if engine.sleeping:
+        raise RuntimeError("the engine is asleep: call wake_up() before update_weights()")
+    engine.executor.collective_rpc("update_weights", (payload,))
+    engine.block_manager.reset()  # no cached prefix was computed with these weights
+    engine.weight_version += 1
+    return engine.weight_version
+
+
+def sleep(engine: LLMEngine, level: int = 1) -> None:
+    """level 1: free the KV cache; level 2: the weights too (wake_up reloads them from the checkpoint
+    folder the engine last loaded)."""
+    _idle(engine, "sleep")
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    if engine.sleeping:
+        raise RuntimeError(f"the engine is already asleep (level {engine.sleeping})")
+    engine.executor.collective_rpc("sleep", (level,))
+    engine.block_manager.reset()
+    engine.sleeping = level
+
+
+def wake_up(engine: LLMEngine) -> None:
+    """Reallocate what sleep() freed; a no-op on an engine that is awake."""
+    if not engine.sleeping:
+        return
+    engine.executor.collective_rpc("wake_up")
+    engine.sleeping = 0
+
+
+__all__ = ["SHAPE_FIELDS", "WeightSource", "sleep", "update_weights", "wake_up"]

@@ -1,0 +1,115 @@
+"""Weights and memory between generate calls (core/weight_sync.py): update_weights from a folder at pp = 1 and
+pp = 2 and from tensors in memory, the weight version in every output, sleep / wake_up and the memory they
+give back. Two random Qwen2 checkpoints of one shape: A (the session's tiny model) and B (A's weights
+perturbed), each also run alone as the reference."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tdpipe import LLM, SamplingParams
+
+PROMPTS = [list(range(5, 25)), list(range(100, 131)), [7] * 9]
+KV = 64 << 20
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _tensors(folder) -> list[tuple[str, torch.Tensor]]:
+    return [kv for f in sorted(folder.glob("*.safetensors")) for kv in load_file(f).items()]
+
+
+@pytest.fixture(scope="module")
+def two_models(qwen2_tiny, tmp_path_factory):
+    """(folder A, folder B, A's tokens, B's tokens): B is A with every weight perturbed by 20% noise."""
+    from pathlib import Path
+
+    a = Path(qwen2_tiny[0])
+    b = tmp_path_factory.mktemp("weights_b")
+    g = torch.Generator().manual_seed(1)
+    for f in a.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v * (1 + 0.2 * torch.randn(v.shape, generator=g)).to(v.dtype)
+                       for k, v in load_file(f).items()}, b / f.name, metadata={"format": "pt"})
+        else:
+            shutil.copy(f, b / f.name)
+    with LLM(str(a), dtype="float32", kv_cache_memory=KV) as llm:
+        ta = _greedy(llm)
+    with LLM(str(b), dtype="float32", kv_cache_memory=KV) as llm:
+        tb = _greedy(llm)
+    assert ta != tb
+    return a, b, ta, tb
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_update_weights_from_a_folder(two_models, pp):
+    a, b, ta, tb = two_models
+    with LLM(str(a), dtype="float32", pipeline_parallel_size=pp, kv_cache_memory=KV,
+             enable_prefix_caching=True) as llm:
+        assert _greedy(llm) == ta
+        assert llm.update_weights(b) == 1
+        assert _greedy(llm) == tb  # no cached prefix of A's KV is reused
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        assert out.weight_version == 1
+        assert llm.update_weights(str(a)) == 2 and _greedy(llm) == ta
+
+
+def test_update_weights_from_tensors_in_memory(two_models):
+    a, b, ta, tb = two_models
+    with LLM(str(a), dtype="float32", kv_cache_memory=KV) as llm:
+        llm.update_weights(iter(_tensors(b)))
+        assert _greedy(llm) == tb
+    with LLM(str(a), dtype="float32", pipeline_parallel_size=2, kv_cache_memory=KV) as llm:
+        with pytest.raises(ValueError, match="checkpoint folder"):
+            llm.update_weights(_tensors(b))
+        assert _greedy(llm) == ta  # the refusal changed nothing
+        with pytest.raises(ValueError, match="does not exist"):
+            llm.update_weights(b / "no-such-folder")
+        # a worker's error comes back naming the worker, and the pipeline stays usable
+        with pytest.raises(RuntimeError, match=r"sleep failed on .*level must be 1 or 2"):
+            llm.collective_rpc("sleep", (3,))
+        assert _greedy(llm) == ta
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_sleep_frees_memory_and_wake_up_restores_it(two_models):
+    a, _, ta, _ = two_models
+    kv = 256 << 20
+    with LLM(str(a), dtype="float32", kv_cache_memory=kv) as llm:
+        assert _greedy(llm) == ta
+        before = _rss()
+        llm.sleep(1)
+        asleep = _rss()
+        with pytest.raises(RuntimeError, match="wake_up"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], use_tqdm=False)
+        llm.wake_up()
+        assert _greedy(llm) == ta
+        llm.sleep(2)
+        llm.wake_up()
+        assert _greedy(llm) == ta
+    assert before - asleep > kv // 2, f"sleep(1) gave back {(before - asleep) >> 20} MiB of a {kv >> 20} MiB cache"
+
+
+def test_sleep_and_updates_need_an_idle_engine(two_models):
+    a, b, _, _ = two_models
+    with LLM(str(a), dtype="float32", kv_cache_memory=KV) as llm:
+        llm.engine.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="1 request"):
+            llm.sleep(1)
+        with pytest.raises(RuntimeError, match="idle engine"):
+            llm.update_weights(b)
+        llm.engine.abort_request("busy")
+        with pytest.raises(ValueError, match="level must be 1 or 2"):
+            llm.sleep(3)
+        llm.sleep(1)
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.update_weights(b)

@@ -113,3 +113,49 @@ def test_sleep_and_updates_need_an_idle_engine(two_models):
         llm.sleep(1)
         with pytest.raises(RuntimeError, match="asleep"):
             llm.update_weights(b)
+
+
+def test_the_server_updates_weights_while_requests_run(two_models):
+    """AsyncLLM (engine core in its own process) behind the HTTP app: a request in flight when the update
+    arrives finishes on the old weights, one sent after it runs on the new, the route needs the API key."""
+    import asyncio
+
+    import httpx
+
+    from tdpipe.config import CacheConfig, EngineConfig
+    from tdpipe.core.async_llm import AsyncLLM
+    from tdpipe.entrypoints.openai.api_server import build_app
+    from tdpipe.entrypoints.openai.serve_args import ServerConfig
+
+    a, b, ta, tb = two_models
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def last(llm, prompt, params, rid):
+        return [o async for o in llm.generate(prompt, params, rid)][-1]
+
+    async def main():
+        llm = await AsyncLLM.start(EngineConfig(model=str(a), dtype="float32", cache=CacheConfig(kv_cache_memory=KV)))
+        try:
+            app = build_app(llm, ServerConfig(api_key="secret"))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                r = await http.post("/update_weights_from_disk", json={"model_path": str(b)})
+                assert r.status_code == 401
+                old = asyncio.ensure_future(last(llm, PROMPTS[0], long, "old"))
+                await asyncio.sleep(0.2)  # in flight when the update arrives
+                auth = {"Authorization": "Bearer secret"}
+                update = asyncio.ensure_future(http.post("/update_weights_from_disk", json={"model_path": str(b)},
+                                                         headers=auth))
+                await asyncio.sleep(0.05)
+                assert not old.done() and not update.done()  # the update waits for the request in flight
+                new = await last(llm, PROMPTS[0], sp, "new")  # sent after the update: waits for it
+                r = await update
+                assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
+                assert (await old).outputs[0].token_ids[:8] == ta[0]
+                assert new.outputs[0].token_ids == tb[0]
+                r = await http.post("/update_weights_from_disk", json={"model_path": str(b / "nope")}, headers=auth)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())

@@ -14,6 +14,7 @@ process dies, every open request raises EngineDeadError, `dead_reason` says why 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import pickle
@@ -59,6 +60,8 @@ class AsyncLLM:
         self._pidfd = -1
         self._dir = ""
         self._tasks: list[asyncio.Task] = []
+        self._updates: dict[int, asyncio.Future] = {}  # weight updates waiting for the core's answer
+        self._update_ids = itertools.count()
 
     # -- life cycle --------------------------------------------------------------------------------------
     @classmethod
@@ -243,8 +246,31 @@ class AsyncLLM:
             self.processor.abort(rid)
             if (c := self._collectors.get(rid)) is not None:
                 c.fail(ValueError(err))
+        elif msg[0] == core.UPDATED:
+            _, call, version, err = msg
+            if (fut := self._updates.pop(call, None)) is not None and not fut.done():
+                fut.set_result(version) if err is None else fut.set_exception(ValueError(err))
         elif msg[0] == core.DEAD:
             self._die("the engine core failed", msg[1])
+
+    async def update_weights_from_disk(self, model_path: str) -> int:
+        """New weights from a checkpoint folder (core/weight_sync.py), without a restart: requests in flight
+        finish on the old weights, requests that arrive meanwhile wait and run on the new ones, the prefix
+        cache is emptied. Returns the new weight version; ValueError for a folder the engine refuses."""
+        self.check_health()
+        call = next(self._update_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._updates[call] = fut
+        self._send(core.UPDATE, call, model_path)
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            done, _ = await asyncio.wait([fut, dead], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+        if fut not in done:
+            self._updates.pop(call, None)
+            raise EngineDeadError(self.dead_reason or "the engine core is gone")
+        return fut.result()
 
     async def _read_outputs(self) -> None:
         try:

@@ -24,8 +24,10 @@ log = logging.getLogger("tdpipe")
 
 # frontend -> core
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
+UPDATE = "update_weights"  # (UPDATE, call id, checkpoint folder): core/weight_sync.py once the engine is idle
 # core -> frontend
 READY, OUT, REJECTED, DEAD = "ready", "out", "rejected", "dead"
+UPDATED = "updated"  # (UPDATED, call id, new weight version or None, error text or None)
 
 IDLE_STATS_S = 1.0  # stats refresh while nothing runs
 BUSY_WINDOW_S = 5.0  # stage busy ratio: measured over this window (one stage round trip per window, pp > 1)
@@ -127,6 +129,21 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
 
     meter = BusyMeter(engine)
     last_stats = 0.0
+    # a weight update waits for the requests in flight to finish on the old weights; requests that arrive
+    # meanwhile are held here and added once the new weights are in
+    update: tuple[int, str] | None = None
+    held: list[tuple] = []
+
+    def add(msg: tuple) -> None:
+        _, rid, ids, params, text = msg
+        try:
+            engine.add_request(rid, text if text is not None else ids, params, prompt_token_ids=ids)
+        except ValueError as e:
+            send(REJECTED, rid, str(e))
+        except Exception:  # noqa: BLE001 - one bad request never takes the core down
+            log.exception("engine core: request %r refused by an unexpected error", rid)
+            send(REJECTED, rid, "the engine could not add this request (an internal error; see the server log)")
+
     while not stop["now"]:
         if os.getppid() != parent_pid:
             log.warning("engine core: the frontend process is gone; stopping")
@@ -140,19 +157,30 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
             if msg[0] == SHUTDOWN:
                 return
             if msg[0] == ADD:
-                _, rid, ids, params, text = msg
-                try:
-                    engine.add_request(rid, text if text is not None else ids, params, prompt_token_ids=ids)
-                except ValueError as e:
-                    send(REJECTED, rid, str(e))
-                except Exception:  # noqa: BLE001 - one bad request never takes the core down
-                    log.exception("engine core: request %r refused by an unexpected error", rid)
-                    send(REJECTED, rid, "the engine could not add this request (an internal error; see the "
-                                        "server log)")
+                (held.append if update is not None else add)(msg)
             elif msg[0] == ABORT:
+                if msg[2] != "stop":  # a held request leaves the queue without ever reaching the engine
+                    held = [h for h in held if h[1] not in msg[1]]
                 # "stop": (request id, sample index) pairs a stop string ended; else request ids
                 (engine.abort_samples if msg[2] == "stop" else engine.abort_request)(msg[1], reason=msg[2])
+            elif msg[0] == UPDATE:
+                if update is not None:
+                    send(UPDATED, msg[1], None, "another weight update is already waiting")
+                else:
+                    update = (msg[1], msg[2])
             timeout = 0
+        if update is not None and not engine.has_unfinished():
+            from tdpipe.core.weight_sync import update_weights
+
+            try:
+                send(UPDATED, update[0], update_weights(engine, update[1]), None)
+            except Exception as e:  # noqa: BLE001 - a bad folder is the caller's error, not the core's death
+                send(UPDATED, update[0], None, " ".join(str(e).split()) or type(e).__name__)
+            update, pending = None, held
+            held = []
+            for m in pending:
+                add(m)
+            changed = True
         deltas = engine.step() if engine.has_unfinished() else []
         meter.maybe_update(bool(deltas))
         now = time.time()

@@ -38,7 +38,7 @@ from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_
 from tdpipe.entrypoints.openai.metrics import ServerMetrics
 from tdpipe.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                 DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                                TokenizeResponse)
+                                                TokenizeResponse, UpdateWeightsRequest)
 from tdpipe.entrypoints.openai.ignored_fields import ignored_fields_header
 from tdpipe.entrypoints.openai.serving import OpenAIServing
 from tdpipe.entrypoints.openai.serving_chat import ChatServing, apply_template
@@ -57,6 +57,7 @@ BODY_READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way gets 
 # a connection that sends no request at all is closed after this long: generous, because under a burst of
 # new connections a busy event loop may read a first request late, and closing then fails a good client
 FIRST_REQUEST_TIMEOUT_S = 60.0
+UPDATE_WEIGHTS_PATH = "/update_weights_from_disk"  # SGLang's route: {"model_path": FOLDER}
 SLOW_SHUTDOWN_S = 5.0  # after the core died: how long the failed requests get to send their answers
 
 
@@ -140,6 +141,21 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
         return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),
                                              max_model_len=int(eng.max_model_len)).model_dump(),
                             headers=ignored_fields_header(ignored))
+
+    @app.post(UPDATE_WEIGHTS_PATH)
+    async def update_weights_from_disk(request: Request) -> Response:
+        """New weights from a folder without a restart (core/weight_sync.py): requests in flight finish on
+        the old weights, later ones wait and run on the new. Behind the API key, as the /v1 routes."""
+        req = await parse_body(request, UpdateWeightsRequest, limit)
+        eng = serving.engine()
+        update = getattr(eng, "update_weights_from_disk", None)
+        if update is None:
+            raise OpenAIError(501, "this engine cannot update its weights", None, "not_implemented")
+        try:
+            version = await update(req.model_path)
+        except ValueError as e:
+            raise bad_request(str(e), "model_path") from None
+        return JSONResponse({"success": True, "message": f"loaded {req.model_path}", "weight_version": version})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -258,15 +274,17 @@ def _depth_over(obj: Any, limit: int) -> bool:
 
 
 class APIKeyMiddleware:
-    """Every /v1 route needs "Authorization: Bearer <key>" (401 otherwise). Compared in constant time; the
-    key is never logged. /health, /metrics, /tokenize and /detokenize stay open, as in vLLM."""
+    """Every /v1 route and the weight update need "Authorization: Bearer <key>" (401 otherwise). Compared in
+    constant time; the key is never logged. /health, /metrics, /tokenize and /detokenize stay open, as in
+    vLLM."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
+        guarded = scope.get("path", "").startswith("/v1") or scope.get("path") == UPDATE_WEIGHTS_PATH
+        if scope["type"] != "http" or not guarded or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")

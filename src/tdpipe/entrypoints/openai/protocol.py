@@ -237,6 +237,12 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
+class UpdateWeightsRequest(_Request):
+    """POST /update_weights_from_disk (SGLang's route and field): a checkpoint folder the server can read."""
+
+    model_path: str
+
+
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]

@@ -104,7 +104,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
         ids, cache, got = torch.tensor([p], device=dev), None, []
         with torch.inference_mode():
             for _ in range(n):
-                o = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                o = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache, tok = o.past_key_values, int(o.logits[0, -1].argmax())
                 got.append(tok)
                 ids = torch.tensor([[tok]], device=dev)

@@ -4,6 +4,10 @@
 //   dequant_rows:   acc int32 [M, N], sx [M], sw [N], bias [N]? -> out [M, N] = acc * sx[m] * sw[n] (+ bias[n]),
 //                   fp32 math, stored as bf16 (round to nearest even) or fp32
 // One pass over memory each, where the torch expressions make four to six.
+//
+// Compiled inside ops.cpp's extension (one build, not two: each costs half a minute of gcc on torch's
+// headers), but without its fast-math: the results must be the torch fallback's bits, so no reassociation,
+// no reciprocal for a division, no FMA contraction.
 #include <torch/extension.h>
 #include <omp.h>
 #include <algorithm>
@@ -12,7 +16,10 @@
 #include <cstring>
 #include <tuple>
 
-namespace {
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
+namespace int8_detail {
 
 inline float bf16_to_f(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -99,7 +106,7 @@ void dequant_impl(const int32_t* acc, const float* sx, const float* sw, const B*
   }
 }
 
-}  // namespace
+}  // namespace int8_detail
 
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: contiguous [M, K]");
@@ -108,10 +115,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto scale = torch::empty({rows}, x.options().dtype(torch::kFloat32));
   if (x.dtype() == torch::kBFloat16) {
-    quantize_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+    int8_detail::quantize_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                             rows, k);
   } else {
-    quantize_impl<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k);
+    int8_detail::quantize_impl<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k);
   }
   return {q, scale};
 }
@@ -137,11 +144,11 @@ torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw
   auto run = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     if (!has_bias) {
-      dequant_impl<T, float>(a, px, pw, nullptr, o, rows, n);
+      int8_detail::dequant_impl<T, float>(a, px, pw, nullptr, o, rows, n);
     } else if (b.dtype() == torch::kBFloat16) {
-      dequant_impl<T, uint16_t>(a, px, pw, reinterpret_cast<const uint16_t*>(b.data_ptr()), o, rows, n);
+      int8_detail::dequant_impl<T, uint16_t>(a, px, pw, reinterpret_cast<const uint16_t*>(b.data_ptr()), o, rows, n);
     } else {
-      dequant_impl<T, float>(a, px, pw, b.data_ptr<float>(), o, rows, n);
+      int8_detail::dequant_impl<T, float>(a, px, pw, b.data_ptr<float>(), o, rows, n);
     }
   };
   if (out_dtype == torch::kBFloat16) {
@@ -152,7 +159,4 @@ torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantisation: (q, scale)");
-  m.def("dequant_rows", &dequant_rows, "int32 GEMM output times row and column scales (+ bias), bf16 or fp32");
-}
+#pragma GCC pop_options

@@ -210,9 +210,13 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+#include "int8.cpp"  // W8A8's quantise / scale passes (model/int8_linear.py), built without fast-math
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation on the fused gate_up output");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of bf16 logits");
   m.def("rope_", &rope_, "in-place rotary embedding (rotate_half convention)");
+  m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantisation: (q, scale)");
+  m.def("dequant_rows", &dequant_rows, "int32 GEMM output times row and column scales (+ bias), bf16 or fp32");
 }

@@ -20,16 +20,15 @@ import functools
 import torch
 from torch import nn
 
-from tdpipe.model.jit import build
+from tdpipe.model import cpu_ops
 
 QMAX = 127  # symmetric: -127..127, so that -q is always representable
 
 
-@functools.cache
 def kernel():
-    """The compiled csrc/int8.cpp, or None (the torch expressions below then run)."""
-    return build("tdpipe_int8", "int8.cpp", ["-fno-math-errno", "-fno-trapping-math", "-ffinite-math-only", "-fno-signed-zeros",
-                                        "-ffp-contract=off"])  # vectorised min / max; no FMA: torch's rounding
+    """The compiled passes (csrc/int8.cpp, built into model/cpu_ops' extension), or None (the torch
+    expressions below then run)."""
+    return cpu_ops.kernel()
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,12 @@ def cpu_tag(source: Path, flags: list[str]) -> str:
             key += "".join(line for line in f if line.startswith(("flags", "model name")))
     except OSError:
         pass
-    key += "|".join([torch.__version__, platform.python_version(), " ".join(flags), source.read_text()])
+    text = source.read_text()
+    # the local files it includes (#include "x.cpp") are part of the build too
+    included = [source.parent / line.split('"')[1] for line in text.splitlines()
+                if line.startswith('#include "')]
+    key += "|".join([torch.__version__, platform.python_version(), " ".join(flags), text,
+                     *(f.read_text() for f in included)])
     return hashlib.sha1(key.encode()).hexdigest()[:12]
 
 

@@ -190,17 +190,20 @@ class ModelRunner:
                                         device=self.device)
 
     # -- weights and memory between steps (collective_rpc; core/weight_sync.py) ------------------------------
-    def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> None:
         """New weights for this slice from a checkpoint folder or (HF name, tensor) pairs, the KV cache kept
-        (the engine drops every cached prefix); later loads after sleep(2) read the folder again. Returns
-        the slice's parameter count."""
+        (the engine drops every cached prefix); later loads after sleep(2) read the folder again."""
         self.model = None  # the old weights go before the new ones load: peak memory is one model
-        self.model = self._build_model(source)
+        try:
+            self.model = self._build_model(source)
+        except Exception:
+            if os.path.isdir(self.model_path):  # a failed load leaves no weights: reload the last folder's
+                self.model = self._build_model(self.model_path)
+            raise
         if isinstance(source, str):
             self.model_path = source
         if self.graphs is not None:
             self.graphs.capture()  # the captured graphs read the old parameters
-        return sum(p.numel() for p in self.model.parameters())
 
     def sleep(self, level: int) -> None:
         """level 1: free the KV cache; level 2: the weights too (wake_up reloads them from the last folder)."""

@@ -56,8 +56,12 @@ def update_weights(engine: LLMEngine, source: WeightSource) -> int:
         payload = list(source)
     if engine.sleeping:
         raise RuntimeError("the engine is asleep: call wake_up() before update_weights()")
-    engine.executor.collective_rpc("update_weights", (payload,))
-    engine.block_manager.reset()  # no cached prefix was computed with these weights
+    try:
+        engine.executor.collective_rpc("update_weights", (payload,))
+    finally:
+        # no cached prefix was computed with these weights, nor with what a failed load restored (the
+        # workers reload the last folder: ModelRunner.update_weights)
+        engine.block_manager.reset()
     engine.weight_version += 1
     return engine.weight_version
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tdpipe.config import EngineConfig
+from tdpipe.model import cpu_ops
 from tdpipe.model import int8_linear as il
 from tdpipe.model.quantization import KEEP_FLOAT, check_quantization, prepare_linears
 
@@ -17,7 +18,7 @@ def _torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = il.kernel()
+    k = cpu_ops.kernel()
     if k is None:
         pytest.fail("the int8 kernel did not build (gcc is part of the set-up)")
     return k

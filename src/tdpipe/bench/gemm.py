@@ -20,14 +20,15 @@ The quantisation paths for W8A8 were chosen by this measurement: see docs/quanti
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from tdpipe.model.int8_linear import Int8Head, Int8Linear, kernel, onednn_qlinear_available
+from tdpipe.bench.machine import write_json
+from tdpipe.model.cpu_ops import kernel
+from tdpipe.model.int8_linear import Int8Head, Int8Linear, onednn_qlinear_available
 from tdpipe.model.packed_linear import PackedLinear, packing_available
 
 DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-0.5b")
@@ -144,10 +145,7 @@ def cmd(a: argparse.Namespace) -> int:
           f"{'built' if r['int8_kernel'] else 'unavailable (torch fallback)'}")
     print(table(r))
     if a.json:
-        from tdpipe.bench.machine import machine_info
-
-        with open(a.json, "w") as f:
-            json.dump({**r, "machine": machine_info()}, f, indent=1)
+        write_json(a.json, r)
     return 0
 
 

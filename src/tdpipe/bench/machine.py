@@ -45,6 +45,14 @@ def machine_info() -> dict[str, Any]:
             "torch_cpu_capability": capability, "platform": platform.platform(), "torch": torch.__version__}
 
 
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """A bench's figures as JSON, with the machine that measured them."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({**result, "machine": machine_info()}, f, indent=1)
+
+
 def describe(m: dict[str, Any]) -> str:
     """One line for a table header: 'Intel Xeon ... (2 usable cores of 2; avx512_bf16 amx_bf16 ...)'."""
     isa = " ".join(m.get("isa") or []) or "ISA flags unknown"
@@ -52,4 +60,4 @@ def describe(m: dict[str, Any]) -> str:
     return f"{m.get('cpu')} ({cores}; {isa})"
 
 
-__all__ = ["ISA_FLAGS", "describe", "isa_flags", "machine_info"]
+__all__ = ["ISA_FLAGS", "describe", "isa_flags", "machine_info", "write_json"]

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tdpipe.bench.machine import write_json
 from tdpipe.config import QUANTIZATIONS
 
 DEFAULT_DATASET = Path(__file__).resolve().parents[3] / "data" / "history" / "prompts.jsonl"
@@ -147,10 +148,7 @@ def cmd(a: argparse.Namespace) -> int:
     print(f"perplexity of {r['model']} over {r['windows']} windows of up to {r['window']} tokens of {r['dataset']}")
     print(table(r))
     if a.json:
-        from tdpipe.bench.machine import machine_info
-
-        with open(a.json, "w") as f:
-            json.dump({**r, "machine": machine_info()}, f, indent=1)
+        write_json(a.json, r)
     return 0
 
 

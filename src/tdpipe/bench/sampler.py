@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
 
+from tdpipe.bench.machine import write_json
 from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.sampler import Sampler
@@ -100,10 +100,7 @@ def cmd(a: argparse.Namespace) -> int:
     r = run(a.batch, a.vocab, a.hidden, a.iters, a.flat_every, a.threads)
     print(report(r))
     if a.json:
-        from tdpipe.bench.machine import machine_info
-
-        with open(a.json, "w") as f:
-            json.dump({**r, "machine": machine_info()}, f, indent=1)
+        write_json(a.json, r)
     return 0
 
 

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <tuple>
 
 #pragma GCC push_options
@@ -21,27 +20,7 @@
 
 namespace int8_detail {
 
-inline float bf16_to_f(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-template <typename T> inline float ld(const T* p, int64_t i);
-template <> inline float ld<float>(const float* p, int64_t i) { return p[i]; }
-template <> inline float ld<uint16_t>(const uint16_t* p, int64_t i) { return bf16_to_f(p[i]); }
-template <typename T> inline void st(T* p, int64_t i, float v);
-template <> inline void st<float>(float* p, int64_t i, float v) { p[i] = v; }
-template <> inline void st<uint16_t>(uint16_t* p, int64_t i, float v) { p[i] = f_to_bf16(v); }
+// bf16_to_f, f_to_bf16, ld and st are ops.cpp's: bit manipulation, which these options do not change
 
 #ifdef __AVX512F__
 #include <immintrin.h>

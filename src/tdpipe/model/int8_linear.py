@@ -25,15 +25,9 @@ from tdpipe.model import cpu_ops
 QMAX = 127  # symmetric: -127..127, so that -q is always representable
 
 
-def kernel():
-    """The compiled passes (csrc/int8.cpp, built into model/cpu_ops' extension), or None (the torch
-    expressions below then run)."""
-    return cpu_ops.kernel()
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [M, K], scale float32 [M]): per-row symmetric quantisation, round half to even."""
-    k = kernel()
+    k = cpu_ops.kernel()  # csrc/int8.cpp is built into it
     if k is not None and x.device.type == "cpu" and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32):
         return k.quantize_rows(x)
     xf = x.float()
@@ -46,7 +40,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequant_rows(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> torch.Tensor:
     """acc * sx[:, None] * sw[None, :] (+ bias) in float32, returned in `dtype`."""
-    k = kernel()
+    k = cpu_ops.kernel()
     if k is not None and acc.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
         return k.dequant_rows(acc.contiguous(), sx, sw, bias, dtype)
     y = acc.float() * sx[:, None] * sw[None, :]
@@ -143,4 +137,4 @@ def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return n
 
 
-__all__ = ["Int8Head", "Int8Linear", "QMAX", "onednn_qlinear_available", "dequant_rows", "kernel", "quantize_linears", "quantize_rows", "quantize_weight"]
+__all__ = ["Int8Head", "Int8Linear", "QMAX", "onednn_qlinear_available", "dequant_rows", "quantize_linears", "quantize_rows", "quantize_weight"]

@@ -10,8 +10,9 @@ cache gets what is left of that share:
     kv_bytes = gpu_memory_utilization * total - (total - free) - weights_bytes
 
 with (free, total) from torch.cuda.mem_get_info after this process's unreferenced tensors are collected and
-torch's cached blocks handed back (so a second LLM in one process sees what the first one freed), read before the weights load (the engine sizes the cache
-before the stages start) and `weights_bytes` what they will take. Memory other processes hold counts as
+torch's cached blocks handed back (so a second LLM in one process sees what the first one freed), read
+before the weights load (the engine sizes the cache before the stages start) and `weights_bytes` what they
+will take. Memory other processes hold counts as
 used, as in vLLM. Activations, the sampler's [batch, vocab] tensors and CUDA-graph pools are not measured
 (vLLM profiles a forward pass for them): the (1 - utilization) margin must cover them.
 """
@@ -71,7 +72,7 @@ class CudaPlatform(Platform):
         if self._mem_get_info is not None:
             return self._mem_get_info(index)
         gc.collect()  # an LLM shut down earlier in this process: its weights and KV cache are garbage by now
-        torch.cuda.empty_cache()  # ... but torch's allocator keeps their blocks cached, counted as used
+        self.empty_cache()  # ... but torch's allocator keeps their blocks cached, counted as used
         return torch.cuda.mem_get_info(index)
 
     def default_dtype(self) -> torch.dtype:

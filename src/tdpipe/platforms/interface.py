@@ -52,8 +52,8 @@ class Platform(ABC):
         """Wait for the device's queued work (timing); a no-op where work is synchronous."""
 
     def empty_cache(self) -> None:
-        """Hand memory the framework keeps cached back to the system (sleep); a no-op on CPU, where freed
-        tensors above the mmap threshold are unmapped at once (tdpipe/malloc.py)."""
+        """Hand memory the framework or the allocator keeps cached back to the system (sleep, the CUDA memory
+        probe); a no-op unless a platform keeps some (CPU: the heap, CUDA: torch's caching allocator)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-
 from dataclasses import dataclass
 from typing import Iterable
 

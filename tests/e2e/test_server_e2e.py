@@ -232,6 +232,47 @@ def test_n_samples_and_logprobs(client):
     assert got[0] == got[1] == chat.choices[0].message.content and n_lp[0] == len(content)
 
 
+def test_structured_output_response_format_and_vllm_fields(client):
+    """response_format json_schema sampled at temperature 1 (n = 3, streamed too) parses and validates;
+    json_object, vLLM's structured_outputs and guided_choice work; a bad schema is a 400 naming the field."""
+    import jsonschema
+    import openai
+
+    model = client.models.list().data[0].id
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10 ** 8},
+                                               "capital": {"type": "boolean"}},
+              "required": ["city", "population", "capital"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    msgs = [{"role": "user", "content": "Describe a city as JSON."}]
+    r = client.chat.completions.create(model=model, messages=msgs, response_format=fmt, temperature=1.0, n=3,
+                                       seed=11, max_completion_tokens=200)
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+    texts = {}
+    for ch in client.chat.completions.create(model=model, messages=msgs, response_format=fmt, temperature=1.0,
+                                             n=3, seed=11, max_completion_tokens=200, stream=True):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices]
+    obj = client.chat.completions.create(model=model, messages=msgs, response_format={"type": "json_object"},
+                                         temperature=0, max_completion_tokens=100)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = client.completions.create(model=model, prompt="Is the sky blue?", max_tokens=5, temperature=1.0, n=4,
+                                     extra_body={"guided_choice": ["yes", "no"]})
+    assert {c.text for c in pick.choices} <= {"yes", "no"}
+    num = client.completions.create(model=model, prompt="A number:", max_tokens=8, temperature=1.0,
+                                    extra_body={"structured_outputs": {"regex": r"[1-9][0-9]{2}"}})
+    assert re.fullmatch(r"[1-9][0-9]{2}", num.choices[0].text)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"type": "no-such-type"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=msgs, response_format=bad)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert "not a valid JSON schema" in e.value.body["message"]
+
+
 def _greedy_ids_via_server(url: str, headers: dict) -> list[list[int]]:
     out = []
     for p in PROMPTS:

@@ -5,8 +5,9 @@ ignore_eos=True and max_tokens=output_len, so every request produces exactly its
 runs are comparable across engines and commits. Model load, the matmul-peak probe and a two-request
 warm-up are excluded from the timed region.
 
---compare-pp1 (the same settings at pp = 1, all the workers' threads in one process) and --compare-hf
-(transformers generate) make this process the orchestrator only: every run of every side is a fresh
+--structured-output json puts every request under a JSON schema's token masks (xgrammar), for the cost of
+structured output. --compare-pp1 (the same settings at pp = 1, all the workers' threads in one process),
+--compare-unconstrained (the same without the schema) and --compare-hf (transformers generate) make this process the orchestrator only: every run of every side is a fresh
 `tdpipe bench throughput` process (tdpipe.bench.fresh), the engine side first, the sides alternated over
 --repeats, and the table and JSON give each side's median and the ratio of the medians. Running the pp = 1
 engine after the pp = 2 one in the same process once measured 284 output tok/s where the same settings alone
@@ -113,6 +114,13 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="with --compare-pp1 / --compare-hf: run every side N times, in alternating order (A B, "
                         "B A, ...), and compare the medians (default: %(default)s)")
+    p.add_argument("--structured-output", choices=("none", "json"), default="none",
+                   help="json: every request follows a JSON schema (an array of at least 1,000 records of an "
+                        "integer id and a string name, so no grammar can end before the forced output length), "
+                        "sampled through xgrammar's token masks; none: unconstrained (default: %(default)s)")
+    p.add_argument("--compare-unconstrained", action="store_true",
+                   help="with --structured-output json: also run the same workload unconstrained and report "
+                        "the throughput ratio; every run, of either side, in a fresh process of its own")
     p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # --compare-hf's side process
     add_engine_args(p)
     p.set_defaults(fn=lambda a: run(a, p))
@@ -156,10 +164,18 @@ def build_workload(a: argparse.Namespace, vocab_size: int, max_model_len: int,
     return name, reqs
 
 
-def _params(output_len: int) -> Any:
+# --structured-output json: records that cannot all fit in any forced output length, so every token of every
+# request is sampled under the grammar's mask (a grammar that ended would leave the rest unconstrained)
+RECORDS_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+    "required": ["id", "name"]}}
+
+
+def _params(output_len: int, structured: str = "none") -> Any:
     from tdpipe.sampling.params import SamplingParams
 
-    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    so = {"json": RECORDS_SCHEMA} if structured == "json" else None
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len, structured_outputs=so)
 
 
 def preflight(a: argparse.Namespace) -> None:
@@ -185,15 +201,19 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) ->
         raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     if a.hf_only:
         res = run_hf_side(a, fresh.flag_value(parser, a, "--threads") if parser else None)
-    elif a.compare_pp1 or a.compare_hf:
+    elif a.compare_pp1 or a.compare_hf or a.compare_unconstrained:
+        if a.compare_unconstrained and a.structured_output == "none":
+            raise ValueError("--compare-unconstrained needs --structured-output json")
         if a.compare_pp1 and a.pipeline_parallel_size * a.tensor_parallel_size <= 1:
             raise ValueError("--compare-pp1 needs --pp > 1 or --tp > 1")
         if parser is None:
-            raise ValueError("--compare-pp1 / --compare-hf run from the command line (`tdpipe bench throughput`)")
+            raise ValueError("--compare-pp1 / --compare-hf / --compare-unconstrained run from the command line "
+                             "(`tdpipe bench throughput`)")
         res = run_compared(a, parser)
     else:
         if a.repeats != 1:
-            raise ValueError("--repeats applies to --compare-pp1 / --compare-hf (one run needs no repeat)")
+            raise ValueError("--repeats applies to --compare-pp1 / --compare-hf / --compare-unconstrained (one run "
+                             "needs no repeat)")
         res = run_engine(a)
     if not a.hf_only:
         print(format_table(res))
@@ -225,7 +245,7 @@ def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
     peak = measure_matmul_peak_fresh(engine.dtype, threads)  # the peak of every core the stages use
     print(f"matmul peak ({dtype_name}, {threads} threads): {peak:.1f} GFLOP/s", file=sys.stderr, flush=True)
 
-    timed = _timed_run(llm, reqs)
+    timed = _timed_run(llm, reqs, a.structured_output)
     elapsed, outs, s = timed["elapsed"], timed["outs"], timed["stats"]
 
     errors = [o.error for o in outs if o.error]
@@ -279,6 +299,7 @@ def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
         "mfu_formula": MFU_FORMULA,
         "dtype": dtype_name,
         "threads": threads,
+        "structured_output": a.structured_output,
         "machine": machine_info(),
         "pid": os.getpid(),
         "model": engine.model_path,
@@ -289,7 +310,7 @@ def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
 
 # -- the fair comparison: each side in its own process ---------------------------------------------------------
 # options that only steer the comparison itself; a side never gets them
-COMPARE_ONLY = ("--compare-pp1", "--compare-hf", "--repeats", "--json", "--hf-only")
+COMPARE_ONLY = ("--compare-pp1", "--compare-hf", "--compare-unconstrained", "--repeats", "--json", "--hf-only")
 
 
 def pp1_overrides(threads: int) -> dict[str, Any]:
@@ -313,7 +334,8 @@ def side_command(a: argparse.Namespace, parser: argparse.ArgumentParser, side: s
     over: dict[str, Any] = {}
     if side != "engine":  # the engine side always runs first (fresh.run_order), so its settings are known
         first = next(r.result for r in runs if r.side == "engine")
-        over = pp1_overrides(first["threads"]) if side == "pp1" else hf_overrides(first)
+        over = {"pp1": lambda: pp1_overrides(first["threads"]), "hf": lambda: hf_overrides(first),
+                "free": lambda: {"--structured-output": "none"}}[side]()
     skip = [k for k in COMPARE_ONLY if k not in over]
     return [*fresh.CLI, "bench", "throughput", *fresh.replay_flags(parser, a, over, skip=skip), "--json", out]
 
@@ -325,7 +347,7 @@ def _tok_s(r: dict[str, Any]) -> float:
 def run_compared(a: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Every side in fresh processes, alternated over --repeats; the engine side's median run with each
     other side's median and the ratios of the medians (and per repeat)."""
-    sides = ["engine"] + ["pp1"] * a.compare_pp1 + ["hf"] * a.compare_hf
+    sides = ["engine"] + ["pp1"] * a.compare_pp1 + ["hf"] * a.compare_hf + ["free"] * a.compare_unconstrained
     runs = fresh.run_sides(sides, a.repeats, lambda side, r, out, done: side_command(a, parser, side, out, done),
                            describe=lambda run: f"{_tok_s(run.result):.1f} output tok/s")
     fresh.check_same_work(runs, lambda r: (r["workload"], r["num_requests"], r["total_input_tokens"]))
@@ -340,6 +362,12 @@ def run_compared(a: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                 "pp1_elapsed_s": base["elapsed_s"], "pp1_bubble_ratio": base["bubble_ratio"],
                 "pp1_threads": base["threads"], "pp1_mfu": base["mfu"], "ratio_vs_pp1": c["ratio"],
                 "ratio_vs_pp1_per_repeat": c["ratio_per_repeat"]}
+    if a.compare_unconstrained:
+        c = fresh.compare(runs, "engine", "free", _tok_s)
+        res["comparison"]["free"] = c
+        res |= {"unconstrained_output_tokens_per_s": c["base_median"],
+                "unconstrained_output_tokens_per_s_runs": c["base_values"], "ratio_vs_unconstrained": c["ratio"],
+                "ratio_vs_unconstrained_per_repeat": c["ratio_per_repeat"]}
     if a.compare_hf:
         c = fresh.compare(runs, "engine", "hf", _tok_s)
         hf = fresh.median_run(runs, "hf", _tok_s).result
@@ -407,14 +435,14 @@ def _step_costs(engine: Any) -> dict[str, Any] | None:
     return {"d0": c.d0, "d1": c.d1, "p0": c.p0, "p1": c.p1, "peak_batch": c.peak_batch, "source": c.source}
 
 
-def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
+def _timed_run(llm: Any, reqs: list[wl.BenchRequest], structured: str = "none") -> dict[str, Any]:
     """Warm up (kernel JIT, allocator, worker start-up stay out of the timing), then run the whole workload
     at once; returns the elapsed time, outputs, step counts and the trace summary (bubble ratios)."""
     from tdpipe.viz.timeline import summarize
 
     engine = llm.engine
     warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2]]
-    llm.generate(warm, [_params(2) for _ in warm], use_tqdm=False)
+    llm.generate(warm, [_params(2, structured) for _ in warm], use_tqdm=False)  # the grammar compiled too
     st = engine.stats
     sched = engine.scheduler
     model = _learned(engine)  # every prediction the model made, batched or one by one
@@ -423,7 +451,7 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest]) -> dict[str, Any]:
               model.seconds if model else 0.0, model.count if model else 0, st.predicted)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, [_params(r.output_len) for r in reqs], use_tqdm=sys.stderr.isatty())
+    outs = llm.generate(prompts, [_params(r.output_len, structured) for r in reqs], use_tqdm=sys.stderr.isatty())
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = (spec.read_stats(sched), st.prefill_steps, st.decode_steps, st.mixed_steps,
              model.seconds if model else 0.0, model.count if model else 0, st.predicted)
@@ -568,6 +596,17 @@ def format_table(r: dict[str, Any]) -> str:
             ("ratio vs pp=1", f"{r['ratio_vs_pp1']:.3f}x  (output tokens/s, same workload, same sitting, "
                               + ("each run in its own process" if cmp else "pp=1 after pp=n in one process: biased")
                               + f"{_per_repeat(r, 'ratio_vs_pp1_per_repeat')})"),
+        ]
+    if r.get("structured_output", "none") != "none":
+        rows.append(("structured output", f"{r['structured_output']}: every request under a JSON schema's "
+                                          "token masks"))
+    if "ratio_vs_unconstrained" in r:
+        rows += [
+            ("unconstrained tok/s", f"{r['unconstrained_output_tokens_per_s']:.1f}"
+                                    + (f"  (runs {_runs(r['unconstrained_output_tokens_per_s_runs'])})"
+                                       if len(r.get("unconstrained_output_tokens_per_s_runs", [])) > 1 else "")),
+            ("ratio vs unconstrained", f"{r['ratio_vs_unconstrained']:.3f}x  (output tokens/s, same workload"
+                                       f"{_per_repeat(r, 'ratio_vs_unconstrained_per_repeat')})"),
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

@@ -24,6 +24,7 @@ from tdpipe.core.engine_builder import EngineParts, build_engine_parts
 from tdpipe.core.sample_group import SampleGroup, SampleId, apply_draws
 from tdpipe.core.validation import RequestLimits, check_floats, check_prompt, check_stops
 from tdpipe.executor.base import Executor, StepResult
+from tdpipe.sampling.grammar import GrammarManager, parse_grammar
 from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.prompt_logprobs import split_prompt_logits
@@ -59,6 +60,7 @@ class LLMEngine:
         self._seq_ids = parts.seq_ids
         self.clock: Callable[[], float] = self.executor.now
         self.sampler = Sampler()
+        self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.stage_sampling = samples_on_stage(self.config.sampling_device, parts.platform.name)
         self._inflight: deque[Batch] = deque()
         self.requests: dict[str, SampleGroup] = {}  # unfinished requests by id (abort_request looks them up)
@@ -91,6 +93,8 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         check_stops(params.stop, params.stop_token_ids)  # what SamplingParams alone cannot bound: stop caps,
         check_floats(params)  # floats in float32, the range the sampler uses them at
+        if params.structured_outputs is not None:
+            parse_grammar(params.structured_outputs)  # a schema xgrammar refuses fails here, not in a step
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -114,7 +118,10 @@ class LLMEngine:
                              f"max_num_seqs ({self.scheduler.config.max_num_seqs}) lets run at once")
         seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, prompt=text,
                        max_tokens=max_tokens, arrival_time=self.clock())
-        self.requests[request_id] = SampleGroup(seq)  # n / best_of: forked from seq once its prompt is prefilled
+        group = SampleGroup(seq)  # n / best_of: forked from seq once its prompt is prefilled
+        if params.structured_outputs is not None:  # compiled on a worker thread while the prompt prefills
+            group.grammar = self.grammars.compile(params.structured_outputs)
+        self.requests[request_id] = group
         self.scheduler.add(seq)
         if self._batched is not None:
             self._batched.add(seq)
@@ -291,7 +298,11 @@ class LLMEngine:
     def _sample(self, samples: list[tuple[Sequence, int]],
                 logits: torch.Tensor) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per (sequence, sample index) row of `logits` (sampling/metadata.py: how each draws)."""
-        return self.sampler.sample(logits, SamplingMetadata.from_samples(samples, self.eos_token_ids))
+        meta = SamplingMetadata.from_samples(samples, self.eos_token_ids)
+        masks = self.grammars.fill(samples)
+        if masks is not None:
+            meta.bitmask, meta.masked_rows = masks
+        return self.sampler.sample(logits, meta)
 
     def _delta(self, s: Sequence, tok: int, lp: TokenLogprobs | None) -> RequestDelta:
         p = s.sampling_params
@@ -379,6 +390,7 @@ class LLMEngine:
         self._closed = True
         if self.history is not None:
             self.history.close()
+        self.grammars.close()
         try:
             self.executor.shutdown()
         finally:

@@ -9,6 +9,7 @@ one (a group of one sample when n = 1).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 from tdpipe.core.delta import TokenLogprobs
@@ -25,6 +26,7 @@ class SampleGroup:
         self.unforked: list[int] = list(range(1, head.sampling_params.num_samples))  # forked at the first token
         self.cancelled: set[int] = set()  # unforked samples aborted: never forked (their prompt is shared)
         self.new_forks: list[tuple[Sequence, int]] = []  # forked by the last draw, for the scheduler to place
+        self.grammar: Future | None = None  # structured_outputs: the compiled grammar (sampling/grammar.py)
         head.group = self
 
     @property

@@ -17,11 +17,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from tdpipe.sampling.grammar import parse_grammar
 from tdpipe.sampling.params import SamplingParams
 
 __all__ = ["EngineRequest", "RequestError", "RequestLimits", "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS",
-           "MAX_STOP_TOKEN_IDS", "REPETITION_PENALTY_RANGE", "check_floats", "check_params", "check_prompt",
-           "check_stops", "validate_prompt", "validate_request"]
+           "MAX_STOP_TOKEN_IDS", "REPETITION_PENALTY_RANGE", "check_floats", "check_grammar", "check_params",
+           "check_prompt", "check_stops", "validate_prompt", "validate_request"]
 
 MAX_STOP_STRINGS = 64  # each is searched for in the new text of every step
 MAX_STOP_STRING_CHARS = 256  # a stream holds back this many characters minus one while a stop may begin
@@ -123,6 +124,16 @@ def check_params(params: SamplingParams, limits: RequestLimits) -> None:
     check_floats(params)
 
 
+def check_grammar(params: SamplingParams) -> None:
+    """structured_outputs parsed by xgrammar (the OpenAI server calls this off its event loop)."""
+    so = params.structured_outputs
+    if so is not None:
+        try:
+            parse_grammar(so)
+        except ValueError as e:
+            raise RequestError(str(e), f"structured_outputs.{so.kind}") from None
+
+
 def check_prompt(ids: list[int], limits: RequestLimits, field: str = "prompt") -> None:
     """Token ids: at least one, each an int in the vocabulary, leaving room for one output token."""
     n, size, limit = len(ids), limits.vocab_size, limits.max_model_len
@@ -179,7 +190,9 @@ def validate_prompt(request_id: str, prompt_token_ids: list[int], params: Sampli
 def validate_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      limits: RequestLimits, prompt: str | None = None, *, prompt_field: str = "prompt",
                      max_tokens_field: str = "max_tokens") -> EngineRequest:
-    """The one validation of a request: check_params, then validate_prompt (RequestError naming the field)."""
+    """The one validation of a request: check_params, the output constraint's grammar, then validate_prompt
+    (RequestError naming the field)."""
     check_params(params, limits)
+    check_grammar(params)
     return validate_prompt(request_id, prompt_token_ids, params, limits, prompt, prompt_field=prompt_field,
                            max_tokens_field=max_tokens_field)

@@ -21,9 +21,10 @@ RowRandom = int | torch.Generator | None
 
 def may_argmax(seq: Any) -> bool:
     """Whether the last stage may send this sequence's argmax instead of its logits (SiPipe §5.1): greedy,
-    nothing that reshapes the distribution (penalties, a stop-token ban before min_tokens), no logprobs."""
+    nothing that reshapes the distribution (penalties, a grammar, a stop-token ban before min_tokens), no
+    logprobs."""
     p = seq.sampling_params
-    return (p.is_greedy and not p.needs_penalties and not p.needs_logprobs
+    return (p.is_greedy and not p.needs_penalties and not p.needs_logprobs and p.structured_outputs is None
             and len(seq.output_token_ids) >= p.min_tokens and not seq.needs_prompt_logits)
 
 
@@ -32,7 +33,9 @@ class SamplingMetadata:
     """Per row: `params`; `prompt_ids` / `output_ids`, the history repetition, frequency and presence
     penalties read ([] for a row without penalties); `keys`, its randomness; `banned`, token ids it must not
     produce (stop tokens before min_tokens; None: no row has any); `num_logprobs`, k for a row that wants
-    its sampled token's logprob and the top-k (None: no row wants any)."""
+    its sampled token's logprob and the top-k (None: no row wants any); `bitmask` [rows, ceil(V / 32)] int32,
+    the tokens a grammar allows (sampling/grammar.py) in the rows listed in `masked_rows`, all ones in the
+    others (None: no row has a grammar)."""
 
     params: list[SamplingParams]
     prompt_ids: list[list[int]]
@@ -40,6 +43,8 @@ class SamplingMetadata:
     keys: list[RowRandom]
     banned: list[list[int]] | None = None
     num_logprobs: list[int | None] | None = None
+    bitmask: torch.Tensor | None = None
+    masked_rows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.params)

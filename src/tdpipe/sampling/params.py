@@ -4,6 +4,8 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 
+from tdpipe.sampling.structured import StructuredOutputsParams
+
 # Below this temperature, dividing logits overflows float32; such rows are treated as greedy.
 SAMPLING_EPS = 1e-5
 
@@ -52,6 +54,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     best_of: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a dict with its fields is accepted too
 
     def __post_init__(self) -> None:
         self._check_int("n", lambda n: n >= 1, "an int >= 1")
@@ -85,6 +88,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in ids]
         # looked up for every sampled token: a set (an attribute, not a field: asdict() and the history skip it)
         self.stop_token_set = frozenset(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from tdpipe.sampling.token_masks import apply_bitmask, masked_argmax
 from tdpipe.sampling.metadata import RowRandom, SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.seeds import draw_key, draw_keys, sample_seed  # noqa: F401 (re-exported)
@@ -157,18 +158,20 @@ class Sampler:
         """One token per row. `meta.keys[i]`: None (unseeded: the global RNG), an int from `draw_key`
         (seeded: the row's draw depends on that key alone), or a torch.Generator the caller keeps.
         `meta.banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
-        vocabulary are ignored. The caller's logits are never modified.
+        vocabulary are ignored. `meta.bitmask`: the tokens a grammar allows in `meta.masked_rows`. The
+        caller's logits are never modified.
 
         Also log-probabilities for the rows where `meta.num_logprobs[i]` is an int k: the sampled
         token's (logprob, rank) and the top-k, from the distribution the row samples from after penalties,
-        banned tokens and temperature, before top-k / top-p / min-p truncation (vLLM v0's processed
-        logprobs; a greedy row's temperature is not applied)."""
+        banned tokens, the grammar's mask and temperature, before top-k / top-p / min-p truncation (vLLM v0's
+        processed logprobs; a greedy row's temperature is not applied)."""
         params, num_logprobs = meta.params, meta.num_logprobs
         vocab = logits.shape[-1]
         bans = [] if meta.banned is None else [(i, [t for t in b if 0 <= t < vocab]) for i, b in enumerate(meta.banned)]
         bans = [(i, b) for i, b in bans if b]
         want = [] if num_logprobs is None else [i for i, k in enumerate(num_logprobs) if k is not None]
-        if all(p.is_greedy and not p.needs_penalties for p in params):  # hot path: plain greedy decoding
+        masked = meta.masked_rows or []
+        if not masked and all(p.is_greedy and not p.needs_penalties for p in params):  # hot path: plain greedy
             tokens = logits.argmax(-1).tolist()
             if bans:  # mask a copy of the banned rows only, not of the whole batch
                 rows = logits[[i for i, _ in bans]].to(torch.float32)
@@ -186,10 +189,14 @@ class Sampler:
                 self._fill_logprobs(x, tokens, want, num_logprobs, entries)
             return tokens, entries
 
-        # The processed logits without a [B, V] copy: the rows bans or penalties change are copied and
-        # changed (`fixed`), the others read from the caller's tensor where they lie
+        # The processed logits without a [B, V] copy: the rows bans, penalties or a grammar change are copied
+        # and changed (`fixed`), the others read from the caller's tensor where they lie. A greedy row that only
+        # a grammar changes needs no copy: its argmax over the allowed tokens is read in place (`direct`).
         pen = [i for i, p in enumerate(params) if p.needs_penalties]
-        fix_rows = sorted({i for i, _ in bans} | set(pen))
+        banned_set, want_set = {i for i, _ in bans}, set(want)
+        direct = [i for i in masked if params[i].is_greedy and not params[i].needs_penalties
+                  and i not in banned_set and i not in want_set]
+        fix_rows = sorted(banned_set | set(pen) | (set(masked) - set(direct)))
         fix_at = {i: j for j, i in enumerate(fix_rows)}
         if fix_rows:
             fixed = logits[fix_rows].to(torch.float32)
@@ -205,22 +212,35 @@ class Sampler:
                     torch.tensor([params[i].frequency_penalty for i in pen]),
                     torch.tensor([params[i].presence_penalty for i in pen]),
                 )
+            if len(direct) < len(masked):  # last: what a grammar forbids stays forbidden whatever penalties did
+                apply_bitmask(fixed, meta.bitmask[fix_rows])  # the rows without a grammar allow everything
 
         def take(rows: list[int], temps: torch.Tensor) -> torch.Tensor:
             """These rows of the processed logits divided by `temps` [len(rows)]: one gathered float32 copy,
             scaled in place (a division per row into a preallocated tensor reads less, but its one parallel
             region per row stalls on a loaded machine: 3x slower with 2 threads)."""
-            out = logits[rows].to(torch.float32)
-            for j, i in enumerate(rows):
-                if i in fix_at:
-                    out[j] = fixed[fix_at[i]]
+            if all(i in fix_at for i in rows):
+                out = fixed[[fix_at[i] for i in rows]]
+            else:
+                out = logits[rows].to(torch.float32)
+                for j, i in enumerate(rows):
+                    if i in fix_at:
+                        out[j] = fixed[fix_at[i]]
             return out.div_(temps.unsqueeze(1))
 
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         tokens = [0] * len(params)
-        for i, p in enumerate(params):  # greedy rows: an argmax of each row where it lies, no copy
-            if p.is_greedy:
-                tokens[i] = int((fixed[fix_at[i]] if i in fix_at else logits[i]).argmax())
+        if direct:
+            for i, tok in zip(direct, masked_argmax(logits, meta.bitmask, direct)):
+                tokens[i] = tok if tok >= 0 else int(logits[i].argmax())  # a grammar allowing nothing: unmasked
+        greedy_fixed = [i for i, p in enumerate(params) if p.is_greedy and i in fix_at]
+        if greedy_fixed:
+            for i, tok in zip(greedy_fixed, fixed[[fix_at[i] for i in greedy_fixed]].argmax(-1).tolist()):
+                tokens[i] = tok
+        direct_set = set(direct)
+        for i, p in enumerate(params):  # the other greedy rows: an argmax of each row where it lies, no copy
+            if p.is_greedy and i not in fix_at and i not in direct_set:
+                tokens[i] = int(logits[i].argmax())
         if rows:
             sampled = self._sample(lambda js, temps: take([rows[j] for j in js], temps),
                                    [params[i] for i in rows], [meta.keys[i] for i in rows])

@@ -9,9 +9,9 @@ side of --sampling-device; sampling/device_sampler.py is the stage side).
     (--pp 1 --tp 1) the stage sends ids for its rows and the logits of the others only; behind a pipeline
     the whole batch's logits go to the engine, as with `engine`. `auto` on CUDA.
 A row is plain when its token depends on nothing but its logits and temperature: no top-k / top-p / min-p,
-no penalties, no logprobs, no stop-token ban (min_tokens reached), no prompt logprobs, one draw (not the first
-token of an n > 1 request) and no seed: a seeded request keeps the engine's keyed stream, so its tokens do
-not depend on where it was sampled.
+no penalties, no logprobs, no grammar, no stop-token ban (min_tokens reached), no prompt logprobs, one draw
+(not the first token of an n > 1 request) and no seed: a seeded request keeps the engine's keyed stream, so
+its tokens do not depend on where it was sampled.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def stage_temperature(seq: Any) -> float | None:
     if may_argmax(seq):
         return 0.0
     p = seq.sampling_params
-    plain = (p.seed is None and p.top_k == -1 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.needs_penalties
+    plain = (p.seed is None and p.structured_outputs is None and p.top_k == -1 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.needs_penalties
              and not p.needs_logprobs and len(seq.output_token_ids) >= p.min_tokens and not seq.needs_prompt_logits
              and (seq.group is None or len(seq.group.draws(seq)) == 1))
     return p.temperature if plain else None

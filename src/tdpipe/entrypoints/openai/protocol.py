@@ -3,7 +3,7 @@
 Requests are validated strictly: "max_tokens": "10" or "stream": 1 is a 400 naming the field, never a silent
 coercion. Unknown top-level fields are ignored and named in the answer (ignored_fields.py; vLLM's
 behaviour: clients send newer fields), except the ones in UNSUPPORTED, which would change the result if
-ignored (logit_bias, tools, response_format...): those are a 400 unless they hold their neutral value.
+ignored (logit_bias, tools...): those are a 400 unless they hold their neutral value.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
 
 from tdpipe.entrypoints.conversation import ROLES
 from tdpipe.entrypoints.openai.errors import bad_request, from_validation_error
+from tdpipe.sampling.structured import StructuredOutputsParams
 
 
 class _Request(BaseModel):
@@ -46,12 +47,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _none_or_empty,
     "use_beam_search": _is(None, False),
     "length_penalty": _is(None, 1, 1.0),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "structured_outputs": _is(None),
-    "guided_json": _is(None),
-    "guided_regex": _is(None),
-    "guided_choice": _is(None),
-    "guided_grammar": _is(None),
     "allowed_token_ids": _is(None),
     "bad_words": _none_or_empty,
     "truncate_prompt_tokens": _is(None),
@@ -68,6 +63,11 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prediction": _is(None),
     "modalities": lambda v: v is None or v == ["text"],
 }
+
+
+def renamed(message: str, kind: str, field: str) -> str:
+    """A StructuredOutputsParams message ('structured_outputs.json is not ...') naming the request's field."""
+    return message.replace(f"structured_outputs.{kind}", field, 1)
 
 
 class StreamOptions(_Request):
@@ -101,6 +101,15 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in each choice
+    # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    GUIDED: ClassVar[dict[str, str]] = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                                        "guided_grammar": "grammar"}
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields SamplingParams takes, None dropped (its defaults apply: declared once, there)."""
@@ -109,6 +118,47 @@ class _GenerationRequest(_Request):
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                  "skip_special_tokens", "include_stop_str_in_output")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output constraint, and the field it came from (the prefix of its errors): at most one of
+        response_format (json_object, json_schema), structured_outputs and the guided_* fields."""
+        given = [f for f in ("response_format", "structured_outputs", *self.GUIDED) if getattr(self, f) is not None]
+        rf = self.response_format
+        if rf is not None and rf.get("type") == "text":
+            given.remove("response_format")
+        if not given:
+            return None, ""
+        if len(given) > 1:
+            raise bad_request(f"set at most one of {', '.join(given)}: each constrains the output on its own",
+                              given[1], "invalid_value")
+        field = given[0]
+        if field == "response_format":
+            return self._response_format(rf)
+        try:
+            if field == "structured_outputs":
+                so = StructuredOutputsParams.of(self.structured_outputs)
+                return so, f"structured_outputs.{so.kind}"
+            kind = self.GUIDED[field]
+            return StructuredOutputsParams(**{kind: getattr(self, field)}), field
+        except ValueError as e:
+            msg = str(e) if field == "structured_outputs" else renamed(str(e), self.GUIDED[field], field)
+            raise bad_request(msg, field, "invalid_value") from None
+
+    @staticmethod
+    def _response_format(rf: dict[str, Any]) -> tuple[StructuredOutputsParams, str]:
+        kind = rf.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if kind != "json_schema":
+            raise bad_request(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got "
+                              f"{str(kind)[:60]!r}", "response_format.type", "invalid_value")
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request("'response_format.json_schema.schema' must be a JSON schema (an object) when "
+                              "'response_format.type' is 'json_schema'", "response_format.json_schema.schema",
+                              "invalid_value")
+        return StructuredOutputsParams(json=schema), "response_format.json_schema.schema"
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

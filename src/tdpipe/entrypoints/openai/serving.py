@@ -31,10 +31,11 @@ from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_
                                               error_json, from_request_error, from_sampling_error)
 from tdpipe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from tdpipe.entrypoints.openai.ignored_fields import IgnoredFieldsLog, ignored_fields_header, ignored_names
-from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest, _Request
+from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest, _Request, renamed
 from tdpipe.entrypoints.openai.serve_args import ServerConfig
 from tdpipe.entrypoints.openai.tokenizer_thread import off_loop
 from tdpipe.outputs import RequestOutput
+from tdpipe.sampling.grammar import parse_grammar
 from tdpipe.sampling.params import SamplingParams
 
 log = logging.getLogger("tdpipe.serve")
@@ -145,6 +146,7 @@ class OpenAIServing:
         """SamplingParams from the request's fields, checked against the engine (core/validation.py:
         check_params); every failure is a 400 naming the field."""
         kw = req.sampling_kwargs()
+        kw["structured_outputs"], _ = req.structured()
         try:
             check_stops(kw.get("stop"), kw.get("stop_token_ids"))  # first: a huge list is not echoed back
             sp = SamplingParams(**kw, max_tokens=max_tokens, logprobs=req.num_logprobs())
@@ -154,6 +156,19 @@ class OpenAIServing:
         except ValueError as e:  # chat's k is top_logprobs
             raise from_sampling_error(e, {"max_tokens": max_field, "logprobs": req.LOGPROBS_FIELD}) from None
         return sp
+
+    @staticmethod
+    def check_grammar(req: _GenerationRequest, sp: SamplingParams) -> None:
+        """The output constraint parsed (off the event loop: a schema may be large): a 400 naming the field
+        it came from when xgrammar refuses it."""
+        so = sp.structured_outputs
+        if so is None:
+            return
+        try:
+            parse_grammar(so)
+        except ValueError as e:
+            _, field = req.structured()
+            raise bad_request(renamed(str(e), so.kind, field), field, "invalid_value") from None
 
     @staticmethod
     def validated(request_id: str, ids: list[int], sp: SamplingParams, eng: EngineClient, prompt_field: str,

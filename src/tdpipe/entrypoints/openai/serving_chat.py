@@ -38,6 +38,7 @@ class ChatServing:
     def prepare(self, req: ChatCompletionRequest, eng: EngineClient, name: str, ignored: list[str], sp: Any,
                 max_field: str) -> Prepared:
         """The conversation through the chat template, validated (on the tokenizer thread)."""
+        self.s.check_grammar(req, sp)
         conv = req.conversation()
         ids = apply_template(eng.tokenizer, conv, req.add_generation_prompt, req.add_special_tokens)
         rid = self.s.new_id("chatcmpl")

@@ -23,6 +23,7 @@ class CompletionServing:
     def prepare(self, req: CompletionRequest, eng: EngineClient, name: str, ignored: list[str],
                 prompts: list[str | list[int]], sp: Any) -> Prepared:
         """Tokenise and validate each prompt (on the tokenizer thread: megabytes of text take a while)."""
+        self.s.check_grammar(req, sp)
         rid = self.s.new_id("cmpl")
         tok = eng.tokenizer
         items = []

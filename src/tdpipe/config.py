@@ -238,8 +238,13 @@ class ParallelConfig:
     # auto | cpu | cuda; auto: cuda where torch sees a CUDA device (tdpipe/platforms/resolve_device). The CUDA
     # path ran on one H200 (docs/gpu.md); NCCL between stage GPUs and TP on CUDA have not yet run
     device: str = "auto"
+    # engine replicas on this machine, each on its own cores (core/data_parallel.py); vLLM's --data-parallel-size
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        _check(isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1,
+               f"data_parallel_size must be an integer >= 1, got {dp!r}")
         pp = self.pipeline_parallel_size
         _check(isinstance(pp, int) and pp >= 1, f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
         tp = self.tensor_parallel_size
@@ -350,6 +355,20 @@ def cpu_supports_bf16() -> bool:
         return "avx512_bf16" in flags or "amx_bf16" in flags
     except OSError:
         return False
+
+
+DEFAULT_KV_BYTES = 4 * GiB  # --kv-cache-memory unset, on CPU: min(4 GiB, DEFAULT_KV_FRACTION of available memory)
+DEFAULT_KV_FRACTION = 0.4
+
+
+def kv_budget(requested: int | float | None, available: int) -> int:
+    """--kv-cache-memory on a host with `available` bytes free: bytes as given, a fraction of available,
+    or None: min(4 GiB, 40% of available)."""
+    if requested is None:
+        return int(min(DEFAULT_KV_BYTES, DEFAULT_KV_FRACTION * available))
+    if isinstance(requested, float):
+        return int(requested * available)
+    return int(requested)
 
 
 def default_threads() -> int:

@@ -161,6 +161,11 @@ class EngineArgs:
                                              "vocabulary-parallel embedding and lm_head, KV cache split by KV heads); "
                                              "P x T workers in all (default: %(default)s)",
         "--tp", "--tensor-parallel-size", type=int, group="parallel")
+    data_parallel_size: int = option(
+        ParallelConfig.data_parallel_size, "engine replicas on this machine, each with its own engine core (and "
+                                           "stages) pinned to its own share of the cores; a request goes to the "
+                                           "replica with the least outstanding work (default: %(default)s)",
+        "--dp", "--data-parallel-size", type=int, group="parallel")
     layer_partition: list[int] | None = option(
         ParallelConfig.layer_partition, "layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, "
                                         "counting the embedding on the first stage and norm + lm_head on the last",
@@ -304,7 +309,8 @@ class EngineArgs:
             parallel=ParallelConfig(pipeline_parallel_size=self.pipeline_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     layer_partition=self.layer_partition, lm_head_split=self.lm_head_split,
-                                    threads_per_stage=self.threads_per_stage, device=self.device))
+                                    threads_per_stage=self.threads_per_stage, device=self.device,
+                                    data_parallel_size=self.data_parallel_size))
 
 
 __all__ = ["EngineArgs", "parse_graph_sizes", "parse_head_split", "parse_memory", "parse_partition"]

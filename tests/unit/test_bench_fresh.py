@@ -192,7 +192,7 @@ def test_compare_pp1_needs_a_pipeline(capsys):
     assert main(["bench", "throughput", "--compare-pp1"]) == 2
     assert "--compare-pp1 needs --pp > 1" in capsys.readouterr().err
     assert main(["bench", "throughput", "--repeats", "2"]) == 2
-    assert "--repeats applies to --compare-pp1" in capsys.readouterr().err
+    assert "--repeats applies to the --compare-* flags" in capsys.readouterr().err
 
 
 def test_bench_prefix_runs_each_row_fresh(stub_cli, monkeypatch, tmp_path, capsys):

@@ -121,6 +121,10 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p.add_argument("--compare-unconstrained", action="store_true",
                    help="with --structured-output json: also run the same workload unconstrained and report "
                         "the throughput ratio; every run, of either side, in a fresh process of its own")
+    p.add_argument("--compare-dp1", action="store_true",
+                   help="with --data-parallel-size N > 1: also run the same workload on one engine with all the "
+                        "replicas' threads, and report the throughput ratio; every run, of either side, in a "
+                        "fresh process of its own")
     p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)  # --compare-hf's side process
     add_engine_args(p)
     p.set_defaults(fn=lambda a: run(a, p))
@@ -201,19 +205,19 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) ->
         raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     if a.hf_only:
         res = run_hf_side(a, fresh.flag_value(parser, a, "--threads") if parser else None)
-    elif a.compare_pp1 or a.compare_hf or a.compare_unconstrained:
+    elif a.compare_pp1 or a.compare_hf or a.compare_unconstrained or a.compare_dp1:
+        if a.compare_dp1 and a.data_parallel_size <= 1:
+            raise ValueError("--compare-dp1 needs --data-parallel-size > 1")
         if a.compare_unconstrained and a.structured_output == "none":
             raise ValueError("--compare-unconstrained needs --structured-output json")
         if a.compare_pp1 and a.pipeline_parallel_size * a.tensor_parallel_size <= 1:
             raise ValueError("--compare-pp1 needs --pp > 1 or --tp > 1")
         if parser is None:
-            raise ValueError("--compare-pp1 / --compare-hf / --compare-unconstrained run from the command line "
-                             "(`tdpipe bench throughput`)")
+            raise ValueError("the --compare-* flags run from the command line (`tdpipe bench throughput`)")
         res = run_compared(a, parser)
     else:
         if a.repeats != 1:
-            raise ValueError("--repeats applies to --compare-pp1 / --compare-hf / --compare-unconstrained (one run "
-                             "needs no repeat)")
+            raise ValueError("--repeats applies to the --compare-* flags (one run needs no repeat)")
         res = run_engine(a)
     if not a.hf_only:
         print(format_table(res))
@@ -229,9 +233,43 @@ def run_engine(a: argparse.Namespace) -> dict[str, Any]:
 
     llm = LLM(**engine_kwargs(a), collect_trace=True)  # the bubble ratios come from the trace
     try:
-        return _engine_result(a, llm)
+        return _engine_result(a, llm) if llm.engine is not None else _replicated_result(a, llm)
     finally:
         llm.shutdown()
+
+
+def _replicated_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
+    """--data-parallel-size N > 1: the same workload through the N replicas (other processes); throughput
+    only (each replica's steps, trace and MFU stay in its own process), with how the work was spread."""
+    client = llm.replicas.client
+    name, reqs = build_workload(a, client.vocab_size, client.max_model_len, client.tokenizer)
+    warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2 * len(client.replicas)]]
+    llm.generate(warm, [_params(2, a.structured_output) for _ in warm], use_tqdm=False)
+    before = [s["generation_tokens"] for s in client.stats()["replicas"]]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [_params(r.output_len, a.structured_output) for r in reqs],
+                        use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - t0
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise ValueError(f"{len(errors)} of {len(outs)} requests failed; first: {errors[0]}")
+    time.sleep(1.5)  # the replicas' stats snapshots (sent every step, once a second when idle) catch up
+    per = [s["generation_tokens"] - b for s, b in zip(client.stats()["replicas"], before)]
+    in_tok = sum(r.input_len for r in reqs)
+    out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "requests_per_s": len(reqs) / elapsed, "input_tokens_per_s": in_tok / elapsed,
+        "output_tokens_per_s": out_tok / elapsed, "total_tokens_per_s": (in_tok + out_tok) / elapsed,
+        "elapsed_s": elapsed, "num_requests": len(reqs), "total_input_tokens": in_tok,
+        "total_output_tokens": out_tok, "data_parallel_size": len(client.replicas),
+        "replica_cpus": [r.cpus for r in client.replicas], "replica_output_tokens": per,
+        "threads": sum(len(r.cpus) for r in client.replicas), "dtype": a.dtype,
+        "structured_output": a.structured_output, "machine": machine_info(), "pid": os.getpid(),
+        "model": client.replicas[0].config.model, "workload": {"name": name, "seed": a.workload_seed,
+                                                              **wl.summarize(reqs)},
+        "engine": engine_kwargs(a) | {"max_model_len": client.max_model_len},
+    }
 
 
 def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
@@ -310,7 +348,8 @@ def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
 
 # -- the fair comparison: each side in its own process ---------------------------------------------------------
 # options that only steer the comparison itself; a side never gets them
-COMPARE_ONLY = ("--compare-pp1", "--compare-hf", "--compare-unconstrained", "--repeats", "--json", "--hf-only")
+COMPARE_ONLY = ("--compare-pp1", "--compare-hf", "--compare-unconstrained", "--compare-dp1", "--repeats", "--json",
+                "--hf-only")
 
 
 def pp1_overrides(threads: int) -> dict[str, Any]:
@@ -335,7 +374,8 @@ def side_command(a: argparse.Namespace, parser: argparse.ArgumentParser, side: s
     if side != "engine":  # the engine side always runs first (fresh.run_order), so its settings are known
         first = next(r.result for r in runs if r.side == "engine")
         over = {"pp1": lambda: pp1_overrides(first["threads"]), "hf": lambda: hf_overrides(first),
-                "free": lambda: {"--structured-output": "none"}}[side]()
+                "free": lambda: {"--structured-output": "none"},
+                "dp1": lambda: {"--dp": 1, "--threads": first["threads"]}}[side]()
     skip = [k for k in COMPARE_ONLY if k not in over]
     return [*fresh.CLI, "bench", "throughput", *fresh.replay_flags(parser, a, over, skip=skip), "--json", out]
 
@@ -347,7 +387,8 @@ def _tok_s(r: dict[str, Any]) -> float:
 def run_compared(a: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
     """Every side in fresh processes, alternated over --repeats; the engine side's median run with each
     other side's median and the ratios of the medians (and per repeat)."""
-    sides = ["engine"] + ["pp1"] * a.compare_pp1 + ["hf"] * a.compare_hf + ["free"] * a.compare_unconstrained
+    sides = (["engine"] + ["pp1"] * a.compare_pp1 + ["hf"] * a.compare_hf + ["free"] * a.compare_unconstrained
+             + ["dp1"] * a.compare_dp1)
     runs = fresh.run_sides(sides, a.repeats, lambda side, r, out, done: side_command(a, parser, side, out, done),
                            describe=lambda run: f"{_tok_s(run.result):.1f} output tok/s")
     fresh.check_same_work(runs, lambda r: (r["workload"], r["num_requests"], r["total_input_tokens"]))
@@ -362,6 +403,11 @@ def run_compared(a: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
                 "pp1_elapsed_s": base["elapsed_s"], "pp1_bubble_ratio": base["bubble_ratio"],
                 "pp1_threads": base["threads"], "pp1_mfu": base["mfu"], "ratio_vs_pp1": c["ratio"],
                 "ratio_vs_pp1_per_repeat": c["ratio_per_repeat"]}
+    if a.compare_dp1:
+        c = fresh.compare(runs, "engine", "dp1", _tok_s)
+        res["comparison"]["dp1"] = c
+        res |= {"dp1_output_tokens_per_s": c["base_median"], "dp1_output_tokens_per_s_runs": c["base_values"],
+                "ratio_vs_dp1": c["ratio"], "ratio_vs_dp1_per_repeat": c["ratio_per_repeat"]}
     if a.compare_unconstrained:
         c = fresh.compare(runs, "engine", "free", _tok_s)
         res["comparison"]["free"] = c
@@ -527,6 +573,8 @@ def run_hf(model_path: str, reqs: list[wl.BenchRequest], batch_size: int, dtype:
 def format_table(r: dict[str, Any]) -> str:
     w = r["workload"]
     m = r["machine"]
+    if r.get("data_parallel_size", 1) > 1:
+        return _replicated_table(r)
     rows = [
         ("workload", f"{w['name']} (seed {w['seed']}): {r['num_requests']} requests, input mean "
                      f"{w['input_mean']:.1f} / median {w['input_median']:.0f}, output mean {w['output_mean']:.1f}"
@@ -612,6 +660,34 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append(MFU_FORMULA)
     return "\n".join(lines)
+
+
+def _replicated_table(r: dict[str, Any]) -> str:
+    """--data-parallel-size N: throughput and the spread over the replicas (and the dp = 1 comparison)."""
+    w = r["workload"]
+    rows = [
+        ("workload", f"{w['name']} (seed {w['seed']}): {r['num_requests']} requests, input mean "
+                     f"{w['input_mean']:.1f}, output mean {w['output_mean']:.1f}"),
+        ("machine", f"{describe_machine(r['machine'])}, {r['threads']} threads, {r['dtype']}"),
+        ("replicas", f"{r['data_parallel_size']}, on cores " + " | ".join(",".join(map(str, c))
+                                                                        for c in r["replica_cpus"])
+                     + "; output tokens per replica " + ", ".join(map(str, r["replica_output_tokens"]))),
+        ("elapsed", f"{r['elapsed_s']:.2f} s"),
+        ("output tokens/s", f"{r['output_tokens_per_s']:.1f}  ({r['total_output_tokens']} tokens)"
+                            + (f"; runs {_runs(r['output_tokens_per_s_runs'])}"
+                               if len(r.get("output_tokens_per_s_runs", [])) > 1 else "")),
+        ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
+    ]
+    if "ratio_vs_dp1" in r:
+        rows += [
+            ("one engine tok/s", f"{r['dp1_output_tokens_per_s']:.1f}  (all {r['threads']} threads, one engine"
+                                 + (f"; runs {_runs(r['dp1_output_tokens_per_s_runs'])})"
+                                    if len(r.get("dp1_output_tokens_per_s_runs", [])) > 1 else ")")),
+            ("ratio vs one engine", f"{r['ratio_vs_dp1']:.3f}x  (output tokens/s, same workload, each run in its "
+                                    f"own process{_per_repeat(r, 'ratio_vs_dp1_per_repeat')})"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _runs(xs: list[float]) -> str:

@@ -40,8 +40,10 @@ log = logging.getLogger("tdpipe")
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cpus: list[int] | None = None) -> None:
+        """`cpus`: the cores the engine core (and its stages) may run on; None: this process's."""
         self.config = config
+        self.cpus = cpus
         self.tokenizer: Any = None
         self.model_name = ""
         self.max_model_len = 0
@@ -86,8 +88,9 @@ class AsyncLLM:
             pickle.dump(self.config, f)
         # a fresh interpreter (`python -m`), not multiprocessing's spawn: that re-imports the caller's
         # __main__, which runs a script without an `if __name__ == "__main__"` guard a second time
+        env = None if self.cpus is None else {**os.environ, core.CPUS_ENV: ",".join(map(str, self.cpus))}
         self._proc = subprocess.Popen([sys.executable, "-m", "tdpipe.core.engine_core", f"{self._dir}/config.pkl",
-                                       in_addr, out_addr, str(os.getpid())])
+                                       in_addr, out_addr, str(os.getpid())], env=env)
         self._pidfd = os.pidfd_open(self._proc.pid)  # readable once the process exits
         loop = asyncio.get_running_loop()
         self._exited = loop.create_future()

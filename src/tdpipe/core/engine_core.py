@@ -29,6 +29,9 @@ UPDATE = "update_weights"  # (UPDATE, call id, checkpoint folder): core/weight_s
 READY, OUT, REJECTED, DEAD = "ready", "out", "rejected", "dead"
 UPDATED = "updated"  # (UPDATED, call id, new weight version or None, error text or None)
 
+# the cores this engine core and its stages run on (data parallelism: core/data_parallel.py), set before
+# torch starts its threads; comma-separated core ids
+CPUS_ENV = "TDPIPE_ENGINE_CPUS"
 IDLE_STATS_S = 1.0  # stats refresh while nothing runs
 BUSY_WINDOW_S = 5.0  # stage busy ratio: measured over this window (one stage round trip per window, pp > 1)
 
@@ -191,6 +194,9 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
 
 if __name__ == "__main__":  # started by AsyncLLM: python -m tdpipe.core.engine_core CONFIG IN OUT PARENT_PID
     import sys
+
+    if os.environ.get(CPUS_ENV):  # before torch: its thread count (config.default_threads) follows the mask
+        os.sched_setaffinity(0, {int(c) for c in os.environ[CPUS_ENV].split(",")})
 
     with open(sys.argv[1], "rb") as f:
         cfg = pickle.load(f)

@@ -18,6 +18,7 @@ from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.pipeline.executor import PipelineError
 from tdpipe.interrupt import deferred_sigint, raise_if_dropped
 from tdpipe.core.output_processor import OutputProcessor
+from tdpipe.entrypoints.replicas import ReplicaRunner
 from tdpipe.core.weight_sync import WeightSource
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
@@ -47,8 +48,15 @@ class LLM:
 
     def __init__(self, model: str | None = EngineArgs.model, dtype: str = EngineArgs.dtype, **kwargs: Any) -> None:
         cfg = EngineArgs.from_kwargs(model=model, dtype=dtype, **kwargs).create_engine_config()
-        self.engine = LLMEngine(cfg)
         self._req_ids = itertools.count()
+        # data_parallel_size N > 1: N engine replicas in processes of their own (entrypoints/replicas.py);
+        # `engine` is then None and generate() / chat() / update_weights(folder) go through the replicas
+        self.replicas: ReplicaRunner | None = None
+        self.engine: LLMEngine | None = None
+        if cfg.parallel.data_parallel_size > 1:
+            self.replicas = ReplicaRunner(cfg)
+        else:
+            self.engine = LLMEngine(cfg)
 
     def __enter__(self) -> "LLM":
         return self
@@ -57,7 +65,7 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
+        engine = getattr(self, "engine", None) or getattr(self, "replicas", None)
         if engine is not None:
             try:
                 engine.shutdown()
@@ -65,7 +73,7 @@ class LLM:
                 pass
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self.replicas.tokenizer
 
     # -- generate ------------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Seq[PromptType],
@@ -82,7 +90,8 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(items)
         try:
             for i, out in self._generate(items, sampling_params, use_tqdm):
-                out.weight_version = self.engine.weight_version
+                if self.engine is not None:
+                    out.weight_version = self.engine.weight_version
                 outputs[i] = out
         except PipelineError as e:
             left = sum(1 for o in outputs if o is None)
@@ -108,6 +117,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(items):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(items)} prompts")
+        if self.replicas is not None:
+            yield from self._generate_replicated(items, params_list, use_tqdm)
+            return
         live: dict[str, int] = {}  # request_id -> position in prompts
         proc = OutputProcessor(self.engine.tokenizer, stream=False, clock=self.engine.clock)
         rejected: list[tuple[int, RequestOutput]] = []
@@ -127,6 +139,35 @@ class LLM:
                                                   [CompletionOutput(0, "", [], "error")], error=str(e))))
         yield from rejected
         yield from self._run(live, proc, use_tqdm)
+
+    def _generate_replicated(self, items: list[PromptType], params_list: list[Any],
+                             use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
+        """generate() over the data-parallel replicas: the same per-request errors, outputs as they finish."""
+        jobs, rejected = [], []
+        for i, (prompt, sp) in enumerate(zip(items, params_list)):
+            rid = str(next(self._req_ids))
+            text, ids = None, None
+            try:
+                text, ids = self._split_prompt(prompt, i)
+                jobs.append((i, rid, text, ids, SamplingParams(**sp) if isinstance(sp, dict) else sp))
+            except (ValueError, TypeError) as e:
+                log.warning("request %s rejected: %s", rid, e)
+                rejected.append((i, RequestOutput(rid, text, [t for t in ids or [] if isinstance(t, int)],
+                                                  [CompletionOutput(0, "", [], "error")], error=str(e))))
+        yield from rejected
+        bar = None
+        if use_tqdm and jobs:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(jobs), desc=f"Processed prompts ({len(self.replicas.client.replicas)} replicas)",
+                       dynamic_ncols=True)
+        try:
+            for i, out in self.replicas.run(jobs):
+                if bar is not None:
+                    bar.update(1)
+                yield i, out
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _run(self, live: dict[str, int], proc: OutputProcessor,
              use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
@@ -171,7 +212,7 @@ class LLM:
     def trace(self) -> dict[str, Any]:
         """The last generate() call's timeline (tdpipe-trace/1): per stage, per micro-batch compute, waits,
         sends and shapes, plus KV usage; `tdpipe.viz.timeline.summarize` turns it into bubble ratios."""
-        return self.engine.trace()
+        return self._one_engine("trace()").trace()
 
     @staticmethod
     def _as_list(prompts: Any) -> list[PromptType]:
@@ -214,7 +255,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for i, conv in enumerate(convs):
             try:  # a malformed conversation fails as its own request, with the message's number
@@ -231,32 +272,41 @@ class LLM:
         generate() calls, so every request finishes on the weights it started with; the prefix cache is
         emptied. Returns the new weight version (RequestOutput.weight_version)."""
         self._check_open()
+        if self.replicas is not None:
+            if not isinstance(weights, str):
+                raise ValueError("with data_parallel_size > 1, update_weights takes a checkpoint folder: the "
+                                 "replicas are other processes")
+            return self.replicas.update_weights(weights)
         return weight_sync.update_weights(self.engine, weights)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache (level 1) and the weights too (level 2) until wake_up(); generate() raises
         meanwhile."""
-        self._check_open()
-        weight_sync.sleep(self.engine, level)
+        weight_sync.sleep(self._one_engine("sleep()"), level)
 
     def wake_up(self) -> None:
         """Reallocate what sleep() freed (level 2: the weights reload from the checkpoint folder)."""
-        self._check_open()
-        weight_sync.wake_up(self.engine)
+        weight_sync.wake_up(self._one_engine("wake_up()"))
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """Call `method` of every worker's ModelRunner with `args`, between steps; results in worker order
         (vLLM's LLM.collective_rpc, for custom weight loading)."""
-        self._check_open()
-        return self.engine.executor.collective_rpc(method, args)
+        return self._one_engine("collective_rpc()").executor.collective_rpc(method, args)
 
     def shutdown(self) -> None:
         """Stop the stage workers and release the weights and the KV cache; every later call raises."""
-        self.engine.shutdown()
+        (self.engine or self.replicas).shutdown()
 
     def _check_open(self) -> None:
-        if self.engine.closed:
+        if (self.engine or self.replicas).closed:
             raise RuntimeError("this LLM was shut down; create a new one")
+
+    def _one_engine(self, what: str) -> LLMEngine:
+        """The engine, for what only one engine in this process can do."""
+        self._check_open()
+        if self.engine is None:
+            raise ValueError(f"{what} needs data_parallel_size 1: the replicas are other processes")
+        return self.engine
 
 
 @dataclass

@@ -149,7 +149,7 @@ async def _run(ecfg: Any, requests: list[BatchLine], sink: BatchSink, bar: Any,
                a: argparse.Namespace) -> Outcome:
     """Start the engine, answer `requests`, stop the engine. SIGINT/SIGTERM stop it early (a second one exits
     at once: every line written so far is whole, and the engine core exits when it sees this process gone)."""
-    from tdpipe.core.async_llm import AsyncLLM
+    from tdpipe.core.data_parallel import start_engine_client
 
     outcome = Outcome()
     stop = asyncio.Event()
@@ -168,7 +168,7 @@ async def _run(ecfg: Any, requests: list[BatchLine], sink: BatchSink, bar: Any,
     quiet = _QuietDeath()
     logging.getLogger("tdpipe").addFilter(quiet)  # the engine's death is reported once, by _report
     try:
-        start = asyncio.ensure_future(AsyncLLM.start(ecfg))
+        start = asyncio.ensure_future(start_engine_client(ecfg))  # AsyncLLM, or N replicas
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not start.done():  # interrupted while the model loads; the core exits once it sees us gone

@@ -11,12 +11,10 @@ import ctypes
 
 import torch
 
-from tdpipe.config import GiB, available_memory, cpu_supports_bf16
+from tdpipe.config import available_memory, cpu_supports_bf16, kv_budget
 from tdpipe.malloc import pin_mmap_threshold, trim_heap
 from tdpipe.platforms.interface import KvRequest, Platform
 
-DEFAULT_KV_BYTES = 4 * GiB  # --kv-cache-memory unset: min(4 GiB, DEFAULT_KV_FRACTION of available memory)
-DEFAULT_KV_FRACTION = 0.4
 
 
 def keep_freed_memory() -> None:
@@ -29,16 +27,6 @@ def keep_freed_memory() -> None:
         libc.mallopt(-1, 0x7FFFFFFF)
     except (OSError, AttributeError):
         pass
-
-
-def kv_budget(requested: KvRequest, available: int) -> int:
-    """--kv-cache-memory on a host with `available` bytes free: bytes as given, a fraction of available,
-    or None: min(4 GiB, 40% of available)."""
-    if requested is None:
-        return int(min(DEFAULT_KV_BYTES, DEFAULT_KV_FRACTION * available))
-    if isinstance(requested, float):
-        return int(requested * available)
-    return int(requested)
 
 
 class CpuPlatform(Platform):

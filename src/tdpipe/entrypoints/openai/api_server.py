@@ -420,12 +420,12 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     got their error). The port answers at once (/health: 503 while the engine starts)."""
     import uvicorn
 
-    from tdpipe.core.async_llm import AsyncLLM
+    from tdpipe.core.data_parallel import start_engine_client
 
     app = build_app(None, config)
     server = uvicorn.Server(uvicorn_config(app, config))
     server_task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    start_task = asyncio.ensure_future(AsyncLLM.start(engine_config))
+    start_task = asyncio.ensure_future(start_engine_client(engine_config))  # AsyncLLM, or N replicas
     await asyncio.wait({server_task, start_task}, return_when=asyncio.FIRST_COMPLETED)
     if not start_task.done():  # a signal while the model loads: let it finish loading, then stop it
         # (cancelling the start would leave the core process loading with nobody to stop it)
@@ -438,7 +438,7 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
         server.should_exit = True
         await asyncio.gather(server_task, return_exceptions=True)
         raise start_task.exception()  # type: ignore[misc]
-    engine: AsyncLLM = start_task.result()
+    engine = start_task.result()
     engine.log_death = False  # a death is reported below, in one line
     set_engine(app, engine)
     host, port = sock.getsockname()[:2]

@@ -399,8 +399,10 @@ def test_end_to_end_against_stub(tmp_path, model_dir, capsys):
     for m in a["results"] + doc["runs"][1]["results"]:
         assert (m["completed"], m["failed"], m["output_len_mismatch"]) == (6, 0, 0)
         assert m["output_tokens"] == 24  # from usage: 4 per request, although only 2 chunks each
-        # the stub waits 20 ms before the first chunk and 10 ms between chunks: lower bounds, never flaky
-        assert m["ttft_ms"]["p50"] >= 20 and m["itl_ms"]["mean"] >= 10
+        # the stub waits 20 ms before the first chunk and 10 ms between chunks: lower bounds for the times from
+        # the request's start; a gap between two arrivals is not one (a first chunk delivered late on a loaded
+        # machine shortens it: 9.98 ms was seen), so the inter-token latency gets a loose bound
+        assert m["ttft_ms"]["p50"] >= 20 and m["e2e_ms"]["mean"] >= 30 and m["itl_ms"]["mean"] >= 5
         assert m["tpot_ms"]["mean"] >= 10 / 3  # one 10 ms gap over 3 tokens after the first
         assert m["goodput"]["good_requests"] == 6 and m["goodput"]["attainment"] == 1.0
     assert a["results"][0]["input_tokens"] == 48

@@ -32,7 +32,7 @@ def _run(policy: str, pp: int, caching: bool, prompts: list[str], **kw) -> tuple
 PROMPTS = [SYSTEM + q for q in QUESTIONS]
 # a 10-block cache: requests evict each other's cached blocks and are preempted
 TIGHT_PROMPTS = [SYSTEM[: 120 + 40 * i] + q for i, q in enumerate(QUESTIONS)]
-TIGHT = dict(num_kv_blocks=10, max_model_len=160, n_out=48)
+TIGHT = dict(num_kv_blocks=10, max_model_len=160, n_out=32)
 
 
 @pytest.fixture(scope="module")

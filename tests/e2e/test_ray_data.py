@@ -20,11 +20,11 @@ from tdpipe.ray import ProcessorConfig, build_llm_processor
 ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, _node_ip_address="127.0.0.1",
          log_to_driver=False, configure_logging=False)
 config = ProcessorConfig(engine_kwargs={"dtype": "float32", "kv_cache_memory": 64 << 20}, concurrency=2,
-                         batch_size=25, num_cpus_per_replica=1)
+                         batch_size=100, num_cpus_per_replica=1)
 processor = build_llm_processor(
     config,
     preprocess=lambda row: {"id": row["id"], "prompt": f"Question {row['id']}:",
-                            "sampling_params": {"max_tokens": 3, "temperature": 0, "ignore_eos": True}},
+                            "sampling_params": {"max_tokens": 2, "temperature": 0, "ignore_eos": True}},
     postprocess=lambda row: {"id": row["id"], "answer": row["generated_text"], "n": row["num_generated_tokens"],
                              "finish": row["finish_reason"], "error": row["error"]})
 rows = processor(ray.data.from_items([{"id": i} for i in range(200)])).take_all()
@@ -49,6 +49,6 @@ def test_ray_data_job_answers_200_prompts_exactly_once(tmp_path):
     got = json.loads(out.read_text())
     ids = [r["id"] for r in got["rows"]]
     assert sorted(ids) == list(range(200))  # every prompt answered, none twice
-    assert all(r["n"] == 3 and r["finish"] == "length" and not r["error"] for r in got["rows"])
+    assert all(r["n"] == 2 and r["finish"] == "length" and not r["error"] for r in got["rows"])
     assert got["interfaces"] == ["lo"]  # the cluster could listen on nothing but the loopback
     assert got["listening"], "the Ray cluster listened on no port?"

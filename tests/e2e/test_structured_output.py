@@ -26,7 +26,7 @@ PERSON = {
     },
     "required": ["name", "age", "role", "active", "tags"],
 }
-PROMPTS = [f"Describe user number {i} of our website as a JSON object." for i in range(6)]
+PROMPTS = [f"Describe user number {i} of our website as a JSON object." for i in range(4)]
 
 
 def _json(seed: int, **kw) -> SamplingParams:

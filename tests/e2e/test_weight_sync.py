@@ -109,7 +109,8 @@ def test_sleep_and_updates_need_an_idle_engine(two_models):
         llm.engine.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=4))
         with pytest.raises(RuntimeError, match="1 request"):
             llm.sleep(1)
-        with pytest.raises(RuntimeError, match="idle engine"):
+        llm.engine.step()  # now it holds KV: an update would change the weights under it
+        with pytest.raises(RuntimeError, match="idle or paused engine: 1 request"):
             llm.update_weights(b)
         llm.engine.abort_request("busy")
         with pytest.raises(ValueError, match="level must be 1 or 2"):
@@ -159,6 +160,52 @@ def test_the_server_updates_weights_while_requests_run(two_models):
                 assert new.outputs[0].token_ids == tb[0]
                 r = await http.post("/update_weights_from_disk", json={"model_path": str(b / "nope")}, headers=auth)
                 assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_update_that_recomputes_the_requests_in_flight(two_models):
+    """in_flight "recompute": the update does not wait for the request in flight; that request is paused
+    (preempted), keeps the tokens it had, and goes on after a recompute on the new weights."""
+    import asyncio
+
+    from tdpipe.config import CacheConfig, EngineConfig
+    from tdpipe.core.async_llm import AsyncLLM
+
+    a, b, ta, tb = two_models
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main():
+        llm = await AsyncLLM.start(EngineConfig(model=str(a), dtype="float32", cache=CacheConfig(kv_cache_memory=KV)))
+        try:
+            got: list = []
+            started = asyncio.Event()
+
+            async def run_long():
+                async for o in llm.generate(PROMPTS[0], long, "long"):
+                    got.append(o)
+                    if len(o.outputs[0].token_ids) >= 8:
+                        started.set()
+
+            task = asyncio.ensure_future(run_long())
+            await started.wait()
+            with pytest.raises(ValueError, match="in_flight must be one of finish, recompute"):
+                await llm.update_weights_from_disk(str(b), "pause")
+            assert await llm.update_weights_from_disk(str(b), "recompute") == 1
+            assert not task.done()  # it did not wait for the request in flight
+            new = [o async for o in llm.generate(PROMPTS[0], sp, "new")][-1]
+            await task
+            final = got[-1].outputs[0].token_ids
+            assert len(final) == 300 and final[:8] == ta[0]  # its first tokens came from the old weights
+            assert new.outputs[0].token_ids == tb[0]
+            for _ in range(50):  # the stats snapshot comes with the next step
+                if llm.stats()["num_preemptions"] >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert llm.stats()["num_preemptions"] >= 1  # paused by recompute preemption
         finally:
             await llm.shutdown()
 

@@ -256,15 +256,19 @@ class AsyncLLM:
         elif msg[0] == core.DEAD:
             self._die("the engine core failed", msg[1])
 
-    async def update_weights_from_disk(self, model_path: str) -> int:
-        """New weights from a checkpoint folder (core/weight_sync.py), without a restart: requests in flight
-        finish on the old weights, requests that arrive meanwhile wait and run on the new ones, the prefix
-        cache is emptied. Returns the new weight version; ValueError for a folder the engine refuses."""
+    async def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
+        """New weights from a checkpoint folder (core/weight_sync.py), without a restart, the prefix cache
+        emptied. `in_flight`: "finish": requests in flight finish on the old weights, requests that arrive
+        meanwhile wait and run on the new ones; "recompute": the running requests are paused at once and
+        recomputed (prompt and outputs so far) on the new weights. Returns the new weight version;
+        ValueError for a folder the engine refuses."""
+        if in_flight not in core.IN_FLIGHT_MODES:
+            raise ValueError(f"in_flight must be one of {', '.join(core.IN_FLIGHT_MODES)}, got {in_flight!r}")
         self.check_health()
         call = next(self._update_ids)
         fut = asyncio.get_running_loop().create_future()
         self._updates[call] = fut
-        self._send(core.UPDATE, call, model_path)
+        self._send(core.UPDATE, call, model_path, in_flight)
         dead = asyncio.ensure_future(self._dead.wait())
         try:
             done, _ = await asyncio.wait([fut, dead], return_when=asyncio.FIRST_COMPLETED)

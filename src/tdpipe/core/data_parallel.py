@@ -53,9 +53,9 @@ def replica_config(config: EngineConfig) -> EngineConfig:
                                parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
 
 
-async def start_engine_client(config: EngineConfig) -> "AsyncLLM | DataParallelClient":
+async def start_engine_client(config: EngineConfig | None) -> "AsyncLLM | DataParallelClient":
     """The engine the config asks for, started: one AsyncLLM, or N replicas with data_parallel_size N."""
-    if config.parallel.data_parallel_size > 1:
+    if config is not None and config.parallel.data_parallel_size > 1:
         return await DataParallelClient.start(config)
     return await AsyncLLM.start(config)
 
@@ -181,9 +181,10 @@ class DataParallelClient:
         if k is not None:
             await self.replicas[k].abort(request_id)
 
-    async def update_weights_from_disk(self, model_path: str) -> int:
+    async def update_weights_from_disk(self, model_path: str, in_flight: str = "finish") -> int:
         """Every replica loads the folder (each as AsyncLLM does); the new weight version."""
-        versions = await asyncio.gather(*(r.update_weights_from_disk(model_path) for r in self.replicas))
+        versions = await asyncio.gather(*(r.update_weights_from_disk(model_path, in_flight)
+                                          for r in self.replicas))
         if len(set(versions)) != 1:
             raise EngineDeadError(f"the replicas disagree on the weight version after the update: {versions}")
         return versions[0]

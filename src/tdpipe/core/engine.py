@@ -230,6 +230,10 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
+        return self._complete_oldest()
+
+    def _complete_oldest(self) -> list[RequestDelta]:
+        """Collect the oldest micro-batch in flight, sample its rows, and hand the tokens to the scheduler."""
         result = self.executor.collect()
         batch = self._inflight.popleft()  # after collect: an interrupted wait leaves the batch in flight
         aborted = [s.seq_id for s in batch.seqs if s.is_finished]  # while in flight: result dropped
@@ -238,6 +242,19 @@ class LLMEngine:
             self.engine_trace[-len(self._inflight) - 1]["done"] = self.clock()
         if finished or aborted:
             self.executor.release([s.seq_id for s in finished] + aborted)
+        return deltas
+
+    def pause(self) -> list[RequestDelta]:
+        """Stop computing without losing a request (a weight update that recomputes, core/weight_sync.py):
+        the micro-batches in flight complete (their tokens are returned), then every running sequence is
+        preempted by recompute: its KV freed, its prompt and outputs so far prefilled again when it is next
+        scheduled. Unfinished requests stay queued; nothing holds a KV block or is in flight afterwards."""
+        self._check_open()
+        deltas: list[RequestDelta] = []
+        while self._inflight:
+            deltas += self._complete_oldest()
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
         return deltas
 
     def _submit(self, batch: Batch) -> None:

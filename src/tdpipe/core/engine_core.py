@@ -24,7 +24,15 @@ log = logging.getLogger("tdpipe")
 
 # frontend -> core
 ADD, ABORT, SHUTDOWN = "add", "abort", "shutdown"
-UPDATE = "update_weights"  # (UPDATE, call id, checkpoint folder): core/weight_sync.py once the engine is idle
+# (UPDATE, call id, checkpoint folder, in-flight mode): core/weight_sync.py, once the engine is idle ("finish")
+# or right after pausing it ("recompute")
+UPDATE = "update_weights"
+# What an online weight update does with the requests in flight (AsyncLLM.update_weights_from_disk, the
+# server's route): "finish": they complete on the old weights while new ones wait, then the update;
+# "recompute": the micro-batches in flight complete, every running request is preempted (LLMEngine.pause)
+# and recomputed, prompt and outputs so far, on the new weights. (Offline, LLM.update_weights runs between
+# generate() calls: nothing is in flight.)
+IN_FLIGHT_MODES = ("finish", "recompute")
 # core -> frontend
 READY, OUT, REJECTED, DEAD = "ready", "out", "rejected", "dead"
 UPDATED = "updated"  # (UPDATED, call id, new weight version or None, error text or None)
@@ -132,9 +140,10 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
 
     meter = BusyMeter(engine)
     last_stats = 0.0
-    # a weight update waits for the requests in flight to finish on the old weights; requests that arrive
-    # meanwhile are held here and added once the new weights are in
-    update: tuple[int, str] | None = None
+    # a weight update ("finish") waits for the requests in flight to finish on the old weights; requests that
+    # arrive meanwhile are held here and added once the new weights are in. "recompute" pauses the engine
+    # (LLMEngine.pause) and updates at once; the preempted requests recompute on the new weights
+    update: tuple[int, str, str] | None = None
     held: list[tuple] = []
 
     def add(msg: tuple) -> None:
@@ -160,7 +169,7 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
             if msg[0] == SHUTDOWN:
                 return
             if msg[0] == ADD:
-                (held.append if update is not None else add)(msg)
+                (held.append if update is not None and update[2] == "finish" else add)(msg)
             elif msg[0] == ABORT:
                 if msg[2] != "stop":  # a held request leaves the queue without ever reaching the engine
                     held = [h for h in held if h[1] not in msg[1]]
@@ -170,9 +179,13 @@ def _loop(engine: Any, pull: Any, send: Any, parent_pid: int, stop: dict) -> Non
                 if update is not None:
                     send(UPDATED, msg[1], None, "another weight update is already waiting")
                 else:
-                    update = (msg[1], msg[2])
+                    update = (msg[1], msg[2], msg[3])
             timeout = 0
-        if update is not None and not engine.has_unfinished():
+        if update is not None and update[2] == "recompute" and engine.has_unfinished():
+            paused = engine.pause()  # the micro-batches in flight complete: their tokens go out first
+            if paused:
+                send(OUT, paused, engine_stats(engine, meter.busy))
+        if update is not None and (update[2] == "recompute" or not engine.has_unfinished()):
             from tdpipe.core.weight_sync import update_weights
 
             try:

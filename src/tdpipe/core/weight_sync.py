@@ -30,11 +30,19 @@ def _idle(engine: LLMEngine, what: str) -> None:
                            "(call it between generate() calls, or abort them first)")
 
 
+def _paused(engine: LLMEngine, what: str) -> None:
+    """Nothing in flight and no sequence holding KV (requests may wait: they hold nothing yet)."""
+    if engine._inflight or engine.scheduler.running:
+        raise RuntimeError(f"{what} needs an idle or paused engine: {len(engine.scheduler.running)} request(s) "
+                           "are running (call it between generate() calls, or abort them first)")
+
+
 def update_weights(engine: LLMEngine, source: WeightSource) -> int:
     """Load new weights: a checkpoint folder (every worker reads its own slices from disk), or (Hugging Face
     name, tensor) pairs in memory (pp = tp = 1: a pipeline's workers are other processes). Returns the new
-    weight version, which every later RequestOutput carries."""
-    _idle(engine, "update_weights")
+    weight version, which every later RequestOutput carries. Requests waiting (none running or in flight:
+    an idle engine, or one LLMEngine.pause() stopped) run on the new weights."""
+    _paused(engine, "update_weights")
     if isinstance(source, (str, os.PathLike)):
         from tdpipe.config import ModelConfig
         from tdpipe.model.weights import check_model_folder

@@ -190,6 +190,12 @@ class Scheduler:
         copies, self.block_copies = self.block_copies, []
         return copies
 
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption of a running sequence not in flight, from outside (LLMEngine.pause)."""
+        if seq.in_flight:
+            raise RuntimeError(f"sequence {seq.seq_id} is in a micro-batch still in flight")
+        self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the KV; the sequence goes back to the front of the waiting queue."""
         self.bm.free(seq)

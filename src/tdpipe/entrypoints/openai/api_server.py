@@ -145,14 +145,15 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
     @app.post(UPDATE_WEIGHTS_PATH)
     async def update_weights_from_disk(request: Request) -> Response:
         """New weights from a folder without a restart (core/weight_sync.py): requests in flight finish on
-        the old weights, later ones wait and run on the new. Behind the API key, as the /v1 routes."""
+        the old weights and later ones wait (in_flight "finish"), or they are paused and recomputed on the new
+        ones ("recompute"). Behind the API key, as the /v1 routes."""
         req = await parse_body(request, UpdateWeightsRequest, limit)
         eng = serving.engine()
         update = getattr(eng, "update_weights_from_disk", None)
         if update is None:
             raise OpenAIError(501, "this engine cannot update its weights", None, "not_implemented")
         try:
-            version = await update(req.model_path)
+            version = await update(req.model_path, req.in_flight)
         except ValueError as e:
             raise bad_request(str(e), "model_path") from None
         return JSONResponse({"success": True, "message": f"loaded {req.model_path}", "weight_version": version})

@@ -288,9 +288,12 @@ class TokenizeRequest(_Request):
 
 
 class UpdateWeightsRequest(_Request):
-    """POST /update_weights_from_disk (SGLang's route and field): a checkpoint folder the server can read."""
+    """POST /update_weights_from_disk (SGLang's route and field): a checkpoint folder the server can read;
+    `in_flight`: "finish" (requests in flight complete on the old weights) or "recompute" (they are paused
+    and recomputed on the new ones: core/engine_core.py IN_FLIGHT_MODES)."""
 
     model_path: str
+    in_flight: Literal["finish", "recompute"] = "finish"
 
 
 class DetokenizeRequest(_Request):

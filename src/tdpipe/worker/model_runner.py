@@ -15,7 +15,10 @@ from typing import Iterable
 import torch
 
 from tdpipe.config import ModelConfig
+from tdpipe.model import cpu_ops
+from tdpipe.model.jit import in_background
 from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
+from tdpipe.model.paged_attention import load_kernel
 from tdpipe.model.quantization import prepare_linears
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup
 from tdpipe.model.weights import iter_safetensors
@@ -135,6 +138,8 @@ class ModelRunner:
         self.cfg = model_config
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cpu":  # the C++ kernels compile (first run) or load while the weights load
+            in_background(cpu_ops.kernel, load_kernel)
         self.block_size = block_size
         self.model_path = model_path
         self._slice = (start_layer, end_layer, tp, head_range)

@@ -56,6 +56,18 @@ def test_valid_constraints_parse_and_key_keeps_property_order():
     assert S(choice=["a.b", "c"]).grammar_source() == ("regex", r"(a\.b|c)")
 
 
+def test_json_object_means_an_object():
+    """OpenAI's json_object is an object: xgrammar's built-in JSON grammar would also take `[true, 2]`."""
+    import xgrammar as xgr
+
+    how, text = S(json_object=True).grammar_source()
+    g = xgr.Grammar.from_json_schema(text)
+    assert how == "json"
+    assert xgr.testing._is_grammar_accept_string(g, '{"a": [1, {"b": null}], "c": "d"}')
+    assert not xgr.testing._is_grammar_accept_string(g, "[true, 2]")
+    assert not xgr.testing._is_grammar_accept_string(g, "42")
+
+
 def test_sampling_params_takes_a_dict_and_refuses_unknown_fields():
     p = SamplingParams(structured_outputs={"regex": "a+"})
     assert isinstance(p.structured_outputs, S) and p.structured_outputs.kind == "regex"

@@ -107,8 +107,6 @@ class GrammarManager:
         if how == "json":
             return c.compile_json_schema(text, any_whitespace=not params.disable_any_whitespace,
                                          max_whitespace_cnt=MAX_JSON_WHITESPACE)
-        if how == "json_object":
-            return c.compile_builtin_json_grammar()
         if how == "regex":
             return c.compile_regex(text)
         return c.compile_grammar(text)

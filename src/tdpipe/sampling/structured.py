@@ -13,7 +13,8 @@ from typing import Any
 
 # The kinds, in the order vLLM checks them; exactly one is set per request.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
-MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar larger than this is refused before it is parsed
+MAX_SPEC_CHARS = 1 << 20
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'  # json_object: OpenAI's "a JSON object"  # a schema, regex or grammar larger than this is refused before it is parsed
 
 
 @dataclass
@@ -97,8 +98,8 @@ class StructuredOutputsParams:
             import re
 
             return "regex", "(" + "|".join(re.escape(c) for c in self.choice) + ")"
-        if self.json_object:
-            return "json_object", ""
+        if self.json_object:  # any object (xgrammar's built-in JSON grammar also takes arrays and scalars)
+            return "json", ANY_OBJECT
         return self.kind, self.spec
 
 

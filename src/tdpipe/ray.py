@@ -6,7 +6,8 @@
     config = ProcessorConfig(engine_kwargs={"dtype": "bfloat16"}, concurrency=2, batch_size=32)
     processor = build_llm_processor(
         config,
-        preprocess=lambda row: {"prompt": row["question"], "sampling_params": {"max_tokens": 64}},
+        preprocess=lambda row: {"question": row["question"], "messages": [{"role": "user", "content": row["question"]}],
+                                "sampling_params": {"max_tokens": 64}},
         postprocess=lambda row: {"question": row["question"], "answer": row["generated_text"]})
     answers = processor(ray.data.from_items([{"question": "..."}, ...])).take_all()
 
@@ -103,13 +104,14 @@ def build_llm_processor(config: ProcessorConfig, preprocess: Callable[[Row], Row
                         postprocess: Callable[[Row], Row] | None = None) -> Callable[[Any], Any]:
     """A function Dataset -> Dataset: `preprocess` per row, the replicas on blocks of `batch_size` rows,
     `postprocess` per row (vLLM's build_llm_processor shape)."""
-    import ray.data  # noqa: F401 - the optional extra: a clear ImportError here, not inside a worker
+    import ray.data  # the optional extra: a clear ImportError here, not inside a worker
 
     def process(ds: Any) -> Any:
         if preprocess is not None:
             ds = ds.map(preprocess)
         ds = ds.map_batches(
-            LLMPredictor, batch_size=config.batch_size, batch_format="numpy", concurrency=config.concurrency,
+            LLMPredictor, batch_size=config.batch_size, batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=config.concurrency),
             num_cpus=config.num_cpus_per_replica, num_gpus=0,
             fn_constructor_kwargs={"model": config.model, "engine_kwargs": dict(config.engine_kwargs),
                                    "num_threads": config.num_cpus_per_replica})

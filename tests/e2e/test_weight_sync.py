@@ -158,6 +158,7 @@ def test_the_server_updates_weights_while_requests_run(two_models):
                 assert r.status_code == 200 and r.json()["weight_version"] == 1, r.text
                 assert (await old).outputs[0].token_ids[:8] == ta[0]
                 assert new.outputs[0].token_ids == tb[0]
+                assert (await old).weight_version == 0 and new.weight_version == 1
                 r = await http.post("/update_weights_from_disk", json={"model_path": str(b / "nope")}, headers=auth)
                 assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
         finally:

@@ -200,7 +200,7 @@ class AsyncLLM:
         if rid in self._collectors:
             raise ValueError(f"request_id {rid!r} is already running")
         state = self.processor.add_request(rid, req.prompt, req.prompt_token_ids, req.params)
-        collector = RequestOutputCollector(lambda: self.processor.render(state))
+        collector = RequestOutputCollector(lambda: self._stamped(self.processor.render(state)))
         self._collectors[rid] = collector
         finished = False
         try:
@@ -223,6 +223,11 @@ class AsyncLLM:
                 self.processor.abort(rid)
                 if self.dead_reason is None:
                     self._send(core.ABORT, [rid], "abort")
+
+    def _stamped(self, out: RequestOutput) -> RequestOutput:
+        """The output with the weight version the core last reported (each step's stats carry it)."""
+        out.weight_version = self._stats.get("weight_version", 0)
+        return out
 
     async def abort(self, request_id: str) -> None:
         """Finish a request with finish_reason "abort"; its iterator yields that output and ends."""

@@ -64,7 +64,7 @@ def engine_stats(engine: Any, busy: list[float]) -> dict[str, Any]:
             "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.stats.prompt_tokens,
             "generation_tokens": engine.stats.output_tokens, "stage_busy": list(busy),
             "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate}
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "weight_version": engine.weight_version}
 
 
 class BusyMeter:

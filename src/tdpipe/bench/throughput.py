@@ -396,32 +396,28 @@ def run_compared(a: argparse.Namespace, parser: argparse.ArgumentParser) -> dict
     res["output_tokens_per_s_runs"] = fresh.values(runs, "engine", _tok_s)
     res["comparison"] = fresh.method(sides, a.repeats, runs)
     if a.compare_pp1:
-        c = fresh.compare(runs, "engine", "pp1", _tok_s)
+        _compared(res, runs, "pp1", "pp1")
         base = fresh.median_run(runs, "pp1", _tok_s).result
-        res["comparison"]["pp1"] = c
-        res |= {"pp1_output_tokens_per_s": c["base_median"], "pp1_output_tokens_per_s_runs": c["base_values"],
-                "pp1_elapsed_s": base["elapsed_s"], "pp1_bubble_ratio": base["bubble_ratio"],
-                "pp1_threads": base["threads"], "pp1_mfu": base["mfu"], "ratio_vs_pp1": c["ratio"],
-                "ratio_vs_pp1_per_repeat": c["ratio_per_repeat"]}
+        res |= {"pp1_elapsed_s": base["elapsed_s"], "pp1_bubble_ratio": base["bubble_ratio"],
+                "pp1_threads": base["threads"], "pp1_mfu": base["mfu"]}
     if a.compare_dp1:
-        c = fresh.compare(runs, "engine", "dp1", _tok_s)
-        res["comparison"]["dp1"] = c
-        res |= {"dp1_output_tokens_per_s": c["base_median"], "dp1_output_tokens_per_s_runs": c["base_values"],
-                "ratio_vs_dp1": c["ratio"], "ratio_vs_dp1_per_repeat": c["ratio_per_repeat"]}
+        _compared(res, runs, "dp1", "dp1")
     if a.compare_unconstrained:
-        c = fresh.compare(runs, "engine", "free", _tok_s)
-        res["comparison"]["free"] = c
-        res |= {"unconstrained_output_tokens_per_s": c["base_median"],
-                "unconstrained_output_tokens_per_s_runs": c["base_values"], "ratio_vs_unconstrained": c["ratio"],
-                "ratio_vs_unconstrained_per_repeat": c["ratio_per_repeat"]}
-    if a.compare_hf:
-        c = fresh.compare(runs, "engine", "hf", _tok_s)
-        hf = fresh.median_run(runs, "hf", _tok_s).result
-        res["comparison"]["hf"] = c
-        res |= {k: v for k, v in hf.items() if k.startswith("hf_")}
-        res |= {"hf_output_tokens_per_s_runs": c["base_values"], "ratio_vs_hf": c["ratio"],
-                "ratio_vs_hf_per_repeat": c["ratio_per_repeat"]}
+        _compared(res, runs, "free", "unconstrained")
+    if a.compare_hf:  # its median side's own hf_* figures (hf_output_tokens_per_s among them: useful tokens)
+        res |= {k: v for k, v in fresh.median_run(runs, "hf", _tok_s).result.items() if k.startswith("hf_")}
+        _compared(res, runs, "hf", "hf", median=False)
     return res
+
+
+def _compared(res: dict[str, Any], runs: list[fresh.SideRun], side: str, name: str, median: bool = True) -> None:
+    """Into `res`: the engine side against `side` (the comparison, and `name`'s runs, median and ratios)."""
+    c = fresh.compare(runs, "engine", side, _tok_s)
+    res["comparison"][side] = c
+    if median:
+        res[f"{name}_output_tokens_per_s"] = c["base_median"]
+    res |= {f"{name}_output_tokens_per_s_runs": c["base_values"], f"ratio_vs_{name}": c["ratio"],
+            f"ratio_vs_{name}_per_repeat": c["ratio_per_repeat"]}
 
 
 def run_hf_side(a: argparse.Namespace, threads: int | None) -> dict[str, Any]:
@@ -631,16 +627,13 @@ def format_table(r: dict[str, Any]) -> str:
             ("HF elapsed", f"{r['hf_elapsed_s']:.2f} s  ({r['hf_num_batches']} batches of <= {r['hf_batch_size']}, "
                            f"{r['hf_generated_tokens']} generated / {r['hf_useful_output_tokens']} useful)"),
             ("HF output tokens/s", f"{r['hf_output_tokens_per_s']:.1f}  (useful tokens only"
-                                   + (f"; runs {_runs(r['hf_output_tokens_per_s_runs'])})"
-                                      if len(r.get("hf_output_tokens_per_s_runs", [])) > 1 else ")")),
+                                   f"{_runs_of(r, 'hf_output_tokens_per_s_runs')})"),
             ("ratio vs HF", f"{r['ratio_vs_hf']:.2f}x  (output tokens/s{_per_repeat(r, 'ratio_vs_hf_per_repeat')})"),
         ]
     if "ratio_vs_pp1" in r:
         rows += [
             ("pp=1 output tok/s", f"{r['pp1_output_tokens_per_s']:.1f}  ({r['pp1_threads']} threads, one process; "
-                                  f"bubble {r['pp1_bubble_ratio']:.3f}"
-                                  + (f"; runs {_runs(r['pp1_output_tokens_per_s_runs'])})"
-                                     if len(r.get("pp1_output_tokens_per_s_runs", [])) > 1 else ")")),
+                                  f"bubble {r['pp1_bubble_ratio']:.3f}{_runs_of(r, 'pp1_output_tokens_per_s_runs')})"),
             ("ratio vs pp=1", f"{r['ratio_vs_pp1']:.3f}x  (output tokens/s, same workload, same sitting, "
                               + ("each run in its own process" if cmp else "pp=1 after pp=n in one process: biased")
                               + f"{_per_repeat(r, 'ratio_vs_pp1_per_repeat')})"),
@@ -651,15 +644,11 @@ def format_table(r: dict[str, Any]) -> str:
     if "ratio_vs_unconstrained" in r:
         rows += [
             ("unconstrained tok/s", f"{r['unconstrained_output_tokens_per_s']:.1f}"
-                                    + (f"  (runs {_runs(r['unconstrained_output_tokens_per_s_runs'])})"
-                                       if len(r.get("unconstrained_output_tokens_per_s_runs", [])) > 1 else "")),
+                                    + _runs_of(r, "unconstrained_output_tokens_per_s_runs", "  (runs ", ")")),
             ("ratio vs unconstrained", f"{r['ratio_vs_unconstrained']:.3f}x  (output tokens/s, same workload"
                                        f"{_per_repeat(r, 'ratio_vs_unconstrained_per_repeat')})"),
         ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
-    lines.append(MFU_FORMULA)
-    return "\n".join(lines)
+    return _aligned(rows) + "\n" + MFU_FORMULA
 
 
 def _replicated_table(r: dict[str, Any]) -> str:
@@ -674,24 +663,33 @@ def _replicated_table(r: dict[str, Any]) -> str:
                      + "; output tokens per replica " + ", ".join(map(str, r["replica_output_tokens"]))),
         ("elapsed", f"{r['elapsed_s']:.2f} s"),
         ("output tokens/s", f"{r['output_tokens_per_s']:.1f}  ({r['total_output_tokens']} tokens)"
-                            + (f"; runs {_runs(r['output_tokens_per_s_runs'])}"
-                               if len(r.get("output_tokens_per_s_runs", [])) > 1 else "")),
+                            + _runs_of(r, "output_tokens_per_s_runs")),
         ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
     ]
     if "ratio_vs_dp1" in r:
         rows += [
             ("one engine tok/s", f"{r['dp1_output_tokens_per_s']:.1f}  (all {r['threads']} threads, one engine"
-                                 + (f"; runs {_runs(r['dp1_output_tokens_per_s_runs'])})"
-                                    if len(r.get("dp1_output_tokens_per_s_runs", [])) > 1 else ")")),
+                                 f"{_runs_of(r, 'dp1_output_tokens_per_s_runs')})"),
             ("ratio vs one engine", f"{r['ratio_vs_dp1']:.3f}x  (output tokens/s, same workload, each run in its "
                                     f"own process{_per_repeat(r, 'ratio_vs_dp1_per_repeat')})"),
         ]
+    return _aligned(rows)
+
+
+def _aligned(rows: list[tuple[str, str]]) -> str:
+    """The table's rows, their labels padded to one width."""
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _runs(xs: list[float]) -> str:
     return ", ".join(f"{x:.1f}" for x in xs)
+
+
+def _runs_of(r: dict[str, Any], key: str, before: str = "; runs ", after: str = "") -> str:
+    """`before` + the runs under `key` + `after` when there are several; "" for one run or none."""
+    xs = r.get(key) or []
+    return f"{before}{_runs(xs)}{after}" if len(xs) > 1 else ""
 
 
 def _per_repeat(r: dict[str, Any], key: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 from tdpipe.config import EngineConfig
 from tdpipe.core import engine_core as core
-from tdpipe.core.engine_client import EngineDeadError
+from tdpipe.core.engine_client import EngineDeadError, as_engine_request
 from tdpipe.core.output_collector import RequestOutputCollector
 from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.core.validation import EngineRequest, RequestLimits, validate_request
@@ -174,11 +174,13 @@ class AsyncLLM:
     def _send(self, *msg: Any) -> None:
         self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> EngineRequest:
+    def request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                text: str | None = None) -> EngineRequest:
         """A raw prompt (text: tokenised with special tokens) validated into an EngineRequest
-        (core/validation.py; RequestError, a ValueError naming the field, if refused)."""
+        (core/validation.py; RequestError, a ValueError naming the field, if refused). `text`: the text of a
+        prompt given as token ids (a chat template's), kept for the outputs."""
         text, ids = (prompt, self.tokenizer.encode(prompt, add_special_tokens=True)) if isinstance(prompt, str) \
-            else (None, list(prompt))
+            else (text, list(prompt))
         return validate_request(request_id, ids, params, RequestLimits.of(self), text)
 
     async def generate(self, prompt: EngineRequest | str | list[int], params: SamplingParams | None = None,
@@ -188,14 +190,7 @@ class AsyncLLM:
         caller) runs as it is; a raw prompt is validated first. Raises ValueError before the first output
         for a request the engine refuses."""
         self.check_health()
-        if isinstance(prompt, EngineRequest):
-            if params is not None or request_id is not None:
-                raise TypeError("generate(EngineRequest) takes no params or request_id: the request has them")
-            req = prompt
-        else:
-            if params is None or request_id is None:
-                raise TypeError("generate(prompt, params, request_id): params and request_id are required")
-            req = self.request(prompt, params, request_id)
+        req = as_engine_request(prompt, params, request_id, self.request)
         rid = req.request_id
         if rid in self._collectors:
             raise ValueError(f"request_id {rid!r} is already running")

@@ -17,7 +17,7 @@ from typing import Any
 
 from tdpipe.config import EngineConfig, available_memory, kv_budget
 from tdpipe.core.async_llm import AsyncLLM
-from tdpipe.core.engine_client import EngineDeadError
+from tdpipe.core.engine_client import EngineDeadError, as_engine_request
 from tdpipe.core.validation import EngineRequest
 from tdpipe.outputs import RequestOutput
 from tdpipe.sampling.params import SamplingParams
@@ -145,8 +145,9 @@ class DataParallelClient:
         return out
 
     # -- requests --------------------------------------------------------------------------------------------
-    def request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> EngineRequest:
-        return self.replicas[0].request(prompt, params, request_id)
+    def request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                text: str | None = None) -> EngineRequest:
+        return self.replicas[0].request(prompt, params, request_id, text)
 
     def _pick(self) -> int:
         return min(range(len(self.replicas)), key=lambda k: (self.load[k], k))
@@ -155,14 +156,7 @@ class DataParallelClient:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """AsyncLLM.generate on the least-loaded replica."""
         self.check_health()
-        if isinstance(prompt, EngineRequest):
-            if params is not None or request_id is not None:
-                raise TypeError("generate(EngineRequest) takes no params or request_id: the request has them")
-            req = prompt
-        else:
-            if params is None or request_id is None:
-                raise TypeError("generate(prompt, params, request_id): params and request_id are required")
-            req = self.request(prompt, params, request_id)
+        req = as_engine_request(prompt, params, request_id, self.request)
         if req.request_id in self._where:
             raise ValueError(f"request_id {req.request_id!r} is already running")
         k = self._pick()

@@ -6,19 +6,33 @@ reads nothing else, so a new engine front (another transport, a remote core) is 
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from tdpipe.core.validation import EngineRequest
 from tdpipe.outputs import RequestOutput
 from tdpipe.sampling.params import SamplingParams
 
-__all__ = ["EngineClient", "EngineDeadError"]
+__all__ = ["EngineClient", "EngineDeadError", "as_engine_request"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone. The message is safe to show a client: it never holds the core's exception
     text (that goes to the server's log only)."""
+
+
+def as_engine_request(prompt: EngineRequest | str | list[int], params: SamplingParams | None,
+                      request_id: str | None,
+                      validate: Callable[[str | list[int], SamplingParams, str], EngineRequest]) -> EngineRequest:
+    """generate()'s two forms: an EngineRequest (validated by the caller) as it is, or a raw prompt with its
+    params and request id, validated by `validate` (a client's request()); TypeError for a mix of the two."""
+    if isinstance(prompt, EngineRequest):
+        if params is not None or request_id is not None:
+            raise TypeError("generate(EngineRequest) takes no params or request_id: the request has them")
+        return prompt
+    if params is None or request_id is None:
+        raise TypeError("generate(prompt, params, request_id): params and request_id are required")
+    return validate(prompt, params, request_id)
 
 
 @runtime_checkable

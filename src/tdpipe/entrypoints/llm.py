@@ -134,9 +134,7 @@ class LLM:
                 proc.add_request(rid, seq.prompt, seq.prompt_token_ids, sp, seq.arrival_time)
                 live[rid] = i
             except (ValueError, TypeError) as e:
-                log.warning("request %s rejected: %s", rid, e)
-                rejected.append((i, RequestOutput(rid, text, [t for t in ids or [] if isinstance(t, int)],
-                                                  [CompletionOutput(0, "", [], "error")], error=str(e))))
+                rejected.append((i, _refused(rid, text, ids, e)))
         yield from rejected
         yield from self._run(live, proc, use_tqdm)
 
@@ -151,9 +149,7 @@ class LLM:
                 text, ids = self._split_prompt(prompt, i)
                 jobs.append((i, rid, text, ids, SamplingParams(**sp) if isinstance(sp, dict) else sp))
             except (ValueError, TypeError) as e:
-                log.warning("request %s rejected: %s", rid, e)
-                rejected.append((i, RequestOutput(rid, text, [t for t in ids or [] if isinstance(t, int)],
-                                                  [CompletionOutput(0, "", [], "error")], error=str(e))))
+                rejected.append((i, _refused(rid, text, ids, e)))
         yield from rejected
         bar = None
         if use_tqdm and jobs:
@@ -307,6 +303,13 @@ class LLM:
         if self.engine is None:
             raise ValueError(f"{what} needs data_parallel_size 1: the replicas are other processes")
         return self.engine
+
+
+def _refused(rid: str, text: str | None, ids: list[int] | None, e: Exception) -> RequestOutput:
+    """The output of a request refused at submit time: finish_reason "error" and the reason (logged)."""
+    log.warning("request %s rejected: %s", rid, e)
+    return RequestOutput(rid, text, [t for t in ids or [] if isinstance(t, int)],
+                         [CompletionOutput(0, "", [], "error")], error=str(e))
 
 
 @dataclass

@@ -14,7 +14,6 @@ from typing import Any
 
 from tdpipe.config import EngineConfig
 from tdpipe.core.data_parallel import DataParallelClient
-from tdpipe.core.validation import RequestLimits, validate_request
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
 
@@ -48,14 +47,12 @@ class ReplicaRunner:
         """Every job's final output, as each finishes; a job the frontend refuses (validation) comes back with
         finish_reason "error", as LLMEngine's refusals do. Closing the iterator early aborts the rest."""
         done: queue.Queue = queue.Queue()
-        limits = RequestLimits.of(self.client)
 
         async def one(job: Job) -> None:
             i, rid, text, ids, params = job
             try:
-                if ids is None:
-                    ids = self.client.tokenizer.encode(text, add_special_tokens=True)
-                req = validate_request(rid, ids, params, limits, text)
+                req = self.client.request(text if ids is None else ids, params, rid, text)
+                ids = req.prompt_token_ids
             except ValueError as e:
                 done.put((i, RequestOutput(rid, text, list(ids or []), [CompletionOutput(0, "", [], "error")],
                                            error=str(e)), None))

@@ -16,7 +16,6 @@ from tdpipe.malloc import pin_mmap_threshold, trim_heap
 from tdpipe.platforms.interface import KvRequest, Platform
 
 
-
 def keep_freed_memory() -> None:
     """glibc returns big freed buffers to the OS and page-faults them back on the next allocation (~0.4 ms
     per MB in this VM: more than the GEMM that fills them). Keep the heap instead (mallopt M_MMAP_MAX=0,

@@ -5,9 +5,9 @@ tokenizer when the request is added, on a worker thread, so the compilation over
 xgrammar caches compiled grammars, so a schema shared by many requests is compiled once. Each sequence gets
 a matcher (a pushdown automaton over tokens). Before a batch is sampled, the matchers of its constrained rows
 fill one token bitmask for the batch (a bit per vocabulary entry, 32 per int32), which the sampler applies
-(sampling/token_masks.py); the sampled tokens reach a matcher the next time its
-sequence is sampled, replayed from the sequence's outputs: so forks (n > 1) and recomputed (preempted)
-sequences need no bookkeeping beyond a matcher per sequence object.
+(sampling/token_masks.py); the sampled tokens reach a matcher the next time its sequence is sampled,
+replayed from the sequence's outputs: so forks (n > 1) and recomputed (preempted) sequences need no
+bookkeeping beyond a matcher per sequence object.
 """
 from __future__ import annotations
 
@@ -15,9 +15,7 @@ import logging
 import re
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tdpipe.sampling.structured import StructuredOutputsParams
 
@@ -46,6 +44,11 @@ def _message(e: BaseException) -> str:
     return text[:300]
 
 
+def _json_options(params: StructuredOutputsParams) -> dict[str, Any]:
+    """How a JSON schema becomes a grammar, the same for the frontend's parse and the engine's compile."""
+    return {"any_whitespace": not params.disable_any_whitespace, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
 def parse_grammar(params: StructuredOutputsParams) -> None:
     """Build the constraint's grammar without a tokenizer (about a millisecond for a JSON schema): a
     ValueError naming the kind and xgrammar's reason when it is not valid."""
@@ -54,8 +57,7 @@ def parse_grammar(params: StructuredOutputsParams) -> None:
     how, text = params.grammar_source()
     try:
         if how == "json":
-            xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace,
-                                         max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            xgr.Grammar.from_json_schema(text, **_json_options(params))
         elif how == "regex":
             xgr.Grammar.from_regex(text)
         elif how == "grammar":
@@ -105,8 +107,7 @@ class GrammarManager:
         how, text = params.grammar_source()
         c = self._compiler
         if how == "json":
-            return c.compile_json_schema(text, any_whitespace=not params.disable_any_whitespace,
-                                         max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            return c.compile_json_schema(text, **_json_options(params))
         if how == "regex":
             return c.compile_regex(text)
         return c.compile_grammar(text)
@@ -115,6 +116,8 @@ class GrammarManager:
         """The batch's token bitmask [rows, ceil(V / 32)] and the rows it constrains (None: no row is
         constrained). A row is a (sequence, sample index) pair; a sequence with a compiled constraint
         (`seq.group.grammar`, a future) whose matcher has not finished (a stop token accepted) is constrained."""
+        if self._pool is None:  # no constrained request ever: nothing to look at
+            return None
         import xgrammar as xgr
 
         rows: list[int] = []

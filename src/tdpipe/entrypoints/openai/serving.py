@@ -24,8 +24,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tdpipe.core.engine_client import EngineClient
-from tdpipe.core.validation import (EngineRequest, RequestError, RequestLimits, check_params, check_stops,
-                                    validate_prompt)
+from tdpipe.core.validation import (EngineRequest, RequestError, RequestLimits, check_grammar, check_params,
+                                    check_stops, validate_prompt)
 from tdpipe.entrypoints.openai.admission import Admission, Ticket
 from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, engine_dead,
                                               error_json, from_request_error, from_sampling_error)
@@ -35,7 +35,6 @@ from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest, _R
 from tdpipe.entrypoints.openai.serve_args import ServerConfig
 from tdpipe.entrypoints.openai.tokenizer_thread import off_loop
 from tdpipe.outputs import RequestOutput
-from tdpipe.sampling.grammar import parse_grammar
 from tdpipe.sampling.params import SamplingParams
 
 log = logging.getLogger("tdpipe.serve")
@@ -161,14 +160,11 @@ class OpenAIServing:
     def check_grammar(req: _GenerationRequest, sp: SamplingParams) -> None:
         """The output constraint parsed (off the event loop: a schema may be large): a 400 naming the field
         it came from when xgrammar refuses it."""
-        so = sp.structured_outputs
-        if so is None:
-            return
         try:
-            parse_grammar(so)
-        except ValueError as e:
+            check_grammar(sp)
+        except RequestError as e:
             _, field = req.structured()
-            raise bad_request(renamed(str(e), so.kind, field), field, "invalid_value") from None
+            raise bad_request(renamed(str(e), sp.structured_outputs.kind, field), field, e.code) from None
 
     @staticmethod
     def validated(request_id: str, ids: list[int], sp: SamplingParams, eng: EngineClient, prompt_field: str,

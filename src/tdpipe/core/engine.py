@@ -214,23 +214,34 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Keep the pipeline full (up to pipeline_depth micro-batches in flight), then complete the oldest one.
-        Returns a delta for every request that got a token in it (aborted requests get none: abort_request
-        returned them). Output lengths are predicted in batches while the stages compute; before the first
-        batch first, since Algorithm 1 needs them to admit anything."""
+        """Keep the pipeline full (up to pipeline_depth micro-batches in flight) and complete the oldest one.
+        With stage processes (executor.asynchronous) the pipeline is filled again before returning: the
+        caller's work on the deltas (detokenising, stop strings, sending outputs) then runs while the stages
+        compute instead of between a result and the next micro-batch (SiPipe §4: CPU work off the critical
+        path). Returns a delta for every request that got a token (aborted requests get none:
+        abort_request returned them)."""
         self._check_open()
-        if self._unpredicted and not self._inflight:
-            self._batched.predict_pending()
-        depth = self.scheduler.config.pipeline_depth  # micro-batches in flight (--pipeline-depth, default pp)
-        while len(self._inflight) < depth and (batch := self.scheduler.schedule()) is not None:
-            self._submit(batch)
-        if self._unpredicted and self._inflight:
-            self._batched.predict_pending()
+        self._fill()
         if not self._inflight:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV cache too small?)")
             return []
-        return self._complete_oldest()
+        deltas = self._complete_oldest()
+        if self.executor.asynchronous:
+            self._fill()
+        return deltas
+
+    def _fill(self) -> None:
+        """Schedule and submit micro-batches until pipeline_depth are in flight (--pipeline-depth, default
+        pp). Output lengths are predicted in batches while the stages compute; before the first batch first,
+        since Algorithm 1 needs them to admit anything."""
+        if self._unpredicted and not self._inflight:
+            self._batched.predict_pending()
+        depth = self.scheduler.config.pipeline_depth
+        while len(self._inflight) < depth and (batch := self.scheduler.schedule()) is not None:
+            self._submit(batch)
+        if self._unpredicted and self._inflight:
+            self._batched.predict_pending()
 
     def _complete_oldest(self) -> list[RequestDelta]:
         """Collect the oldest micro-batch in flight, sample its rows, and hand the tokens to the scheduler."""

@@ -23,6 +23,10 @@ class StepResult:
 
 class Executor:
     num_stages: int = 1
+    # submit() returns before the micro-batch is computed (stage processes): the engine then refills the
+    # pipeline before handing a step's deltas back. An in-process executor computes inside submit(), where
+    # refilling first would only hold the deltas back by one step.
+    asynchronous: bool = False
 
     def now(self) -> float:
         """The clock the engine stamps requests and traces with: wall time, or a simulator's virtual time."""

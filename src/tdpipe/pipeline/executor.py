@@ -118,6 +118,8 @@ class _InFlight:
 
 
 class PipelineExecutor(Executor):
+    asynchronous = True
+
     def __init__(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
                  stages: list[StageSpec], max_num_batched_tokens: int, platform: Platform,
                  tensor_parallel_size: int = 1, lm_head_split: float = 0.0, graphs: object | None = None,

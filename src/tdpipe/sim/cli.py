@@ -88,7 +88,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("studies")
     g.add_argument("--figure11", action="store_true",
                    help="TD-Pipe's Figure 11 grid: L20+13B, L20+32B, A100+32B, A100+70B x 1/2/4 devices x TP+SB, "
-                        "TP+HB, PP+SB, PP+HB, TD-Pipe, with the paper's stated ratios beside")
+                        "TP+HB, PP+SB (tdpipe's separate, and vLLM 0.5.3's: vllm-pp), PP+HB, TD-Pipe, and prefill/decode "
+                        "disaggregation (PD), with the paper's stated ratios beside")
     g.add_argument("--sweep-layouts", type=int, default=None, metavar="N",
                    help="SiPipe Fig. 1 (§1, §7.1): every P x T = N layout (N x 1 ... 1 x N) under --policies; "
                         "defaults to its testbed: --hardware h100-nvl (8 per node), --model llama-3.1-405b, "
@@ -290,8 +291,9 @@ def format_pd_table(r: dict[str, Any]) -> str:
                  "(all requests submitted at 0)"),
         ("TPOT", f"mean {1e3 * r['tpot_mean_s']:.1f} ms, p50 {1e3 * r['tpot_p50_s']:.1f} ms, "
                  f"p99 {1e3 * r['tpot_p99_s']:.1f} ms"),
-        ("KV transfer", f"{r['kv_bytes_per_token'] / 1e6:.3f} MB per token, mean {1e3 * r['kv_transfer_mean_s']:.2f} ms "
-                        f"per request, links busy {100 * r['kv_link_busy']:.1f}% of the run"),
+        ("KV transfer", f"{r['kv_bytes_per_token'] / 1e6:.3f} MB per token, mean "
+                        f"{1e3 * r['kv_transfer_mean_s']:.2f} ms per request, links busy "
+                        f"{100 * r['kv_link_busy']:.1f}% of the run"),
         ("KV caches", f"prefill {p['kv_capacity_tokens']} tokens, decode {d['kv_capacity_tokens']} tokens"),
         ("idle devices", f"{r['bubble_ratio']:.3f} of all device time (bubble ratio: prefill {p['bubble_ratio']:.3f}, "
                          f"decode {d['bubble_ratio']:.3f}, each over its own span)"),

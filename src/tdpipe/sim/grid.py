@@ -5,9 +5,9 @@ Methods map onto tdpipe's policies: TP+SB = tensor parallel + `separate`, TP+HB 
 `td-pipe`. PP+SB (vLLM 0.5.3) is the PP+SB the paper ran (§4.1): `vllm-pp`, each request bound for life to one
 micro-batch slot with its own share of the KV cache; tdpipe's PP+SB (`separate`) re-splits the running
 requests evenly at every step. Two PD rows put spatial prefill/decode disaggregation beside them (sim/pd.py):
-half the devices prefill and half decode, or one device prefills and the rest decode. A further row, TD-Pipe with the decode-to-prefill switch of its own ablation (finish-ratio 0.5,
-§4.4.3) instead of the intensity comparison, shows what Approach 3 costs at this scale; a seventh,
-`reachable-intensity`, keeps Eq. 1-2 but takes Peak at the decode batch a switch can reach. The paper prints the grid as bars only; its text states the ratios in PAPER_CLAIMS, which the
+half the devices prefill and half decode, or one device prefills and the rest decode. A further row, TD-Pipe
+with the decode-to-prefill switch of its own ablation (finish-ratio 0.5, §4.4.3) instead of the intensity
+comparison, shows what Approach 3 costs at this scale; another, `reachable-intensity`, keeps Eq. 1-2 but takes Peak at the decode batch a switch can reach. The paper prints the grid as bars only; its text states the ratios in PAPER_CLAIMS, which the
 table sets beside the simulated ones.
 """
 from __future__ import annotations
@@ -203,8 +203,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             row = []
             b4 = "-"
             for n in DEVICES:
-                r = next((x for x in results if (x["hardware"], x["model"], x["devices"], x["method"]) == (hw, m, n, name)),
-                         None)
+                r = next((x for x in results
+                          if (x["hardware"], x["model"], x["devices"], x["method"]) == (hw, m, n, name)), None)
                 if r is None:  # a result written before the row existed
                     row.append("-")
                     continue

@@ -276,3 +276,26 @@ def test_on_a_random_weight_model_with_two_virtual_engines():
     got = answers("vllm-pp", 2)
     assert all(len(v) == 5 for v in got.values())
     assert got == answers("separate", 1)
+
+
+def test_a_request_with_more_samples_than_a_slots_share_still_runs():
+    """max_num_seqs 4 over 4 slots is one sequence each; an n = 3 request runs alone in its slot."""
+    s = sched(depth=4, max_seqs=4)
+    x = Sequence(next(_ids), "n3", [1] * 8, SamplingParams(n=3, max_tokens=4, temperature=1.0), max_tokens=4)
+    s.add(x)
+    b = s.schedule()
+    assert b is not None and b.seqs == [x]
+
+
+def test_abort_frees_blocks_and_the_binding():
+    s = sched(depth=2)
+    a, b, c = seq(8), seq(8), seq(8)
+    for x in (a, b, c):
+        s.add(x)
+    batch = s.schedule()  # slot 0: a and c
+    finish(s, batch)
+    s.abort(c)  # running, idle
+    s.abort(b)  # waiting in slot 1
+    assert s.bound == [1, 0] and c.seq_id not in s.slot_of and not c.block_table and not s.waiting.queues[1]
+    s.abort(a)
+    assert s.bm.num_free_blocks == s.bm.num_blocks and s.bound == [0, 0] and not s.has_unfinished()

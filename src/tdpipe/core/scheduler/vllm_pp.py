@@ -157,6 +157,9 @@ class VllmPPScheduler(Scheduler):
         super().abort(seq)
         self._release(seq)
 
+    def reset_idle(self) -> None:
+        self.batch_slot.clear()  # batches dropped in flight (LLMEngine.abort_all) never came back
+
     # -- per-engine state ------------------------------------------------------------------------------
     def _held_blocks(self) -> list[int]:
         held = [0] * self.num_slots
@@ -206,7 +209,8 @@ class VllmPPScheduler(Scheduler):
         num_seqs = sum(s.num_samples_pending for s in running)
         seqs: list[Sequence] = []
         lens: list[int] = []
-        while queue and num_seqs + queue[0].num_samples_pending <= self.max_seqs[slot]:
+        # an engine with nothing running takes its next request even if its samples (n > 1) pass its share
+        while queue and (num_seqs + queue[0].num_samples_pending <= self.max_seqs[slot] or not (running or seqs)):
             seq = queue[0]
             plan = self.prefill_plan(seq)
             n = seq.num_tokens - plan.num_cached_tokens

@@ -89,7 +89,7 @@ def check_batch(sched, bm, batch, in_flight_ids: set[int]) -> None:
     assert len(ids) == len(set(ids)), "a sequence twice in one batch"
     assert not (set(ids) & in_flight_ids), "a sequence scheduled while in flight"
     if batch.num_tokens > cfg.max_num_batched_tokens:  # only a lone whole prompt of a never-chunking policy
-        assert cfg.policy in ("separate", "td-pipe") and batch.is_prefill and len(batch.seqs) == 1
+        assert cfg.policy in ("separate", "td-pipe", "vllm-pp") and batch.is_prefill and len(batch.seqs) == 1
     assert len(batch.seqs) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
     for s, n in zip(batch.seqs, batch.num_new_tokens):
         assert s.status is SequenceStatus.RUNNING and s in sched.running and s.in_flight

@@ -15,12 +15,14 @@ from tdpipe.core.scheduler.registry import (PolicyStat, get_policy, knob_owners,
                                             register_policy, scheduler_config)
 from tdpipe.core.scheduler.td_pipe import TDPipeKnobs
 from tdpipe.core.scheduler.throttle import ThrottleKnobs
+from tdpipe.core.scheduler.vllm_pp import VllmPPScheduler
 from tdpipe.engine_args import EngineArgs
 from tdpipe.cli import build_parser
 from tdpipe.options import flagged, option
 
 BUILTIN = {"separate": (SeparateScheduler, 8192), "hybrid": (HybridScheduler, 512),
-           "throttle": (ThrottleScheduler, 2048 + 256), "td-pipe": (TDPipeScheduler, 2048)}
+           "throttle": (ThrottleScheduler, 2048 + 256), "td-pipe": (TDPipeScheduler, 2048),
+           "vllm-pp": (VllmPPScheduler, 8192)}
 
 
 @pytest.fixture
@@ -56,7 +58,7 @@ def test_builtin_policy_registered_with_its_budget(name):
 
 
 def test_builtin_order_and_what_each_needs():
-    assert policy_names() == ("separate", "hybrid", "throttle", "td-pipe")
+    assert policy_names() == ("separate", "hybrid", "throttle", "td-pipe", "vllm-pp")
     assert [n for n in policy_names() if get_policy(n).needs_predictor] == ["td-pipe"]
     td = get_policy("td-pipe")
     assert td.stat_names == ("preemptions", "phase_switches")
@@ -67,7 +69,7 @@ def test_builtin_order_and_what_each_needs():
     assert td.wants_step_costs(SchedulerConfig(policy="td-pipe"))
     assert td.wants_step_costs(scheduler_config(policy="td-pipe", switch_to_prefill="reachable-intensity"))
     assert not td.wants_step_costs(scheduler_config(policy="td-pipe", switch_to_prefill="finish-ratio:0.5"))
-    for name in ("separate", "hybrid", "throttle"):
+    for name in ("separate", "hybrid", "throttle", "vllm-pp"):
         assert not get_policy(name).wants_step_costs(SchedulerConfig(policy=name))
         assert get_policy(name).stat_names == ("preemptions",)
 

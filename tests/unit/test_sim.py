@@ -226,7 +226,8 @@ def test_cli_simulate_errors_name_the_problem(capsys):
 def test_grid_cell_and_claims():
     from tdpipe.sim import grid
 
-    assert len(grid.cells()) == 4 * 3 * 7
+    assert len(grid.cells()) == 4 * 3 * 10
+    assert len(grid.cells([("a100-80g", "llama-2-70b")])) == 3 * 10
     oom = grid.run_cell({"hardware": "a100-80g", "model": "llama-2-70b", "devices": 1, "method": "TD-Pipe"}, 10, 0, {})
     assert "oom" in oom
     fake = []

@@ -45,6 +45,17 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--link-bw", type=float, default=None, metavar="GB/s",
                    help="override the stage-to-stage bandwidth")
     g.add_argument("--recalibrate", action="store_true", help="cpu: measure this machine again")
+    g.add_argument("--prefill-devices", type=int, default=None, metavar="P",
+                   help="prefill/decode disaggregation in space (DistServe; sim/pd.py): P devices prefill, "
+                        "--decode-devices D decode, the KV sent between them at --link-bw per device link")
+    g.add_argument("--decode-devices", type=int, default=None, metavar="D",
+                   help="with --prefill-devices: the devices that decode")
+    g.add_argument("--prefill-parallel", choices=["pp", "tp"], default="pp",
+                   help="with --prefill-devices: the prefill instance as pipeline stages or one TP group "
+                        "(default: %(default)s)")
+    g.add_argument("--decode-parallel", choices=["pp", "tp"], default="pp",
+                   help="with --prefill-devices: the decode instance as pipeline stages or one TP group "
+                        "(default: %(default)s)")
     g = p.add_argument_group("engine")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"most sequences running (default {EngineArgs.max_num_seqs} per pipeline stage: each of "
@@ -77,7 +88,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("studies")
     g.add_argument("--figure11", action="store_true",
                    help="TD-Pipe's Figure 11 grid: L20+13B, L20+32B, A100+32B, A100+70B x 1/2/4 devices x TP+SB, "
-                        "TP+HB, PP+SB, PP+HB, TD-Pipe, with the paper's stated ratios beside")
+                        "TP+HB, PP+SB (tdpipe's separate, and vLLM 0.5.3's: vllm-pp), PP+HB, TD-Pipe, and prefill/decode "
+                        "disaggregation (PD), with the paper's stated ratios beside")
     g.add_argument("--sweep-layouts", type=int, default=None, metavar="N",
                    help="SiPipe Fig. 1 (§1, §7.1): every P x T = N layout (N x 1 ... 1 x N) under --policies; "
                         "defaults to its testbed: --hardware h100-nvl (8 per node), --model llama-3.1-405b, "
@@ -90,6 +102,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "default 2048 per step); --plot draws it")
     g.add_argument("--plot", default=None, metavar="PNG", help="--sweep-layouts/--figure6: also draw it")
     g.add_argument("--jobs", type=int, default=1, help="--figure11: cells simulated in parallel processes")
+    g.add_argument("--pairs", default=None, metavar="HW/MODEL,...",
+                   help="--figure11: only these node-model pairs, e.g. a100-80g/llama-2-70b (default: all four)")
     g.add_argument("--compare", nargs="+", default=None, metavar="BENCH_JSON",
                    help="replay real `tdpipe bench throughput --json` runs of the bundled model on the calibrated "
                         "CPU row and print real vs simulated throughput and bubble ratio")
@@ -132,6 +146,8 @@ def run(a: argparse.Namespace) -> int:
         from tdpipe.sim import layouts
 
         return layouts.run_study(a, _engine_kwargs(a), _NoTokenizer())
+    if a.prefill_devices is not None or a.decode_devices is not None:
+        return _pd(a)
     from tdpipe.bench.throughput import build_workload
     from tdpipe.config import ModelConfig, default_threads
     from tdpipe.sim.cost import check_tensor_parallel, model_bytes
@@ -223,11 +239,69 @@ def _figure11(a: argparse.Namespace) -> int:
     if a.max_num_seqs:
         engine["max_num_seqs"] = a.max_num_seqs
     a.num_prompts = a.num_prompts or 5000
-    results = grid.run_grid(a.num_prompts, a.workload_seed, engine, jobs=a.jobs)
+    pairs = grid.parse_pairs(a.pairs) if a.pairs else None
+    results = grid.run_grid(a.num_prompts, a.workload_seed, engine, jobs=a.jobs, pairs=pairs)
     meta = {"num_prompts": a.num_prompts, "seed": a.workload_seed, "wall_s": time.perf_counter() - t,
+            "pairs": [f"{hw}/{m}" for hw, m in (pairs or grid.PAIRS)],
             "engine": {k: (list(v) if isinstance(v, tuple) else v) for k, v in engine.items()}}
     print(grid.write(results, meta, a.json, a.markdown))
     return 0
+
+
+def _pd(a: argparse.Namespace) -> int:
+    """One run of prefill/decode disaggregation: --prefill-devices P --decode-devices D (sim/pd.py)."""
+    from tdpipe.bench.throughput import build_workload
+    from tdpipe.sim.hardware import GB, load_hardware, with_links
+    from tdpipe.sim.pd import PDConfig, simulate_pd
+    from tdpipe.sim.runner import sim_model_config
+
+    if a.prefill_devices is None or a.decode_devices is None:
+        raise ValueError("--prefill-devices and --decode-devices go together")
+    if a.hardware == "cpu" or a.num_kv_blocks is not None or a.kv_cache_memory is not None:
+        raise ValueError("--prefill-devices: each side sizes its KV cache from a GPU row's memory; --hardware cpu, "
+                         "--num-kv-blocks and --kv-cache-memory are not supported with it")
+    a.hardware, a.model, a.num_prompts = a.hardware or "a100-80g", a.model or "llama-2-70b", a.num_prompts or 5000
+    hw = with_links(load_hardware(a.hardware), a.allreduce_bw and a.allreduce_bw * GB, a.link_bw and a.link_bw * GB)
+    _, hf = sim_model_config(a.model)
+    max_len = min(a.max_model_len or hf.get("max_position_embeddings", 4096), hf.get("max_position_embeddings", 4096))
+    name, reqs = build_workload(argparse.Namespace(**vars(a), history=None), hf["vocab_size"], max_len, _NoTokenizer())
+    engine = {k: v for k, v in _engine_kwargs(a).items() if k != "scheduler"}
+    cfg = PDConfig(hw, a.prefill_devices, a.decode_devices, a.model, a.prefill_parallel, a.decode_parallel,
+                   engine=engine)
+    res = simulate_pd(cfg, reqs)
+    res["workload"] = {"name": name, "seed": a.workload_seed}
+    print(format_pd_table(res))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def format_pd_table(r: dict[str, Any]) -> str:
+    p, d = r["prefill"], r["decode"]
+    rows = [
+        ("deployment", f"{r['num_devices']}x {r['hardware']['name']}: {p['devices']} prefill ({p['parallel']}), "
+                       f"{d['devices']} decode ({d['parallel']}), model {r['model']}"),
+        ("workload", f"{r['workload']['name']} (seed {r['workload']['seed']}): {r['num_requests']} requests, "
+                     f"{r['total_input_tokens']} in / {r['total_output_tokens']} out tokens"),
+        ("simulated time", f"{r['elapsed_s']:.2f} s"),
+        ("output tokens/s", f"{r['output_tokens_per_s']:.1f}"),
+        ("total tokens/s", f"{r['total_tokens_per_s']:.1f}"),
+        ("TTFT", f"mean {r['ttft_mean_s']:.2f} s, p50 {r['ttft_p50_s']:.2f} s, p99 {r['ttft_p99_s']:.2f} s "
+                 "(all requests submitted at 0)"),
+        ("TPOT", f"mean {1e3 * r['tpot_mean_s']:.1f} ms, p50 {1e3 * r['tpot_p50_s']:.1f} ms, "
+                 f"p99 {1e3 * r['tpot_p99_s']:.1f} ms"),
+        ("KV transfer", f"{r['kv_bytes_per_token'] / 1e6:.3f} MB per token, mean "
+                        f"{1e3 * r['kv_transfer_mean_s']:.2f} ms per request, links busy "
+                        f"{100 * r['kv_link_busy']:.1f}% of the run"),
+        ("KV caches", f"prefill {p['kv_capacity_tokens']} tokens, decode {d['kv_capacity_tokens']} tokens"),
+        ("idle devices", f"{r['bubble_ratio']:.3f} of all device time (bubble ratio: prefill {p['bubble_ratio']:.3f}, "
+                         f"decode {d['bubble_ratio']:.3f}, each over its own span)"),
+        ("preemptions", f"prefill {p['preemptions']}, decode {d['preemptions']}"),
+        ("simulator", f"{r['sim_wall_s']:.1f} s wall on this machine"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
 def _compare(a: argparse.Namespace) -> int:

@@ -127,8 +127,9 @@ def kv_blocks_from_memory(mc: ModelConfig, hw: Hardware, partition: list[tuple[i
     return min(tokens) // block_size
 
 
-def build_engine(cfg: SimConfig):
-    """The real LLMEngine, built with a SimExecutor; raises DoesNotFit when no KV cache fits."""
+def build_engine(cfg: SimConfig, executor_cls: type | None = None):
+    """The real LLMEngine, built with a SimExecutor (or `executor_cls`, a subclass of it: the PD decode side's,
+    sim/pd.py); raises DoesNotFit when no KV cache fits."""
     from tdpipe.core.engine import LLMEngine
     from tdpipe.sim.executor import SimExecutor
     from tdpipe.worker.partition import resolve_partition
@@ -153,7 +154,7 @@ def build_engine(cfg: SimConfig):
 
     def factory(engine) -> SimExecutor:
         cost = CostModel(engine.model_config, cfg.hardware, engine.partition, cfg.tp, cfg.dtype_bytes)
-        return SimExecutor(cost, measured_engine=cfg.hardware.measured_engine)
+        return (executor_cls or SimExecutor)(cost, measured_engine=cfg.hardware.measured_engine)
 
     return LLMEngine(engine_cfg, executor_factory=factory)
 

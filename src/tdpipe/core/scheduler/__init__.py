@@ -6,6 +6,7 @@ from tdpipe.core.scheduler.separate import SeparateScheduler
 from tdpipe.core.scheduler.hybrid import HybridScheduler  # noqa: I001 (registration order = CLI order)
 from tdpipe.core.scheduler.throttle import ThrottleScheduler
 from tdpipe.core.scheduler.td_pipe import TDPipeScheduler
+from tdpipe.core.scheduler.vllm_pp import VllmPPScheduler
 
 
 def make_scheduler(config, block_manager, predictor=None, eos_token_ids=(), costs=None) -> Scheduler:
@@ -14,4 +15,4 @@ def make_scheduler(config, block_manager, predictor=None, eos_token_ids=(), cost
 
 
 __all__ = ["HybridScheduler", "PolicySpec", "PolicyStat", "Scheduler", "SeparateScheduler", "TDPipeScheduler",
-           "ThrottleScheduler", "get_policy", "make_scheduler", "policy_names", "register_policy"]
+           "ThrottleScheduler", "VllmPPScheduler", "get_policy", "make_scheduler", "policy_names", "register_policy"]

@@ -58,9 +58,6 @@ def resolve_quantization(method: str, model: str | None, device: str, bf16: bool
         if not src or not has_quantized_linears(src):
             raise ValueError(f"quantization 'gguf' needs a GGUF --model with quantised linear weights, got "
                              f"{model or 'the bundled model, whose GGUF is missing'!r}")
-        if not bf16:
-            raise ValueError("quantization 'gguf' runs with --dtype bfloat16 (float32: use 'none', the exact "
-                             "dequantised weights)")
         return "gguf", src
     return method, ""
 

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
@@ -43,8 +44,32 @@ inline float scale_at(const c10::Half* p, int i) { return static_cast<float>(p[i
 
 // One row's blocks: dx = amax / 127, xq = round_half_even(x * (127 / amax)), cx = dx * sum(xq); the same
 // arithmetic as int8.cpp's per-row pass, per block of 32 (scalar and vector paths give the same bits).
+#ifdef __AVX512F__
+inline __m512 load16x(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16x(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
 template <typename T>
 void quantize_row_blocks(const T* xr, int8_t* qr, float* dx, float* cx, int64_t k) {
+#ifdef __AVX512F__
+  // two registers a block; cvtps_epi32 rounds half to even (default MXCSR): the scalar path's bits
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b * BK < k; ++b) {
+    const __m512 a = load16x(xr + b * BK), c = load16x(xr + b * BK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)), lo), hi);
+    const __m512i qc = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(c, vinv)), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * BK), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + b * BK + 16), _mm512_cvtepi32_epi8(qc));
+    dx[b] = amax / 127.f;
+    cx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
+  }
+  return;
+#endif
   for (int64_t b = 0; b * BK < k; ++b) {
     const T* xb = xr + b * BK;
     int8_t* qb = qr + b * BK;
@@ -63,97 +88,129 @@ void quantize_row_blocks(const T* xr, int8_t* qr, float* dx, float* cx, int64_t 
   }
 }
 
-// Output rows [r0, r0 + R) of tile t. y accumulates in fp32 per block, in block order.
-template <int BITS, typename S, typename O, int R>
+// Output rows [r0, r0 + R) of tiles [t, t + TT). y accumulates in fp32 per block, in block order; each
+// row's arithmetic is the same whatever R and TT are (a row's result does not depend on its batch).
+template <int BITS, typename S, typename O, int R, int TT>
 void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
                const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0) {
   constexpr int BPB = BITS == 4 ? 256 : 512;  // bytes per (tile, block)
-  const uint8_t* wt = w + t * kb * BPB;
-  const S* st_ = sc + t * kb * 2 * NT;
-  const int64_t c0 = t * NT;
-  const int valid = static_cast<int>(std::min<int64_t>(NT, n - c0));
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  __m512 y[R];
-  for (int r = 0; r < R; ++r) y[r] = _mm512_setzero_ps();
+  __m512 y[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < TT; ++u) y[r][u] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < kb; ++b) {
-    const uint8_t* wb = wt + b * BPB;
-    __m512i wv[8];
-    if constexpr (BITS == 4) {
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * g);
-        wv[g] = _mm512_and_si512(v, lo4);
-        wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+    __m512i acc[R][TT];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < TT; ++u) acc[r][u] = _mm512_setzero_si512();
+    const int8_t* xb = xq + r0 * k + b * BK;
+    // g-outer: a group's weights are loaded (and unpacked) once for all R rows; R x TT independent sums
+    for (int g = 0; g < (BITS == 4 ? 4 : 8); ++g) {
+      __m512i wl[TT], wh[TT];
+      for (int u = 0; u < TT; ++u) {
+        const __m512i v = _mm512_loadu_si512(w + ((t + u) * kb + b) * BPB + 64 * g);
+        if constexpr (BITS == 4) {
+          wl[u] = _mm512_and_si512(v, lo4);
+          wh[u] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        } else {
+          wl[u] = v;
+        }
       }
-    } else {
-      for (int g = 0; g < 8; ++g) wv[g] = _mm512_loadu_si512(wb + 64 * g);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xl = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * k + 4 * g));
+        for (int u = 0; u < TT; ++u) acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], wl[u], xl);
+        if constexpr (BITS == 4) {
+          const __m512i xh = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * k + 4 * (g + 4)));
+          for (int u = 0; u < TT; ++u) acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], wh[u], xh);
+        }
+      }
     }
-    const __m512 s = load_scale(st_ + b * 2 * NT), m = load_scale(st_ + b * 2 * NT + NT);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xb = xq + (r0 + r) * k + b * BK;
-      __m512i acc = _mm512_setzero_si512();
-      for (int g = 0; g < 8; ++g)
-        acc = _mm512_dpbusd_epi32(acc, wv[g], _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + 4 * g)));
-      const int64_t i = (r0 + r) * kb + b;
-      y[r] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(dx[i])), _mm512_cvtepi32_ps(acc), y[r]);
-      y[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(cx[i]), y[r]);
+    for (int u = 0; u < TT; ++u) {
+      const S* sb = sc + ((t + u) * kb + b) * 2 * NT;
+      const __m512 s = load_scale(sb), m = load_scale(sb + NT);
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * kb + b;
+        y[r][u] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(dx[i])), _mm512_cvtepi32_ps(acc[r][u]), y[r][u]);
+        y[r][u] = _mm512_fmadd_ps(m, _mm512_set1_ps(cx[i]), y[r][u]);
+      }
     }
   }
   alignas(64) float tmp[NT];
-  for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(tmp, y[r]);
-    O* orow = out + (r0 + r) * n + c0;
-    for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? tmp[j] + bias[c0 + j] : tmp[j]);
+  for (int u = 0; u < TT; ++u) {
+    const int64_t c0 = (t + u) * NT;
+    const int valid = static_cast<int>(std::min<int64_t>(NT, n - c0));
+    for (int r = 0; r < R; ++r) {
+      O* orow = out + (r0 + r) * n + c0;
+      if (valid == NT && std::is_same<O, float>::value && !bias) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(orow), y[r][u]);
+        continue;
+      }
+      _mm512_store_ps(tmp, y[r][u]);
+      for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? tmp[j] + bias[c0 + j] : tmp[j]);
+    }
   }
 #else
   // portable: the same sums, one lane at a time (fma as the vector path, so the bits agree)
-  for (int r = 0; r < R; ++r) {
-    float y[NT] = {0};
-    for (int64_t b = 0; b < kb; ++b) {
-      const uint8_t* wb = wt + b * BPB;
-      const int8_t* xb = xq + (r0 + r) * k + b * BK;
-      const int64_t i = (r0 + r) * kb + b;
-      for (int lane = 0; lane < NT; ++lane) {
-        int32_t acc = 0;
-        for (int g = 0; g < 8; ++g) {
-          for (int j = 0; j < 4; ++j) {
-            int32_t q;
-            if constexpr (BITS == 4) {
-              const uint8_t byte = wb[64 * (g & 3) + lane * 4 + j];
-              q = g < 4 ? (byte & 0x0F) : (byte >> 4);
-            } else {
-              q = wb[64 * g + lane * 4 + j];
+  for (int u = 0; u < TT; ++u) {
+    const uint8_t* wt = w + (t + u) * kb * BPB;
+    const S* st_ = sc + (t + u) * kb * 2 * NT;
+    const int64_t c0 = (t + u) * NT;
+    const int valid = static_cast<int>(std::min<int64_t>(NT, n - c0));
+    for (int r = 0; r < R; ++r) {
+      float y[NT] = {0};
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* wb = wt + b * BPB;
+        const int8_t* xb = xq + (r0 + r) * k + b * BK;
+        const int64_t i = (r0 + r) * kb + b;
+        for (int lane = 0; lane < NT; ++lane) {
+          int32_t acc = 0;
+          for (int g = 0; g < 8; ++g) {
+            for (int j = 0; j < 4; ++j) {
+              int32_t q;
+              if constexpr (BITS == 4) {
+                const uint8_t byte = wb[64 * (g & 3) + lane * 4 + j];
+                q = g < 4 ? (byte & 0x0F) : (byte >> 4);
+              } else {
+                q = wb[64 * g + lane * 4 + j];
+              }
+              acc += q * static_cast<int32_t>(xb[4 * g + j]);
             }
-            acc += q * static_cast<int32_t>(xb[4 * g + j]);
           }
+          const float s = scale_at(st_ + b * 2 * NT, lane), m = scale_at(st_ + b * 2 * NT + NT, lane);
+          y[lane] = std::fma(s * dx[i], static_cast<float>(acc), y[lane]);
+          y[lane] = std::fma(m, cx[i], y[lane]);
         }
-        const float s = scale_at(st_ + b * 2 * NT, lane), m = scale_at(st_ + b * 2 * NT + NT, lane);
-        y[lane] = std::fma(s * dx[i], static_cast<float>(acc), y[lane]);
-        y[lane] = std::fma(m, cx[i], y[lane]);
       }
+      O* orow = out + (r0 + r) * n + c0;
+      for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? y[j] + bias[c0 + j] : y[j]);
     }
-    O* orow = out + (r0 + r) * n + c0;
-    for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? y[j] + bias[c0 + j] : y[j]);
   }
 #endif
 }
 
-constexpr int RB = 4;  // rows per register block (measured: bench gemm's w4a8 rows)
+constexpr int RB = 4;  // rows per register block: 4 rows x 2 tiles = 8 independent sums (bench gemm)
+
+template <int BITS, typename S, typename O, int TT>
+void rows_of(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
+             const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0, int64_t nr) {
+  switch (nr) {
+    case 4: tile_rows<BITS, S, O, 4, TT>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
+    case 3: tile_rows<BITS, S, O, 3, TT>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
+    case 2: tile_rows<BITS, S, O, 2, TT>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
+    default: tile_rows<BITS, S, O, 1, TT>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
+  }
+}
 
 template <int BITS, typename S, typename O>
 void gemm_impl(const int8_t* xq, const float* dx, const float* cx, int64_t rows, int64_t k, const uint8_t* w,
                const S* sc, const float* bias, O* out, int64_t n) {
-  const int64_t kb = k / BK, tiles = (n + NT - 1) / NT, chunks = (rows + RB - 1) / RB;
+  const int64_t kb = k / BK, tiles = (n + NT - 1) / NT, pairs = (tiles + 1) / 2, chunks = (rows + RB - 1) / RB;
 #pragma omp parallel for collapse(2) schedule(static) if (rows * n * k > 65536)
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t r0 = c * RB;
-      switch (std::min<int64_t>(RB, rows - r0)) {
-        case 4: tile_rows<BITS, S, O, 4>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
-        case 3: tile_rows<BITS, S, O, 3>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
-        case 2: tile_rows<BITS, S, O, 2>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
-        default: tile_rows<BITS, S, O, 1>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
-      }
+      const int64_t t = 2 * p, r0 = c * RB, nr = std::min<int64_t>(RB, rows - r0);
+      if (t + 1 < tiles) rows_of<BITS, S, O, 2>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
+      else rows_of<BITS, S, O, 1>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
     }
   }
 }

@@ -122,13 +122,15 @@ def run(models: tuple[str, ...] = DEFAULT_MODELS, rows: tuple[int, ...] = DEFAUL
 
 def table(r: dict[str, Any]) -> str:
     paths = [p for p in PATHS if any(p in x["gops"] for x in r["results"])]
-    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | w8a8 / bf16-packed |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | --- |"]
+    ratios = ["w8a8"] + (["w4a8-block"] if "w4a8-block" in paths else [])  # each against bf16-packed
+    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | "
+             + " | ".join(f"{q} / bf16-packed" for q in ratios) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | " + " | ".join("---" for _ in ratios) + " |"]
     for x in r["results"]:
         g = x["gops"]
-        ratio = g["w8a8"] / g["bf16-packed"] if "w8a8" in g and "bf16-packed" in g else float("nan")
+        cells = [f"{g[q] / g['bf16-packed']:.2f}x" if q in g and "bf16-packed" in g else "nanx" for q in ratios]
         lines.append(f"| {x['model']} | {x['linear']} | {x['m']} x {x['n']} x {x['k']} | "
-                     + " | ".join(f"{g[p]:.0f}" if p in g else "-" for p in paths) + f" | {ratio:.2f}x |")
+                     + " | ".join(f"{g[p]:.0f}" if p in g else "-" for p in paths) + " | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -159,7 +161,8 @@ def cmd(a: argparse.Namespace) -> int:
 
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     """`tdpipe bench gemm`."""
-    p = bsub.add_parser("gemm", help="GOP/s of the bf16 and int8 (W8A8) GEMM paths at a model's linear shapes",
+    p = bsub.add_parser("gemm", help="GOP/s of the bf16, int8 (W8A8) and block-quantised (W4A8) GEMM paths at a "
+                                     "model's linear shapes",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(fn=cmd)

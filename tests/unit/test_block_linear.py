@@ -106,3 +106,21 @@ def test_block_gemm_empty_and_3d_input() -> None:
     assert lin(torch.zeros(0, 64)).shape == (0, 16)
     x = torch.randn(2, 3, 64)
     assert torch.allclose(lin(x), lin(x.reshape(6, 64)).reshape(2, 3, 16))
+
+
+@pytest.mark.slow
+def test_the_portable_path_gives_the_vnni_paths_bits() -> None:
+    """The loop a CPU without VNNI compiles (the same extension built with -mno-avx512vnni: a second gcc run,
+    two minutes here the first time) sums the same products in the same order."""
+    from tdpipe.model.jit import build
+
+    vnni = cpu_ops.kernel()
+    if vnni is None or vnni.qgemm_path() != "AVX-512 VNNI":
+        pytest.skip("this CPU has no VNNI path to compare with")
+    port = build("tdpipe_ops_novnni", "ops.cpp", ["-ffast-math", "-mno-avx512vnni"])
+    assert port is not None and port.qgemm_path().startswith("portable")
+    for kind in (Q.Q4_1, Q.Q8_0):
+        lin = linear_of(kind, 33, 96, bias=True)
+        xb = vnni.quantize_blocks(torch.randn(7, 96))
+        args = (lin.packed, lin.scales, 33, lin.bits, lin.bias, torch.float32)
+        assert torch.equal(port.qgemm(*xb, *args), vnni.qgemm(*xb, *args))

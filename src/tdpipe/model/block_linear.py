@@ -13,7 +13,7 @@ pure-torch fallback (no kernel) dequantises the weight at every call and compute
 from __future__ import annotations
 
 import functools
-import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +23,6 @@ from tdpipe.model import cpu_ops
 from tdpipe.model.gguf_blocks import BLOCK, requantize_4bit
 
 TILE = 16  # output channels per packed tile: one AVX-512 register of lanes (csrc/qgemm.cpp)
-log = logging.getLogger("tdpipe")
 
 
 @functools.cache
@@ -138,7 +137,7 @@ class BlockEmbedding(nn.Module):
     """A vocabulary-parallel embedding over packed blocks (a tied lm_head's, shared with it): the rows
     looked up are dequantised on the fly, float32 then the run's dtype, as the bf16 conversion rounds them."""
 
-    def __init__(self, head: BlockLinear, start: int, end: int, tp, dtype: torch.dtype) -> None:
+    def __init__(self, head: BlockLinear, start: int, end: int, tp: Any, dtype: torch.dtype) -> None:
         super().__init__()
         self.head, self.start, self.end, self.tp, self.dtype = head, start, end, tp, dtype
 
@@ -173,6 +172,7 @@ def resident_bytes(module: nn.Module) -> int:
 
 
 def as_tensors(q: np.ndarray, s: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """numpy blocks (memory-mapped slices included) as contiguous tensors for BlockLinear."""
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(s)), \
         torch.from_numpy(np.ascontiguousarray(m))
 

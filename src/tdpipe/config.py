@@ -44,6 +44,7 @@ class ModelConfig:
     layer_windows: list[int | None] = field(default_factory=list)
     # how the linears run (model/quantization.py): set by the engine from --quantization, not by config.json
     quantization: str = "none"
+    gguf_file: str = ""  # quantization "gguf": the file whose quantised blocks the linears keep (resolved)
 
     SUPPORTED = tuple(sorted(families.FAMILIES))  # Hugging Face architectures names
 
@@ -276,14 +277,14 @@ class ParallelConfig:
         return self.threads_per_stage or max(1, default_threads() // self.world_size)
 
 
-QUANTIZATIONS = ("none", "w8a8")  # --quantization: how the linears run (model/quantization.py)
+QUANTIZATIONS = ("auto", "none", "w8a8", "gguf")  # --quantization: how the linears run (model/quantization.py)
 
 
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto | bfloat16 | float32
-    quantization: str = "none"  # one of QUANTIZATIONS (model/quantization.py)
+    quantization: str = "auto"  # one of QUANTIZATIONS (model/quantization.py)
     seed: int = 0
     num_threads: int | None = None  # None: all cores
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -13,6 +13,10 @@ M (decode micro-batches and a prefill chunk), the best of `--iters` timed calls 
   w8a8-head      one activation scale per call in oneDNN's prepacked int8 linear writing bf16 (Int8Head):
                  fast at the lm_head's shape, but not what the engine runs there (its perplexity cost:
                  docs/quantization.md); under --quantization w8a8 the lm_head stays bf16-packed
+  w4a8-block     the engine's `--quantization gguf` linear on 4-bit weights (a Q4_0 / Q4_1 / Q4_K file):
+                 int8 activations per block of 32 + tdpipe's VNNI GEMM on the packed nibbles, unpacked in
+                 registers, writing bf16 (model/block_linear.py, csrc/qgemm.cpp)
+  w8a8-block     the same on 8-bit blocks (a Q8_0 / Q5_0 tensor, the GGUF's embedding as the tied lm_head)
 
 GOP/s = 2 M N K / seconds (multiply-adds count two operations, int8 or bf16 alike), same run, same threads.
 The quantisation paths for W8A8 were chosen by this measurement: see docs/quantization.md.
@@ -27,13 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from tdpipe.bench.machine import write_json
+from tdpipe.model.block_linear import BlockLinear
 from tdpipe.model.cpu_ops import kernel
 from tdpipe.model.int8_linear import Int8Head, Int8Linear, onednn_qlinear_available
 from tdpipe.model.packed_linear import PackedLinear, packing_available
 
 DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 DEFAULT_ROWS = (16, 128, 256, 2048)
-PATHS = ("bf16", "bf16-packed", "int8-mm", "int8-onednn", "w8a8", "w8a8-head")
+PATHS = ("bf16", "bf16-packed", "int8-mm", "int8-onednn", "w8a8", "w8a8-head", "w4a8-block", "w8a8-block")
 
 
 def model_shapes(name: str) -> list[tuple[str, int, int]]:
@@ -93,6 +98,9 @@ def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATH
         elif p == "w8a8-head" and onednn_qlinear_available():
             h8 = Int8Head(lin)
             out[p] = _best(lambda: h8(x), iters)
+        elif p in ("w4a8-block", "w8a8-block"):
+            bl = BlockLinear.from_float(lin.float(), 4 if p == "w4a8-block" else 8)
+            out[p] = _best(lambda: bl(x), iters)
     return out
 
 
@@ -114,13 +122,15 @@ def run(models: tuple[str, ...] = DEFAULT_MODELS, rows: tuple[int, ...] = DEFAUL
 
 def table(r: dict[str, Any]) -> str:
     paths = [p for p in PATHS if any(p in x["gops"] for x in r["results"])]
-    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | w8a8 / bf16-packed |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | --- |"]
+    ratios = ["w8a8"] + (["w4a8-block"] if "w4a8-block" in paths else [])  # each against bf16-packed
+    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | "
+             + " | ".join(f"{q} / bf16-packed" for q in ratios) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | " + " | ".join("---" for _ in ratios) + " |"]
     for x in r["results"]:
         g = x["gops"]
-        ratio = g["w8a8"] / g["bf16-packed"] if "w8a8" in g and "bf16-packed" in g else float("nan")
+        cells = [f"{g[q] / g['bf16-packed']:.2f}x" if q in g and "bf16-packed" in g else "nanx" for q in ratios]
         lines.append(f"| {x['model']} | {x['linear']} | {x['m']} x {x['n']} x {x['k']} | "
-                     + " | ".join(f"{g[p]:.0f}" if p in g else "-" for p in paths) + f" | {ratio:.2f}x |")
+                     + " | ".join(f"{g[p]:.0f}" if p in g else "-" for p in paths) + " | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -151,7 +161,8 @@ def cmd(a: argparse.Namespace) -> int:
 
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     """`tdpipe bench gemm`."""
-    p = bsub.add_parser("gemm", help="GOP/s of the bf16 and int8 (W8A8) GEMM paths at a model's linear shapes",
+    p = bsub.add_parser("gemm", help="GOP/s of the bf16, int8 (W8A8) and block-quantised (W4A8) GEMM paths at a "
+                                     "model's linear shapes",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(fn=cmd)

@@ -131,10 +131,14 @@ class EngineBuilder:
     # -- the model ---------------------------------------------------------------------------------------
     def _with_quantization(self, mc: ModelConfig) -> ModelConfig:
         """The model config carries --quantization to every stage (model/quantization.py)."""
-        from tdpipe.model.quantization import check_quantization
+        from tdpipe.model.quantization import check_quantization, resolve_quantization
 
-        check_quantization(self.config.quantization, self.platform.name)
-        return dataclasses.replace(mc, quantization=self.config.quantization)
+        method = self.config.quantization
+        if method != "auto":
+            check_quantization(method, self.platform.name)
+        model = self.config.model if self.hf_config is None else ""  # an in-memory config has no file
+        method, gguf_file = resolve_quantization(method, model, self.platform.name, self.dtype == torch.bfloat16)
+        return dataclasses.replace(mc, quantization=method, gguf_file=gguf_file)
 
     def _load_model(self) -> dict[str, Any] | None:
         """The model's config and tokenizer; returns the in-memory config dict, or None for a folder."""

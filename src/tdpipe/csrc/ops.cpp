@@ -212,6 +212,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 #include "int8.cpp"  // W8A8's quantise / scale passes (model/int8_linear.py), built without fast-math
 #include "bitmask.cpp"  // structured output's token masks (sampling/grammar.py), built without fast-math
+#include "qgemm.cpp"  // GGUF weights kept packed: W4A8 / W8A8 per block of 32 (model/gguf_linear.py)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
@@ -221,5 +222,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantisation: (q, scale)");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM output times row and column scales (+ bias), bf16 or fp32");
   m.def("apply_bitmask_", &apply_bitmask_, "in place: tokens a grammar's bitmask forbids -> -inf (fp32 logits)");
+  m.def("quantize_blocks", &quantize_blocks, "int8 activations per block of 32: (xq, dx, cx)");
+  m.def("qgemm", &qgemm, "block-quantised GEMM: packed 4- or 8-bit weights x int8 activations (VNNI)");
+  m.def("qgemm_path", &qgemm_path, "which code path qgemm was compiled to");
   m.def("masked_argmax_rows", &masked_argmax_rows, "row-wise argmax over the tokens a bitmask allows (-1: none)");
 }

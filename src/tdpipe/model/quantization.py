@@ -1,13 +1,19 @@
 """How a model's linear layers run (`--quantization`): one place that turns a loaded model's nn.Linear
 layers into what executes them, for the stages and for the step-cost profile alike.
 
-  none   bf16 weights prepacked for oneDNN on CPU (model/packed_linear.py); float32 and CUDA as loaded
+  none   bf16 weights prepacked for oneDNN on CPU (model/packed_linear.py); float32 and CUDA as loaded; a
+         quantised GGUF dequantised (its bf16 or float32 conversion)
   w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU;
          the lm_head stays bf16 (packed): per token, torch._int_mm's int32 output at its shape is slower
          than the bf16 GEMM, and the fast int8 head (Int8Head, one activation scale per call) measured +2.5%
          perplexity on its own (`tdpipe bench gemm`, `tdpipe bench perplexity`, docs/quantization.md)
+  gguf   a GGUF file's quantised blocks kept packed, 4-bit as 4-bit, against int8 activations per block of
+         32 (model/block_linear.py, model/gguf_quantized.py), the tied embedding and lm_head included
+  auto   gguf for a .gguf `--model` with quantised tensors, run in bf16 on CPU; none otherwise
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 from torch import nn
 
@@ -22,16 +28,55 @@ def check_quantization(method: str, device: str) -> None:
     """A clear error for a method this build or device cannot run."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
-    if method == "w8a8" and device != "cpu":
-        raise ValueError(f"quantization 'w8a8' runs on CPU only (torch._int_mm on oneDNN), not on {device!r}")
+    if method in ("w8a8", "gguf") and device != "cpu":
+        raise ValueError(f"quantization {method!r} runs on CPU only (int8 GEMMs on AVX-512), not on {device!r}")
 
 
-def prepare_linears(model: nn.Module, method: str) -> int:
+def gguf_source(model: str | None) -> str:
+    """The GGUF file behind `--model` ('' for a folder or random weights): the bundled model's too."""
+    if model is None:
+        from tdpipe.model.bundled import bundled_gguf_path
+
+        try:
+            return bundled_gguf_path()
+        except FileNotFoundError:
+            return ""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_file() and path.suffix.lower() == ".gguf" else ""
+
+
+def resolve_quantization(method: str, model: str | None, device: str, bf16: bool) -> tuple[str, str]:
+    """(method, gguf file) that the stages run: `auto` decided here, `gguf` checked to have a file."""
+    from tdpipe.model.gguf_quantized import has_quantized_linears
+
+    if method == "auto":  # the bundled model (model None) stays its bf16 conversion unless asked
+        src = gguf_source(model) if model is not None else ""
+        keep = bool(src) and device == "cpu" and bf16 and has_quantized_linears(src)
+        return ("gguf", src) if keep else ("none", "")
+    if method == "gguf":
+        src = gguf_source(model)
+        if not src or not has_quantized_linears(src):
+            raise ValueError(f"quantization 'gguf' needs a GGUF --model with quantised linear weights, got "
+                             f"{model or 'the bundled model, whose GGUF is missing'!r}")
+        return "gguf", src
+    return method, ""
+
+
+def prepare_linears(model: nn.Module, method: str, gguf_file: str = "") -> int:
     """Replace the linears for `method` after the weights are loaded and cast; returns how many were
-    quantised (0 for none)."""
-    n = quantize_linears(model, skip=KEEP_FLOAT) if method == "w8a8" else 0
+    quantised (0 for none). `gguf` without a file (the step-cost profile's random layer): 4-bit blocks of
+    the float weights, the same GEMMs."""
+    if method == "w8a8":
+        n = quantize_linears(model, skip=KEEP_FLOAT)
+    elif method == "gguf":
+        from tdpipe.model.gguf_quantized import keep_gguf_blocks, quantize_blocks_from_float
+
+        n = keep_gguf_blocks(model, gguf_file) if gguf_file else quantize_blocks_from_float(model)
+    else:
+        n = 0
     pack_linears(model)  # whatever stays bf16 on CPU
     return n
 
 
-__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "check_quantization", "prepare_linears"]
+__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "check_quantization", "gguf_source", "prepare_linears",
+           "resolve_quantization"]

@@ -172,7 +172,7 @@ class ModelRunner:
         model.load_weights(iter_safetensors(source, names=model.wants, slicer=model.shard_of)
                            if isinstance(source, str) else source)
         model = model.to(self.dtype).eval()
-        prepare_linears(model, self.cfg.quantization)  # w8a8, or bf16 packed for oneDNN once
+        prepare_linears(model, self.cfg.quantization, self.cfg.gguf_file)  # w8a8, gguf, or bf16 packed
         model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
         return model
 

@@ -1,0 +1,62 @@
+"""Resident weight memory of a model built as the engine's stages build it, per --quantization: the bytes of
+every tensor the model holds (parameters, buffers, oneDNN's packed bf16 weights), each storage once.
+
+    .venv/bin/python scripts/quant/weight_memory.py --json bench_results/quant/weight_memory_smollm2.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+from tdpipe.config import ModelConfig
+from tdpipe.model.block_linear import resident_bytes
+from tdpipe.model.bundled import resolve_model
+from tdpipe.model.llama import LlamaForCausalLM
+from tdpipe.model.quantization import prepare_linears, resolve_quantization
+from tdpipe.model.weights import iter_safetensors, load_hf_config
+
+
+def measure(model_arg: str | None, method: str) -> dict:
+    folder = resolve_model(model_arg)
+    cfg = ModelConfig.from_hf(load_hf_config(folder))
+    method, gguf = resolve_quantization(method, model_arg, "cpu", True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    model.load_weights(iter_safetensors(folder, names=model.wants))
+    model = model.to(torch.bfloat16).eval()
+    prepare_linears(model, method, gguf)
+    n = resident_bytes(model)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    gc.collect()
+    return {"quantization": method, "resident_bytes": n, "float_params_left": params}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2's)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    rows = [measure(a.model, "none"), measure(a.model, "gguf")]
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model(a.model)))
+    bf16_params = cfg.num_params() * 2
+    for r in rows:
+        r["vs_none"] = r["resident_bytes"] / rows[0]["resident_bytes"]
+        r["vs_bf16_params"] = r["resident_bytes"] / bf16_params
+    out = {"model": a.model or "bundled SmolLM2-135M-Instruct Q4_1 GGUF", "bf16_param_bytes": bf16_params,
+           "rows": rows}
+    print("| quantization | resident weight MiB | vs none | vs bf16 parameters |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['quantization']} | {r['resident_bytes'] / 2**20:.1f} | {r['vs_none']:.1%} | "
+              f"{r['vs_bf16_params']:.1%} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""GGUF blocks kept packed (--quantization gguf): the file's integers read exactly, the packed layout, and the
+block GEMM (csrc/qgemm.cpp) against a dequantise-then-matmul reference. Model-free: synthetic blocks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+from tdpipe.model import cpu_ops
+from tdpipe.model.block_linear import BlockLinear, pack, quantize_blocks_torch, unpack_rows
+from tdpipe.model.gguf_blocks import blocks_of, requantize_8bit
+
+# where each type keeps its fp16 scale fields inside a block (the rest: quantised values, any bits valid)
+FP16_FIELDS = {Q.Q8_0: 1, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 1, Q.Q4_K: 2}
+
+
+def random_tensor(kind, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF data uint8 [rows, bytes per row] of random blocks with finite, modest fp16 scales."""
+    block, size = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-3, 5e-2, (rows, cols // block, FP16_FIELDS[kind])).astype(np.float16)
+    raw[..., :2 * FP16_FIELDS[kind]] = scales.view(np.uint8)
+    if kind == Q.Q4_K:
+        raw[..., 0:2] = scales[..., 0:1].view(np.uint8)  # d, dmin
+    return raw.reshape(rows, -1)
+
+
+def dense(q: np.ndarray, s: np.ndarray, m: np.ndarray) -> np.ndarray:
+    return np.repeat(s, 32, 1) * q.astype(np.float32) + np.repeat(m, 32, 1)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q8_0])
+def test_blocks_are_the_files_values_exactly(kind) -> None:
+    raw = random_tensor(kind, 8, 512)
+    q, s, m, bits = blocks_of(kind, raw, 8, 512)
+    assert bits == (4 if kind in (Q.Q4_0, Q.Q4_1, Q.Q4_K) else 8) and int(q.max()) < 2 ** bits
+    ref = np.asarray(dequantize(raw, kind), np.float32).reshape(8, 512)
+    assert np.array_equal(dense(q, s, m), ref)  # bit for bit: no float round trip
+
+
+def test_other_types_go_through_8_bits_closely() -> None:
+    raw = random_tensor(Q.Q8_0, 4, 64)  # any float weights: requantised per block with min and max
+    w = np.asarray(dequantize(raw, Q.Q8_0), np.float32).reshape(4, 64)
+    q, s, m, bits = requantize_8bit(w)
+    span = np.repeat(s, 32, 1) * 255
+    assert bits == 8 and np.all(np.abs(dense(q, s, m) - w) <= span / 255 / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_then_unpack_gives_the_weights(bits: int) -> None:
+    kind = Q.Q4_1 if bits == 4 else Q.Q8_0
+    q, s, m, _ = blocks_of(kind, random_tensor(kind, 37, 96), 37, 96)  # 37: a partial tile of 16
+    packed, scales = pack(*map(torch.from_numpy, (q, s, m)), bits)
+    assert packed.shape == (3, 3, 256 if bits == 4 else 512) and scales.dtype == torch.float16  # fp16 exact
+    rows = torch.tensor([0, 5, 16, 36, 17])
+    got = unpack_rows(packed, scales, bits, rows)
+    assert torch.equal(got, torch.from_numpy(dense(q, s, m))[rows])
+
+
+def linear_of(kind, n: int, k: int, bias: bool) -> BlockLinear:
+    q, s, m, bits = blocks_of(kind, random_tensor(kind, n, k, seed=n), n, k)
+    b = torch.randn(n) if bias else None
+    return BlockLinear(*map(torch.from_numpy, (q, s, m)), bits, b)
+
+
+def test_activation_blocks_kernel_and_torch_same_bits() -> None:
+    k = cpu_ops.kernel()
+    if k is None:
+        pytest.skip("ops kernel unavailable")
+    x = torch.randn(9, 320) * torch.logspace(-2, 2, 320)  # wide ranges across blocks
+    x[3] = 0  # a zero row: scale 0
+    for xx in (x, x.to(torch.bfloat16)):
+        got, ref = k.quantize_blocks(xx.contiguous()), quantize_blocks_torch(xx)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_block_gemm_matches_dequantise_then_matmul(kind, rows: int) -> None:
+    n, k = 40, 512  # 40: the last tile of 16 partial
+    lin = linear_of(kind, n, k, bias=kind == Q.Q4_1)
+    x = torch.randn(rows, k)
+    xq, dx, _ = quantize_blocks_torch(x)
+    xd = (xq.double().view(rows, -1, 32) * dx.double()[..., None]).view(rows, k)
+    ref = xd @ lin.dequantized().double().t() + (lin.bias.double() if lin.bias is not None else 0)
+    got = lin(x)
+    assert got.dtype == torch.float32
+    # float32 sums of 16 block products against float64: the summation order is all that differs
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.allclose(lin.reference(x).double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    yb = lin(x.to(torch.bfloat16))  # bf16 in and out: the activations' rounding, then the output's
+    assert yb.dtype == torch.bfloat16
+    assert (yb.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    # and close to the float product itself: the int8 activations' error only
+    dense_ref = x.double() @ lin.dequantized().double().t() + (lin.bias.double() if lin.bias is not None else 0)
+    assert (got.double() - dense_ref).abs().max() <= 2e-2 * dense_ref.abs().max()
+
+
+def test_block_gemm_empty_and_3d_input() -> None:
+    lin = linear_of(Q.Q4_0, 16, 64, bias=False)
+    assert lin(torch.zeros(0, 64)).shape == (0, 16)
+    x = torch.randn(2, 3, 64)
+    assert torch.allclose(lin(x), lin(x.reshape(6, 64)).reshape(2, 3, 16))
+
+
+@pytest.mark.slow
+def test_the_portable_path_gives_the_vnni_paths_bits() -> None:
+    """The loop a CPU without VNNI compiles (the same extension built with -mno-avx512vnni: a second gcc run,
+    two minutes here the first time) sums the same products in the same order."""
+    from tdpipe.model.jit import build
+
+    vnni = cpu_ops.kernel()
+    if vnni is None or vnni.qgemm_path() != "AVX-512 VNNI":
+        pytest.skip("this CPU has no VNNI path to compare with")
+    port = build("tdpipe_ops_novnni", "ops.cpp", ["-ffast-math", "-mno-avx512vnni"])
+    assert port is not None and port.qgemm_path().startswith("portable")
+    for kind in (Q.Q4_1, Q.Q8_0):
+        lin = linear_of(kind, 33, 96, bias=True)
+        xb = vnni.quantize_blocks(torch.randn(7, 96))
+        args = (lin.packed, lin.scales, 33, lin.bits, lin.bias, torch.float32)
+        assert torch.equal(port.qgemm(*xb, *args), vnni.qgemm(*xb, *args))

@@ -95,3 +95,33 @@ def test_aborts_mid_prefill_transfer_and_decode_leak_nothing(pd_llm):
     for bm in sched.block_managers():
         bm.check_no_leaks()
     sched.slots.check_no_leaks()
+
+
+def test_served_disconnect_returns_every_block():
+    """A streaming client that leaves mid-decode (what the server does on a disconnect: abort the request): the
+    engine core's page tables, summed over both instances (engine_stats), are whole again."""
+    import asyncio
+
+    from tdpipe.config import CacheConfig, EngineConfig, ParallelConfig
+    from tdpipe.core.async_llm import AsyncLLM
+
+    async def main():
+        cfg = EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64),
+                           parallel=ParallelConfig(disaggregation="pd"))
+        llm = await AsyncLLM.start(cfg)
+        try:
+            long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+            agen = llm.generate(PROMPTS[1], long, "gone")
+            async for o in agen:
+                if len(o.outputs[0].token_ids) >= 3:
+                    break
+            await agen.aclose()
+            for _ in range(400):
+                st = llm.stats()
+                if st["num_running"] == st["num_waiting"] == 0 and st["num_free_blocks"] == st["num_blocks"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert st["num_free_blocks"] == st["num_blocks"] == 128, st
+        finally:
+            await llm.shutdown()
+    asyncio.run(main())

@@ -583,6 +583,9 @@ def default_label(a: argparse.Namespace) -> str:
     from tdpipe.config import ParallelConfig, SchedulerConfig
 
     args = _serve_args(a)
+    if _flag_value(args, "--disaggregation") == "pd":  # prefill/decode instances (docs/disaggregation.md)
+        return (f"pd P={_flag_value(args, '--prefill-workers') or ParallelConfig.prefill_workers} "
+                f"D={_flag_value(args, '--decode-workers') or ParallelConfig.decode_workers}")
     pp = _flag_value(args, "--pp") or _flag_value(args, "--pipeline-parallel-size")
     return (f"{_flag_value(args, '--scheduler') or SchedulerConfig.policy} "
             f"pp={pp or ParallelConfig.pipeline_parallel_size}")

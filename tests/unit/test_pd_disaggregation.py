@@ -177,3 +177,26 @@ def test_refused_combinations_name_the_field():
         engine.add_request("n", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
     assert not engine.requests
     engine.shutdown()
+
+
+def test_trace_and_weight_update_cover_every_instance():
+    """--trace records every instance's steps (each event names its instance); an update_weights reaches every
+    instance and empties every page table's prefix cache."""
+    from tdpipe.core.engine_builder import random_weights
+    from tdpipe.core.weight_sync import update_weights
+
+    cfg = config(True, caching=True)
+    cfg.collect_trace = True
+    engine = LLMEngine.from_config(cfg, hf_config=TINY, seed=1)
+    before = run(engine, prompts(3))
+    trace = engine.trace()
+    assert {e["instance"] for e in trace["stages"][0]["events"]} == {0, 1}
+    assert all("done" in e for e in trace["engine"])
+    assert engine.scheduler.prefill[0].bm.num_cached_blocks > 0
+    update_weights(engine, random_weights(TINY, 2))
+    assert all(bm.num_cached_blocks == 0 for bm in engine.scheduler.block_managers())
+    after = run(engine, prompts(3))
+    engine.shutdown()
+    ref_engine = LLMEngine.from_config(config(False), hf_config=TINY, seed=2)
+    assert after == run(ref_engine, prompts(3)) != before  # the new weights, on both sides
+    ref_engine.shutdown()

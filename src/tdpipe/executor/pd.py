@@ -65,8 +65,12 @@ class PDExecutor(Executor):
             ex.release(seq_ids)
 
     def trace_events(self) -> list[list[dict]]:
+        """The events of the instances with no step in flight (the others' stay with them until a later call:
+        asking a busy worker waits for its step, which would stall every other instance's next step)."""
         events = []
         for k, ex in enumerate(self.instances):
+            if k in self._order:
+                continue
             for stage in ex.trace_events():
                 events += [{**e, "instance": k} for e in stage]
         events.sort(key=lambda e: e.get("start", 0.0))

@@ -241,8 +241,16 @@ class ParallelConfig:
     device: str = "auto"
     # engine replicas on this machine, each on its own cores (core/data_parallel.py); vLLM's --data-parallel-size
     data_parallel_size: int = 1
+    # prefill/decode disaggregation in space (DistServe; docs/disaggregation.md): "none" (colocated) or "pd":
+    # prefill_workers instances compute prompts and their first token and ship the KV to decode_workers
+    # instances that decode continuously, each instance a worker process on its own cores
+    disaggregation: str = "none"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    kv_transfer_blocks: int | None = None  # staging slots (KV blocks) between the two sides; None: sized by the builder
 
     def __post_init__(self) -> None:
+        self._check_disaggregation()
         dp = self.data_parallel_size
         _check(isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1,
                f"data_parallel_size must be an integer >= 1, got {dp!r}")
@@ -267,6 +275,21 @@ class ParallelConfig:
                                        "the last stage's ranks split the head already")
         _check(self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
+    def _check_disaggregation(self) -> None:
+        _check(self.disaggregation in DISAGGREGATIONS,
+               f"disaggregation must be one of {', '.join(DISAGGREGATIONS)}, got {self.disaggregation!r}")
+        for name in ("prefill_workers", "decode_workers"):
+            n = getattr(self, name)
+            _check(isinstance(n, int) and not isinstance(n, bool) and n >= 1, f"{name} must be an integer >= 1, got {n!r}")
+            _check(n == 1 or self.disaggregation == "pd", f"{name} is {n}: it needs disaggregation 'pd'")
+        k = self.kv_transfer_blocks
+        _check(k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1),
+               f"kv_transfer_blocks must be an integer >= 1 or None, got {k!r}")
+        if self.disaggregation == "pd":  # each instance runs the model whole, in one process
+            for name in ("pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size"):
+                _check(getattr(self, name) == 1, f"{name} is {getattr(self, name)}: disaggregation 'pd' runs each "
+                                                 f"instance as one worker with the whole model ({name} 1)")
+
     @property
     def world_size(self) -> int:
         """Worker processes: P stages x T ranks (the engine is one more)."""
@@ -277,6 +300,7 @@ class ParallelConfig:
         return self.threads_per_stage or max(1, default_threads() // self.world_size)
 
 
+DISAGGREGATIONS = ("none", "pd")  # --disaggregation (core/pd_parts.py)
 QUANTIZATIONS = ("auto", "none", "w8a8", "gguf")  # --quantization: how the linears run (model/quantization.py)
 
 
@@ -323,6 +347,10 @@ class EngineConfig:
             f"cuda_graph_sizes must be None or a non-empty list of batch sizes >= 1, got {sizes!r}")
         _check(self.sampling_device in SAMPLING_DEVICES,
                f"sampling_device must be one of {', '.join(SAMPLING_DEVICES)}, got {self.sampling_device!r}")
+        _check(self.parallel.disaggregation == "none" or self.scheduler.policy == "separate",
+               f"scheduler is {self.scheduler.policy!r}: disaggregation 'pd' schedules each side itself (whole "
+               "prompts on the prefill instances, every running request on the decode instances); leave scheduler "
+               "at 'separate'")
 
 
 def available_memory() -> int:

@@ -15,8 +15,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from tdpipe.config import (DEVICES, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig, EngineConfig, ParallelConfig,
-                           SchedulerConfig)
+from tdpipe.config import (DEVICES, DISAGGREGATIONS, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig, EngineConfig,
+                           ParallelConfig, SchedulerConfig)
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
 from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
 from tdpipe.platforms import check_device
@@ -169,6 +169,29 @@ class EngineArgs:
                                            "stages) pinned to its own share of the cores; a request goes to the "
                                            "replica with the least outstanding work (default: %(default)s)",
         "--dp", "--data-parallel-size", type=int, group="parallel")
+    disaggregation: str = option(
+        ParallelConfig.disaggregation, "none = prefill and decode share every worker (the --scheduler decides how); "
+                                       "pd = disaggregated in space (DistServe): --prefill-workers instances compute "
+                                       "prompts and their first token, then ship the KV blocks through shared "
+                                       "memory to --decode-workers instances that decode continuously; each "
+                                       "instance is one worker process with the whole model, its own KV cache and "
+                                       "its own cores (cpu only so far; needs --pp 1 --tp 1 --dp 1 and the "
+                                       "default --scheduler; docs/disaggregation.md) (default: %(default)s)",
+        "--disaggregation", choices=list(DISAGGREGATIONS), group="parallel")
+    prefill_workers: int = option(
+        ParallelConfig.prefill_workers, "with --disaggregation pd: prefill instances; a request goes to the least "
+                                        "loaded one (default: %(default)s)", "--prefill-workers", type=int,
+        group="parallel")
+    decode_workers: int = option(
+        ParallelConfig.decode_workers, "with --disaggregation pd: decode instances; a prefilled request goes to the "
+                                       "first one with free KV blocks (default: %(default)s)", "--decode-workers",
+        type=int, group="parallel")
+    kv_transfer_blocks: int | None = option(
+        ParallelConfig.kv_transfer_blocks, "with --disaggregation pd: KV blocks the shared staging area between the "
+                                           "sides holds (a prompt is admitted for prefill only with room for all "
+                                           "its blocks); default: a quarter of one instance's KV cache, at least "
+                                           "one --max-model-len prompt", "--kv-transfer-blocks", type=int,
+        group="parallel")
     layer_partition: list[int] | None = option(
         ParallelConfig.layer_partition, "layers per stage, comma-separated (e.g. 18,12); default: balanced by cost, "
                                         "counting the embedding on the first stage and norm + lm_head on the last",
@@ -313,7 +336,10 @@ class EngineArgs:
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     layer_partition=self.layer_partition, lm_head_split=self.lm_head_split,
                                     threads_per_stage=self.threads_per_stage, device=self.device,
-                                    data_parallel_size=self.data_parallel_size))
+                                    data_parallel_size=self.data_parallel_size,
+                                    disaggregation=self.disaggregation, prefill_workers=self.prefill_workers,
+                                    decode_workers=self.decode_workers,
+                                    kv_transfer_blocks=self.kv_transfer_blocks))
 
 
 __all__ = ["EngineArgs", "parse_graph_sizes", "parse_head_split", "parse_memory", "parse_partition"]

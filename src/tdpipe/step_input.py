@@ -32,6 +32,11 @@ class StepInput:
     stage_seed: int = 0
     # per sequence: the sliding-window layers' block table (core/window_blocks.py); [] = no such pool
     local_block_tables: list[list[int]] = field(default_factory=list)
+    # prefill/decode disaggregation (worker/kv_transfer.py): (staging slot, block) pairs copied into the KV cache
+    # before the step runs, and (block, staging slot) pairs copied out of it after the step computed
+    kv_import: list[tuple[int, int]] = field(default_factory=list)
+    kv_export: list[tuple[int, int]] = field(default_factory=list)
+    instance: int = 0  # disaggregation: the instance (executor/pd.py numbering) that runs this step
 
     def logit_rows(self) -> int:
         """Rows of the logits the last stage returns: one per sequence, or one per new token of a sequence

@@ -250,6 +250,16 @@ def test_parse_rates():
             bs.parse_rates(bad)
 
 
+def test_default_label_names_the_mode():
+    import argparse
+
+    def label(rest):
+        return bs.default_label(argparse.Namespace(label=None, launch=True, serve_args="", serve_args_rest=rest))
+
+    assert label(["--pp", "2", "--scheduler", "td-pipe"]) == "td-pipe pp=2"
+    assert label(["--disaggregation", "pd", "--decode-workers", "2"]) == "pd P=1 D=2"
+
+
 def test_arrival_offsets_poisson():
     assert bs.arrival_offsets(4, math.inf, 0) == [0.0] * 4
     a = bs.arrival_offsets(20000, 4.0, 7)

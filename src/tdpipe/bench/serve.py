@@ -186,7 +186,15 @@ def rate_metrics(results: list[RequestResult], duration_s: float, slo: SLO) -> d
         "goodput": None if good is None else {
             "slo_ttft_ms": slo.ttft_ms, "slo_tpot_ms": slo.tpot_ms, "good_requests": good,
             "requests_per_s": good / duration_s, "attainment": good / len(results) if results else 0.0},
+        # every request's TTFT and TPOT (None: failed, or one output token), so goodput can be recomputed
+        # offline under other SLOs (scripts/pd/goodput.py)
+        "per_request": {"ttft_ms": [_ms(r.ttft) if r.ok else None for r in results],
+                        "tpot_ms": [_ms(r.tpot) if r.ok else None for r in results]},
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 3)
 
 
 # -- arrivals ------------------------------------------------------------------------------------------
@@ -583,6 +591,9 @@ def default_label(a: argparse.Namespace) -> str:
     from tdpipe.config import ParallelConfig, SchedulerConfig
 
     args = _serve_args(a)
+    if _flag_value(args, "--disaggregation") == "pd":  # prefill/decode instances (docs/disaggregation.md)
+        return (f"pd P={_flag_value(args, '--prefill-workers') or ParallelConfig.prefill_workers} "
+                f"D={_flag_value(args, '--decode-workers') or ParallelConfig.decode_workers}")
     pp = _flag_value(args, "--pp") or _flag_value(args, "--pipeline-parallel-size")
     return (f"{_flag_value(args, '--scheduler') or SchedulerConfig.policy} "
             f"pp={pp or ParallelConfig.pipeline_parallel_size}")

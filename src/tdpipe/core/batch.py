@@ -19,6 +19,11 @@ class Batch:
     # copy-on-write: (src, dst) KV blocks every stage copies before running this batch (BlockManager.prepare_append)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     all_logits: list[bool] = field(default_factory=list)  # as sent (StepInput.all_logits): the result's layout
+    # prefill/decode disaggregation (core/scheduler/pd.py): the instance that runs the batch and the KV
+    # blocks it moves through the staging area (StepInput.kv_import / kv_export)
+    instance: int = 0
+    kv_import: list[tuple[int, int]] = field(default_factory=list)
+    kv_export: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +64,7 @@ class Batch:
             # a sliding-window pool (core/window_blocks.py) gives every scheduled sequence a local table
             local_block_tables=([s.local_block_table for s in self.seqs]
                                 if self.seqs and self.seqs[0].local_block_table else []),
+            kv_import=list(self.kv_import), kv_export=list(self.kv_export), instance=self.instance,
         )
 
 

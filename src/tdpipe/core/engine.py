@@ -121,8 +121,8 @@ class LLMEngine:
         group = SampleGroup(seq)  # n / best_of: forked from seq once its prompt is prefilled
         if params.structured_outputs is not None:  # compiled on a worker thread while the prompt prefills
             group.grammar = self.grammars.compile(params.structured_outputs)
+        self.scheduler.add(seq)  # may refuse what its scheduling does not support (disaggregation: n > 1)
         self.requests[request_id] = group
-        self.scheduler.add(seq)
         if self._batched is not None:
             self._batched.add(seq)
         return seq
@@ -204,12 +204,12 @@ class LLMEngine:
             self.scheduler.abort(seq)
             seqs.append(seq)
         self.scheduler.reset_idle()
-        bm = self.block_manager
-        if bm.num_free_blocks != bm.num_blocks:
-            # only an interrupt inside an allocation can get here: nothing runs, so every block is free
-            log.warning("abort: %d KV blocks were still referenced with no request left; freeing them",
-                        bm.num_blocks - bm.num_free_blocks)
-            bm.reset()
+        for bm in self.scheduler.block_managers():  # one page table, or one per disaggregated instance
+            if bm.num_free_blocks != bm.num_blocks:
+                # only an interrupt inside an allocation can get here: nothing runs, so every block is free
+                log.warning("abort: %d KV blocks were still referenced with no request left; freeing them",
+                            bm.num_blocks - bm.num_free_blocks)
+                bm.reset()
         return seqs
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -246,11 +246,17 @@ class LLMEngine:
     def _complete_oldest(self) -> list[RequestDelta]:
         """Collect the oldest micro-batch in flight, sample its rows, and hand the tokens to the scheduler."""
         result = self.executor.collect()
-        batch = self._inflight.popleft()  # after collect: an interrupted wait leaves the batch in flight
+        # after collect: an interrupted wait leaves the batch in flight. Results come oldest first, except from
+        # a disaggregated executor's instances (executor/pd.py), each oldest first
+        k = next(i for i, b in enumerate(self._inflight) if b.batch_id == result.batch_id)
+        batch = self._inflight[k]
+        del self._inflight[k]
         aborted = [s.seq_id for s in batch.seqs if s.is_finished]  # while in flight: result dropped
         deltas, finished = self._process(batch, result)
         if self.tracing:
-            self.engine_trace[-len(self._inflight) - 1]["done"] = self.clock()
+            entry = next((e for e in reversed(self.engine_trace) if e["batch_id"] == batch.batch_id), None)
+            if entry is not None:
+                entry["done"] = self.clock()
         if finished or aborted:
             self.executor.release([s.seq_id for s in finished] + aborted)
         return deltas

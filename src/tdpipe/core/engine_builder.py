@@ -29,6 +29,7 @@ from tdpipe.core.batched_predictor import BatchedPredictor
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.engine_stats import EngineStats
 from tdpipe.core.kv_pools import KVPools, size_kv_pools
+from tdpipe.core.pd_parts import instance_blocks, make_pd_executor, make_pd_scheduler
 from tdpipe.core.scheduler import Scheduler, get_policy, make_scheduler
 from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
@@ -102,7 +103,8 @@ class EngineBuilder:
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
         # allocator settings (CPU: per-step [batch, vocab] tensors must not fragment the heap, tdpipe/malloc.py)
         # and threads: workers of their own own the cores; the engine process only samples and schedules
-        self.platform.configure_process(config.num_threads or (default_threads() if par.world_size == 1 else 1))
+        workers = par.world_size > 1 or par.disaggregation != "none"
+        self.platform.configure_process(config.num_threads or (1 if workers else default_threads()))
         self.dtype = resolve_dtype(config.dtype, self.platform)  # before the model: a GGUF converts to it
         hf = self._load_model()
         self.eos_token_ids = self._eos_ids()
@@ -114,15 +116,26 @@ class EngineBuilder:
         policy.configure(sched)  # its token budget and knobs: the executor and the profile read them
         self.predictor = make_predictor(sched.predictor, None if hf is not None else self.model_path)
         history = self._history_writer()
-        self.executor = self._make_executor(num_blocks, hf)
+        pd = par.disaggregation == "pd"  # prefill and decode instances of their own (core/pd_parts.py)
+        if pd:
+            num_blocks = instance_blocks(self, num_blocks)
+            self.executor = make_pd_executor(self, num_blocks, None if hf is None else
+                                             lambda: random_weights(hf, self.weights_seed))
+        else:
+            self.executor = self._make_executor(num_blocks, hf)
         stats = EngineStats(started=self.executor.now())
         # a learned predictor encodes prompts in batches as they arrive, for the policies that ask for lengths
         batched = BatchedPredictor(self.predictor, stats) if policy.needs_predictor and self.predictor.batched else None
         self.seq_ids = itertools.count()
         torch.manual_seed(config.seed)
-        costs = self._profile(hf is not None) if policy.wants_step_costs(sched) else None
-        self.scheduler = make_scheduler(sched, self.block_manager, predictor=batched or self.predictor,
-                                        eos_token_ids=self.eos_token_ids, costs=costs)
+        costs = self._profile(hf is not None) if policy.wants_step_costs(sched) and not pd else None
+        if pd:
+            sched.pipeline_depth = par.prefill_workers + par.decode_workers  # one micro-batch per instance
+            self.scheduler = make_pd_scheduler(self, num_blocks)
+            self.block_manager = self.scheduler.decode[0].bm  # the engine's KV usage: the first decode instance's
+        else:
+            self.scheduler = make_scheduler(sched, self.block_manager, predictor=batched or self.predictor,
+                                            eos_token_ids=self.eos_token_ids, costs=costs)
         return EngineParts(config, self.platform, self.model_path, self.model_config, self.tokenizer,
                            self.eos_token_ids, self.dtype, self.block_manager, self.predictor, batched, history,
                            self.scheduler, self.executor, self.partition, self.lm_head_split, self.stage_threads,

@@ -58,13 +58,21 @@ class CoreInfo:
 
 def engine_stats(engine: Any, busy: list[float]) -> dict[str, Any]:
     sched, bm = engine.scheduler, engine.block_manager
-    return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-            "num_requests": len(engine.requests), "kv_usage": bm.usage(),
-            "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
-            "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.stats.prompt_tokens,
-            "generation_tokens": engine.stats.output_tokens, "stage_busy": list(busy),
-            "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
-            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "weight_version": engine.weight_version}
+    bms = sched.block_managers()  # one page table, or one per disaggregated instance: blocks summed over them
+    stats = {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
+             "num_requests": len(engine.requests), "kv_usage": bm.usage(),
+             "num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks,
+             "num_preemptions": sched.num_preemptions, "prompt_tokens": engine.stats.prompt_tokens,
+             "generation_tokens": engine.stats.output_tokens, "stage_busy": list(busy),
+             "prefix_cache_queries": bm.prefix_cache_queries, "prefix_cache_hits": bm.prefix_cache_hits,
+             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "weight_version": engine.weight_version}
+    if len(bms) > 1:
+        total, free = sum(b.num_blocks for b in bms), sum(b.num_free_blocks for b in bms)
+        queries, hits = sum(b.prefix_cache_queries for b in bms), sum(b.prefix_cache_hits for b in bms)
+        stats |= {"kv_usage": 1 - free / total, "num_blocks": total, "num_free_blocks": free,
+                  "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                  "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+    return stats
 
 
 class BusyMeter:

@@ -69,9 +69,15 @@ def update_weights(engine: LLMEngine, source: WeightSource) -> int:
     finally:
         # no cached prefix was computed with these weights, nor with what a failed load restored (the
         # workers reload the last folder: ModelRunner.update_weights)
-        engine.block_manager.reset()
+        _reset_page_tables(engine)
     engine.weight_version += 1
     return engine.weight_version
+
+
+def _reset_page_tables(engine: LLMEngine) -> None:
+    """Every page table empty, its prefix cache too (one per instance of a disaggregated engine)."""
+    for bm in engine.scheduler.block_managers():
+        bm.reset()
 
 
 def sleep(engine: LLMEngine, level: int = 1) -> None:
@@ -83,7 +89,7 @@ def sleep(engine: LLMEngine, level: int = 1) -> None:
     if engine.sleeping:
         raise RuntimeError(f"the engine is already asleep (level {engine.sleeping})")
     engine.executor.collective_rpc("sleep", (level,))
-    engine.block_manager.reset()
+    _reset_page_tables(engine)
     engine.sleeping = level
 
 

@@ -39,6 +39,10 @@ class Executor:
         """The oldest submitted micro-batch's result (blocking)."""
         raise NotImplementedError
 
+    def ready(self) -> bool:
+        """Whether collect() would return without waiting (an executor that computes in submit(): always)."""
+        return True
+
     def drain(self) -> int | None:
         """Wait for every submitted micro-batch and drop its result, leaving nothing in flight: how the
         engine recovers from an exception (a KeyboardInterrupt) between submit() and collect()."""

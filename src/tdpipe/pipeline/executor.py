@@ -123,8 +123,8 @@ class PipelineExecutor(Executor):
     def __init__(self, model_config, model_path: str, dtype: torch.dtype, num_blocks: int, block_size: int,
                  stages: list[StageSpec], max_num_batched_tokens: int, platform: Platform,
                  tensor_parallel_size: int = 1, lm_head_split: float = 0.0, graphs: object | None = None,
-                 num_window_blocks: int = 0) -> None:
-        """`platform`: the workers' device (each worker gets platform.torch_device(its worker index) and the
+                 num_window_blocks: int = 0, cpus: list[int] | None = None) -> None:
+        """`cpus`: pin every spawned worker to these cores (None: not pinned). `platform`: the workers' device (each worker gets platform.torch_device(its worker index) and the
         groups' backends from pipeline/wire/groups.py's choose_backends). `num_window_blocks`: the
         sliding-window layers' own KV pool (core/window_blocks.py; 0: none)."""
         self.num_stages = len(stages)
@@ -149,7 +149,7 @@ class PipelineExecutor(Executor):
         self.vocab = model_config.vocab_size
         self.dtype = dtype
         self.graphs = graphs  # the stages' decode CUDA graphs (worker/cuda_graph.GraphSettings; None: eager)
-        self.processes = StageProcesses(lay, [s.threads for s in stages])
+        self.processes = StageProcesses(lay, [s.threads for s in stages], cpus)
         self.stage_pids: list[int] = []  # from the stages' READY: every rank's, torchrun's too
         self._closing = False
         self._dead = False
@@ -320,6 +320,7 @@ class PipelineExecutor(Executor):
                                     step.shape(), time.time(), step.block_copies or None,
                                     step.all_logits if any(step.all_logits) else None,
                                     temperatures=step.temperatures or None, stage_seed=step.stage_seed)
+                msg.kv_import, msg.kv_export = step.kv_import or None, step.kv_export or None
                 if step.local_block_tables:
                     msg.local_deltas = self.local_sender.deltas(step.seq_ids, step.kv_epochs,
                                                                 step.local_block_tables)
@@ -339,6 +340,11 @@ class PipelineExecutor(Executor):
             except BaseException:
                 self._abandon()
                 raise
+
+    def ready(self) -> bool:
+        """collect() would not wait: the oldest micro-batch's result is in (or the pipeline failed)."""
+        return (not self._inflight or self._inflight[0].pending.done.is_set() or self._dead
+                or self.processes.failure is not None)
 
     def collect(self) -> StepResult:
         """The oldest micro-batch's result. A KeyboardInterrupt while waiting leaves it in flight (see

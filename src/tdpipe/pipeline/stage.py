@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.parent is not None:
         _parent = a.parent
         _watch_parent(a.parent)
+    if os.environ.get("TDPIPE_STAGE_CPUS"):  # its own cores (a disaggregated instance: executor/pd.py)
+        os.sched_setaffinity(0, {int(c) for c in os.environ["TDPIPE_STAGE_CPUS"].split(",")})
     host, port = a.master.rsplit(":", 1)
     try:
         serve(join_rendezvous(host, int(port), a.rank, a.world_size))

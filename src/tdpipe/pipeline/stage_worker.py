@@ -105,7 +105,8 @@ class StageWorker:
                 tables = self.mirror.apply(msg.seq_ids, msg.deltas, msg.freed)
                 step = StepInput(msg.batch_id, msg.token_ids, msg.query_lens, msg.seq_lens, tables,
                                  msg.is_prefill, seq_ids=msg.seq_ids, block_copies=msg.block_copies or [],
-                                 all_logits=msg.all_logits or [])
+                                 all_logits=msg.all_logits or [], kv_import=msg.kv_import or [],
+                                 kv_export=msg.kv_export or [])
                 if msg.local_deltas is not None:
                     step.local_block_tables = self.local_mirror.apply(msg.seq_ids, msg.local_deltas, msg.freed)
                 inp = self.runner.prepare(step)

@@ -26,6 +26,7 @@ from tdpipe.platforms import get_platform
 from tdpipe.sampling.device_sampler import DeviceSampler
 from tdpipe.step_input import StepInput
 from tdpipe.worker.cuda_graph import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphInput, GraphSettings
+from tdpipe.worker.kv_transfer import export_blocks, import_blocks, map_staging
 
 
 @dataclass
@@ -151,6 +152,7 @@ class ModelRunner:
         if num_window_blocks and any(self.is_local):
             graphs = None  # the window pool runs eagerly
         self._allocate_kv()
+        self.kv_staging: torch.Tensor | None = None  # disaggregation's shared KV staging (attach_kv_staging)
         self.sampler = DeviceSampler()
         self.graphs: DecodeGraphs | None = None
         if graph_backend is None and graphs is not None and self.platform.supports_cuda_graphs:
@@ -260,6 +262,22 @@ class ModelRunner:
         dst = torch.tensor([c[1] for c in pairs], device=self.device)
         cache[:, :, dst] = cache[:, :, src]
 
+    # -- prefill/decode disaggregation (worker/kv_transfer.py) ------------------------------------------
+    def attach_kv_staging(self, path: str, shape: tuple[int, ...]) -> None:
+        """Map the shared KV staging area the engine created (collective_rpc, before the first step)."""
+        if not isinstance(self.kv_cache, torch.Tensor):
+            raise ValueError("KV transfer needs one KV tensor (no sliding-window pool)")
+        self.kv_staging = map_staging(path, shape, self.dtype)
+
+    def _staging(self) -> torch.Tensor:
+        if self.kv_staging is None:
+            raise RuntimeError("a step carries KV transfers but no staging area was attached")
+        return self.kv_staging
+
+    def kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these KV blocks, [layers, 2, len(ids), Hkv, bs, D] on the host: for checking a transfer."""
+        return self.kv_cache[:, :, block_ids].cpu().clone()
+
     # -- compute -------------------------------------------------------------------------------------
     def execute(self, inp: PreparedInput, hidden: torch.Tensor | None = None,
                 normed_rows: bool = False) -> torch.Tensor:
@@ -267,12 +285,16 @@ class ModelRunner:
         rank's vocabulary range [S, V_rank] (all of it with T = 1)."""
         if inp.step.block_copies:
             self.copy_blocks(inp.step.block_copies)
+        if inp.step.kv_import:  # disaggregation: a prompt's KV arrived from a prefill instance
+            import_blocks(self.kv_cache, self._staging(), inp.step.kv_import, self.model.start_layer)
         if inp.graph is not None:  # a decode: every row is sampled
             h = rows = self.graphs.run(inp.graph, hidden)
         else:
             x = inp.input_ids if self.model.is_first else hidden
             h = self.model(x, inp.meta, self.kv_cache)
             rows = None if not self.model.is_last else h[inp.sample_idx]
+        if inp.step.kv_export:  # disaggregation: the finished prompts' KV, for a decode instance
+            export_blocks(self.kv_cache, self._staging(), inp.step.kv_export, self.model.start_layer)
         if not self.model.is_last:
             return h
         if normed_rows:  # the head split across stages: the sampled rows, normalised, for both parts

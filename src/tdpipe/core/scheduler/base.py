@@ -46,6 +46,10 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def block_managers(self) -> list[BlockManager]:
+        """Every page table this scheduler allocates from (one; a disaggregated engine's has one per instance)."""
+        return [self.bm]
+
     def next_batch_id(self) -> int:
         return next(self._ids)
 

@@ -64,3 +64,7 @@ class StepMessage:
     temperatures: list[float] | None = None
     stage_seed: int = 0
     local_deltas: list[Delta] | None = None  # the sliding-window layers' table deltas (None: no such pool)
+    # prefill/decode disaggregation (worker/kv_transfer.py): staging (slot, block) pairs to import before the
+    # step, (block, slot) pairs to export after it
+    kv_import: list[tuple[int, int]] | None = None
+    kv_export: list[tuple[int, int]] | None = None

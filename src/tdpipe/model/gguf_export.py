@@ -63,7 +63,9 @@ def gguf_name(hf_name: str, family: Family) -> str:
 def _metadata(w: Any, cfg: dict[str, Any], family: Family, name: str) -> None:
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or h // heads
-    w.add_name(name)
+    # llama.cpp fixes up Phi-3's SentencePiece specials (<s>, </s>, <unk>) when general.name says "phi-3" or
+    # "phi3", and fails to load a vocabulary without them: ours is byte-level BPE, so keep the name clear of it
+    w.add_name(name.lower().replace("phi-3", "phi 3").replace("phi3", "phi 3"))
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(h)

@@ -112,7 +112,11 @@ class WindowBlockPool:
 
     def longest_valid(self, hashes: list[BlockHash]) -> int:
         """Largest k <= len(hashes) such that the local blocks a query at position k * block_size reads,
-        first_needed(k * block_size) .. k - 1, are all cached here (k = 0 always is)."""
+        first_needed(k * block_size) .. k - 1, are all cached here (k = 0 always is). The whole hit is
+        checked first (a window's lookups), so the usual case, nothing evicted, costs no scan."""
+        k = len(hashes)
+        if k and all(self.cache.lookup(h) is not None for h in hashes[self.first_needed(k * self.block_size):]):
+            return k
         run = 0  # cached blocks in a row ending at the current index
         best = 0
         for i, h in enumerate(hashes):

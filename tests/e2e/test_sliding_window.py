@@ -59,9 +59,10 @@ def hf_model(hf: dict, seed: int):
     return model
 
 
-def engine(hf: dict, num_blocks: int, policy: str = "separate", budget: int | None = None) -> LLMEngine:
+def engine(hf: dict, num_blocks: int, policy: str = "separate", budget: int | None = None,
+           caching: bool = True) -> LLMEngine:
     cfg = EngineConfig(dtype="float32", seed=0,
-                       cache=CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=True),
+                       cache=CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching),
                        scheduler=SchedulerConfig(policy=policy, max_num_seqs=4, max_model_len=256,
                                                  max_num_batched_tokens=budget))
     return LLMEngine.from_config(cfg, hf_config=hf, seed=3)
@@ -96,7 +97,7 @@ def test_greedy_parity_several_windows_long_with_bounded_local_blocks(hf):
     eng = engine(hf, num_blocks=200)
     wp = eng.block_manager.window_pool
     assert wp is not None and wp.window == W
-    assert not eng.block_manager.enable_prefix_caching  # turned off for local layers, with a notice
+    assert eng.block_manager.enable_prefix_caching  # a cache per pool (tests below)
     outs = generate(eng, prompts, N_OUT, bounded, samples=2)
     name = "mistral" if hf is MISTRAL else "gemma3"
     for i, p in enumerate(prompts):
@@ -145,3 +146,77 @@ def test_pp2_local_pools_per_stage_match_transformers(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(model, p, N_OUT)
+
+
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    """A 45-token prefix (2.25 windows) shared by three prompts with suffixes of 3, 9 and 14 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(1, 97, (45,), generator=g).tolist()
+    return [prefix + torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 9, 14)]
+
+
+def greedy_logprobs(eng: LLMEngine, prompts: list[list[int]], n: int) -> list[list[tuple[int, float]]]:
+    """(token, its logprob) of each greedy step of each prompt, the prompts run together."""
+    p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1)
+    for i, ids in enumerate(prompts):
+        eng.add_request(str(i), ids, p)
+    out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out[d.request_id] += [(lp[0][0], lp[0][1]) for lp in d.logprobs]
+        bounded(eng)
+    eng.block_manager.check_no_leaks()
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def counting_prefill(eng: LLMEngine) -> list[int]:
+    """Wraps the scheduler so the returned list's one entry counts the prompt tokens prefilled."""
+    seen = [0]
+    schedule = eng.scheduler.schedule
+
+    def wrapped():
+        b = schedule()
+        if b is not None:
+            seen[0] += sum(n for s, n in zip(b.seqs, b.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+        return b
+    eng.scheduler.schedule = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+@pytest.mark.parametrize("policy", ["separate", "hybrid"])
+def test_prefix_caching_with_a_window_hits_and_keeps_greedy_tokens(name, policy):
+    """The first prompt runs alone; the next two hit its prefix (longer than the window): fewer tokens are
+    prefilled, the greedy tokens equal transformers' and those of an engine with caching off, and so do
+    their logprobs (to float32 rounding: a wrong or missing key in the window moves them far more, even
+    where these random models' greedy choice does not change)."""
+    hf = {"mistral": MISTRAL, "gemma3": GEMMA3}[name]
+    prompts = shared_prefix_prompts(8)
+    budget = 16 if policy == "hybrid" else None
+    outs, prefilled = {}, {}
+    for caching in (False, True):
+        eng = engine(hf, num_blocks=200, policy=policy, budget=budget, caching=caching)
+        seen = counting_prefill(eng)
+        outs[caching] = greedy_logprobs(eng, prompts[:1], 12) + greedy_logprobs(eng, prompts[1:], 12)
+        prefilled[caching] = seen[0]
+        if caching:
+            assert eng.block_manager.prefix_cache_hits >= 2 * 40  # each later prompt reuses >= 40 of 45
+    assert prefilled[True] <= prefilled[False] - 2 * 40
+    for p, on, off in zip(prompts, outs[True], outs[False]):
+        assert [t for t, _ in on] == [t for t, _ in off] == reference(name, tuple(p), 12)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(on, off)) < 2e-5
+
+
+def test_prefix_caching_with_a_window_under_preemption():
+    """A local pool too small for three sequences: preempted ones recompute, hitting cached blocks where the
+    window's blocks survived; greedy tokens equal transformers', logprobs those of caching off."""
+    prompts = shared_prefix_prompts(9)
+    runs = {}
+    for caching in (False, True):
+        eng = engine(MISTRAL, num_blocks=18, policy="hybrid", budget=16, caching=caching)
+        runs[caching] = greedy_logprobs(eng, prompts, N_OUT)
+        assert eng.scheduler.num_preemptions >= 1
+        assert (eng.block_manager.prefix_cache_hits > 0) == caching
+    for p, on, off in zip(prompts, runs[True], runs[False]):
+        assert [t for t, _ in on] == [t for t, _ in off] == reference("mistral", tuple(p), N_OUT)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(on, off)) < 2e-5

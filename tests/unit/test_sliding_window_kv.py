@@ -3,8 +3,6 @@
 A sequence's local blocks are counted between steps through a prefill and a long decode (never more than
 ceil(W / block_size) + 1), freed on finish, abort and preemption, shared and copied on fork; the two pools
 are sized from the budget."""
-import logging
-
 import pytest
 
 from tdpipe.config import ModelConfig, SchedulerConfig
@@ -150,13 +148,6 @@ def test_no_window_pool_is_the_plain_block_manager():
     from tdpipe.core.batch import Batch
 
     assert Batch(0, [s], [9], True).step_input().local_block_tables == []
-
-
-def test_prefix_caching_is_turned_off_with_a_window(caplog):
-    with caplog.at_level(logging.WARNING, logger="tdpipe"):
-        bm = BlockManager(20, BS, enable_prefix_caching=True, window=W, num_window_blocks=10)
-    assert not bm.enable_prefix_caching and "prefix caching is off" in caplog.text
-    assert BlockManager(20, BS, enable_prefix_caching=True).enable_prefix_caching
 
 
 def test_window_pool_refuses_when_short_and_changes_nothing():

@@ -18,8 +18,10 @@ Every block is in exactly one of: the free list, the evictable LRU, or reference
 
 With sliding-window (local) layers (`window`), those layers' KV lives in a second, smaller pool
 (core/window_blocks.py): every allocation, fork, copy-on-write and free here does the same on the sequence's
-local table, and capacity checks ask both pools. Prefix caching is then off (a cached prefix would need local
-KV that the window already dropped).
+local table, and capacity checks ask both pools. Prefix caching then keeps a cache per pool, as vLLM's hybrid
+KV cache manager does per KV-cache group: committing a full block names the local block of the same index too,
+and a prefix hit is the longest one valid for both, i.e. whose next query still finds its last W tokens' local
+KV cached (`WindowBlockPool.longest_valid`); the local blocks before that window are not needed.
 """
 from __future__ import annotations
 
@@ -70,10 +72,6 @@ class BlockManager:
             log.info("sliding-window layers (window %d) keep their KV in a pool of their own: %d blocks of %d "
                      "tokens, beside %d blocks for the global layers", window, num_window_blocks - 1, block_size,
                      num_blocks)
-        if self.window_pool is not None and enable_prefix_caching:
-            log.warning("prefix caching is off for this model: its sliding-window layers drop the KV that a "
-                        "cached prefix would need")
-            enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -115,11 +113,19 @@ class BlockManager:
         need = self.blocks_needed(n) - len(seq.block_table)
         return need + reserve <= self.num_free_blocks and self.window_fits(seq, n)
 
-    def window_fits(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
+    def window_fits(self, seq: Sequence, num_tokens: int, reserve: int = 0, prefix: bool = False) -> bool:
         """Whether the sliding-window pool has the blocks to grow seq to `num_tokens` positions (keeping
-        `reserve` free); True without one."""
+        `reserve` free); True without one. `prefix`: seq (holding no blocks) is to be allocated by
+        `allocate_with_prefix`, so its cached prefix's local blocks are mapped, not taken fresh."""
         wp = self.window_pool
-        return wp is None or wp.blocks_to_add(seq, num_tokens) + reserve <= wp.num_free_blocks
+        if wp is None:
+            return True
+        if prefix and self.enable_prefix_caching and not seq.block_table and not seq.local_block_table:
+            hits, hashes = self._match_seq(seq)
+            need = max(0, self.blocks_needed(num_tokens) - len(hits)) + wp.revived(hashes)
+        else:
+            need = wp.blocks_to_add(seq, num_tokens)
+        return need + reserve <= wp.num_free_blocks
 
     def chunk_room(self, seq: Sequence) -> int:
         """Tokens seq can add now (chunked prefill): what its last block and the free blocks hold, in both
@@ -275,7 +281,15 @@ class BlockManager:
                 break
             blocks.append(b)
             hashes.append(h)
-        return blocks, hashes
+        return self._cut_to_window(blocks, hashes)
+
+    def _cut_to_window(self, blocks: list[int], hashes: list[BlockHash]) -> tuple[list[int], list[BlockHash]]:
+        """The longest prefix of a global hit that the sliding-window layers can reuse too (their last W
+        tokens' KV still cached in their pool); the whole hit without such layers."""
+        if self.window_pool is None:
+            return blocks, hashes
+        k = self.window_pool.longest_valid(hashes)
+        return blocks[:k], hashes[:k]
 
     def _match_seq(self, seq: Sequence, extra: bytes = b"") -> tuple[list[int], list[BlockHash]]:
         """`_match` over seq's tokens, with its block hashes memoised on the sequence (tokens only ever grow,
@@ -303,7 +317,7 @@ class BlockManager:
             blocks.append(b)
             hashes.append(h)
             parent = h
-        return blocks, hashes
+        return self._cut_to_window(blocks, hashes)
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of seq (not holding blocks) that `allocate_with_prefix` would find cached now; read-only."""
@@ -335,6 +349,8 @@ class BlockManager:
                 break
             k += 1
         seq.probed_blocks = k
+        if self.window_pool is not None:
+            k = self.window_pool.longest_valid(memo[:k])
         return k * bs
 
     def find_cached_prefix(self, token_ids: list[int], extra_key: ExtraKey = None) -> list[int]:
@@ -381,6 +397,13 @@ class BlockManager:
         if fresh + revived > self.num_free_blocks:
             raise RuntimeError(f"need {fresh + revived} KV blocks for seq {seq.seq_id} "
                                f"({len(hits)} cached), {self.num_free_blocks} free")
+        wp = self.window_pool
+        if wp is not None:  # checked before anything changes
+            local = fresh + wp.revived(hashes)
+            if local > wp.num_free_blocks:
+                raise RuntimeError(f"need {local} sliding-window KV blocks for seq {seq.seq_id} "
+                                   f"({len(hits)} cached), {wp.num_free_blocks} free")
+            wp.allocate_with_hits(seq, hashes, n)
         for b in hits:  # revive before taking fresh blocks, so the fresh ones cannot evict a hit
             if self.ref_counts[b] == 0:
                 self.cache.revive(b)
@@ -428,6 +451,8 @@ class BlockManager:
             was_named = self.cache.hash_of(b) is not None
             if self.cache.register(b, h) and not was_named:
                 new += 1
+            if self.window_pool is not None:
+                self.window_pool.register(seq, i, h)
         return new
 
     @property

@@ -13,13 +13,21 @@ at position p needs the blocks of positions max(0, p-W+1) .. p+C-1, up to ceil((
 Block 0 is the null block: never handed out and never written (its KV stays zeros), so a table entry that
 points at it is a valid index the attention masks (the window excludes it). Blocks are reference counted for
 fork (n > 1): a child shares its parent's live blocks, and a shared block about to be written is copied first
-(copy-on-write), as in the global table (core/block_manager.py). No prefix caching here: a cached prefix would
-need its local KV too, and that KV is gone once out of the window (the block manager turns caching off).
+(copy-on-write), as in the global table (core/block_manager.py).
+
+Prefix caching (vLLM's hybrid KV cache manager: one cache per KV-cache group, and a hit is the longest prefix
+valid for every group): a full, computed local block is named by the same chained hash as the global block of
+the same index (core/prefix_cache.py; the block manager names both). A named block that leaves the window, or
+whose sequence ends, is not freed but kept *evictable* (LRU) in this pool's own cache, so a later request can
+map it again. A prefix of k blocks is reusable for the local layers only if the blocks its next query (position
+k * block_size) reads, first_needed(k * block_size) .. k - 1, are all still cached here; blocks before those
+are never read and stay NULL_BLOCK (`longest_valid`).
 """
 from __future__ import annotations
 
 from collections import deque
 
+from tdpipe.core.prefix_cache import BlockHash, PrefixCache
 from tdpipe.sequence import Sequence
 
 NULL_BLOCK = 0  # table entry of a block given back: a valid index, never written, masked by the window
@@ -39,17 +47,19 @@ class WindowBlockPool:
         self.window = window
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.cache = PrefixCache(num_blocks)  # named local blocks; block 0 is never named
         self._live_from: dict[int, int] = {}  # seq_id -> index of its first entry that is not NULL_BLOCK
         self.peak_used = 0  # most blocks in use at once (tests and stats)
 
     # -- capacity ---------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: free ones plus evictable cached ones (evicted on demand)."""
+        return len(self.free_blocks) + self.cache.num_evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - 1 - len(self.free_blocks)
+        return self.num_blocks - 1 - self.num_free_blocks
 
     def max_blocks_per_seq(self) -> int:
         """Live local blocks of one sequence between steps: ceil(W / block_size) + 1."""
@@ -72,18 +82,78 @@ class WindowBlockPool:
 
     # -- allocation -------------------------------------------------------------------------------------
     def _take(self) -> int:
-        if not self.free_blocks:
+        """A fresh block with count 1: from the free list, else the least recently released cached block."""
+        if self.free_blocks:
+            b = self.free_blocks.popleft()
+        elif self.cache.num_evictable:
+            b = self.cache.evict_lru()
+        else:
             raise RuntimeError("out of sliding-window KV blocks: the scheduler must check capacity first")
-        b = self.free_blocks.popleft()
         self.ref_counts[b] = 1
         return b
 
     def _release(self, b: int) -> None:
         self.ref_counts[b] -= 1
         if self.ref_counts[b] == 0:
-            self.free_blocks.append(b)
+            if self.cache.hash_of(b) is not None:
+                self.cache.add_evictable(b)
+            else:
+                self.free_blocks.append(b)
         elif self.ref_counts[b] < 0:
             raise RuntimeError(f"double free of sliding-window KV block {b}")
+
+    # -- prefix caching ---------------------------------------------------------------------------------
+    def register(self, seq: Sequence, index: int, h: BlockHash) -> None:
+        """Name seq's local block `index` (full and computed) by `h`, the hash of the global block of the
+        same index; a NULL_BLOCK entry (already out of the window) has nothing to name."""
+        table = seq.local_block_table
+        if index < len(table) and table[index] != NULL_BLOCK:
+            self.cache.register(table[index], h)
+
+    def longest_valid(self, hashes: list[BlockHash]) -> int:
+        """Largest k <= len(hashes) such that the local blocks a query at position k * block_size reads,
+        first_needed(k * block_size) .. k - 1, are all cached here (k = 0 always is). The whole hit is
+        checked first (a window's lookups), so the usual case, nothing evicted, costs no scan."""
+        k = len(hashes)
+        if k and all(self.cache.lookup(h) is not None for h in hashes[self.first_needed(k * self.block_size):]):
+            return k
+        run = 0  # cached blocks in a row ending at the current index
+        best = 0
+        for i, h in enumerate(hashes):
+            run = run + 1 if self.cache.lookup(h) is not None else 0
+            k = i + 1
+            if run >= k - self.first_needed(k * self.block_size):
+                best = k
+        return best
+
+    def hit_blocks(self, hashes: list[BlockHash]) -> list[int]:
+        """The cached local blocks a prefix of len(hashes) blocks maps in (valid per `longest_valid`)."""
+        k = len(hashes)
+        return [self.cache.lookup(h) for h in hashes[self.first_needed(k * self.block_size):k]]
+
+    def revived(self, hashes: list[BlockHash]) -> int:
+        """Of `hit_blocks(hashes)`, how many are evictable (mapping them takes them from the free count)."""
+        return sum(1 for b in self.hit_blocks(hashes) if self.ref_counts[b] == 0)
+
+    def allocate_with_hits(self, seq: Sequence, hashes: list[BlockHash], num_tokens: int) -> None:
+        """Map the cached local blocks of a prefix of len(hashes) blocks into seq's empty table (entries before
+        the window NULL_BLOCK), then grow it to `num_tokens` positions. Capacity checked by the caller."""
+        if seq.local_block_table:
+            raise ValueError(f"seq {seq.seq_id} already holds sliding-window blocks")
+        k = len(hashes)
+        first = self.first_needed(k * self.block_size)
+        hits = self.hit_blocks(hashes)
+        if any(b is None for b in hits):
+            raise RuntimeError(f"seq {seq.seq_id}: a sliding-window block of its cached prefix is gone")
+        for b in hits:  # revive before taking fresh blocks, so the fresh ones cannot evict a hit
+            if self.ref_counts[b] == 0:
+                self.cache.revive(b)
+            self.ref_counts[b] += 1
+        seq.local_block_table = [NULL_BLOCK] * first + hits
+        self._live_from[seq.seq_id] = first
+        n_blocks = -(-num_tokens // self.block_size)
+        seq.local_block_table.extend(self._take() for _ in range(max(0, n_blocks - k)))
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Trim seq's table to its window, then grow it to hold `num_tokens` positions. Blocks wholly before
@@ -94,9 +164,9 @@ class WindowBlockPool:
         if n_blocks <= len(table):
             return
         skip = max(0, self.first_needed(seq.num_computed_tokens) - len(table))
-        if n_blocks - len(table) - skip > len(self.free_blocks):
+        if n_blocks - len(table) - skip > self.num_free_blocks:
             raise RuntimeError(f"need {n_blocks - len(table) - skip} sliding-window KV blocks for seq "
-                               f"{seq.seq_id}, {len(self.free_blocks)} free")
+                               f"{seq.seq_id}, {self.num_free_blocks} free")
         old = len(table)
         table.extend([NULL_BLOCK] * skip)
         table.extend(self._take() for _ in range(n_blocks - len(table)))
@@ -160,13 +230,17 @@ class WindowBlockPool:
     def reset(self) -> None:
         self.ref_counts = [0] * self.num_blocks
         self.free_blocks = deque(range(1, self.num_blocks))
+        self.cache.clear()
         self._live_from.clear()
 
     def check_no_leaks(self) -> None:
         leaked = [b for b, c in enumerate(self.ref_counts) if c != 0]
-        if leaked or len(self.free_blocks) != self.num_blocks - 1 or self._live_from:
+        avail = set(self.free_blocks) | set(self.cache.evictable)
+        if leaked or len(avail) != self.num_blocks - 1 or NULL_BLOCK in avail or self._live_from:
             raise AssertionError(f"sliding-window KV block leak: {len(leaked)} blocks still referenced, "
-                                 f"{len(self.free_blocks)} free of {self.num_blocks - 1}")
+                                 f"{len(self.free_blocks)} free + {self.cache.num_evictable} evictable of "
+                                 f"{self.num_blocks - 1}")
+        self.cache.check(self.ref_counts)
 
 
 __all__ = ["NULL_BLOCK", "WindowBlockPool"]

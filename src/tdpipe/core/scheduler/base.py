@@ -167,7 +167,8 @@ class Scheduler:
     def window_admits(self, seq: Sequence, num_tokens: int) -> bool:
         """Room in the sliding-window pool for seq's prefill up to `num_tokens`, keeping one block per running
         sequence free (a decode may open a new local block before its oldest one leaves the window)."""
-        return self.bm.window_pool is None or self.bm.window_fits(seq, num_tokens, len(self.running))
+        return self.bm.window_pool is None or self.bm.window_fits(seq, num_tokens, len(self.running),
+                                                                  prefix=not seq.needs_prompt_logits)
 
     def _allocate_prompt(self, seq: Sequence, num_tokens: int | None = None) -> int:
         """Blocks for a request being admitted: the longest cached prefix mapped in, fresh blocks up to

@@ -82,27 +82,27 @@ def blocks_of(tensor_type: Any, raw: np.ndarray, rows: int, cols: int) -> tuple[
     return requantize_8bit(np.asarray(dequantize(raw, tensor_type), np.float32).reshape(rows, cols))
 
 
-def requantize_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Float weights [rows, cols] as 8-bit blocks of 32 with their own min and max (asymmetric)."""
+def _requantize(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Float weights [rows, cols] as `bits`-bit blocks of 32 with their own min and max (asymmetric)."""
+    levels = float((1 << bits) - 1)
     rows, cols = w.shape
     b = w.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
     lo, hi = b.min(-1), b.max(-1)
-    s = ((hi - lo) / 255.0).astype(np.float32)
+    s = ((hi - lo) / levels).astype(np.float32)
     inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
-    q = np.clip(np.rint((b - lo[..., None]) * inv[..., None]), 0, 255).astype(np.uint8)
-    return q.reshape(rows, cols), s, lo.astype(np.float32), 8
+    q = np.clip(np.rint((b - lo[..., None]) * inv[..., None]), 0, levels).astype(np.uint8)
+    return q.reshape(rows, cols), s, lo.astype(np.float32), bits
+
+
+def requantize_8bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Float weights [rows, cols] as 8-bit blocks of 32 with their own min and max (asymmetric)."""
+    return _requantize(w, 8)
 
 
 def requantize_4bit(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Float weights [rows, cols] as 4-bit blocks of 32 with their own min and max (Q4_1's scheme): for
     timing and for a checkpoint without a GGUF (`tdpipe bench gemm`, the step-cost profile)."""
-    rows, cols = w.shape
-    b = w.reshape(rows, cols // BLOCK, BLOCK).astype(np.float32)
-    lo, hi = b.min(-1), b.max(-1)
-    s = ((hi - lo) / 15.0).astype(np.float32)
-    inv = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
-    q = np.clip(np.rint((b - lo[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
-    return q.reshape(rows, cols), s, lo.astype(np.float32), 4
+    return _requantize(w, 4)
 
 
 def is_block_quantized(tensor_type: Any) -> bool:

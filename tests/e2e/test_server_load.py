@@ -39,7 +39,7 @@ def server(tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("srv") / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "tdpipe.cli", "serve", "--port", str(port),
-                             "--dtype", "float32", "--kv-cache-memory", str(128 << 20), "--max-num-seqs", "64"],
+                             "--dtype", "auto", "--kv-cache-memory", str(128 << 20), "--max-num-seqs", "64"],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

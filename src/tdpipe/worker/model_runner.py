@@ -120,6 +120,23 @@ class LayerCaches:
         return t[k]
 
 
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device`. Not `Module.to_empty`: its
+    meta path runs through torch._refs, which imports sympy (0.3 s per stage process, and the one import a
+    fresh stage ever failed on in CI)."""
+    made: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays shared
+    for mod in module.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.device.type == "meta":
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                     requires_grad=p.requires_grad)
+                setattr(mod, name, made[id(p)])
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b is not None and b.device.type == "meta":
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_path: str, dtype: torch.dtype, num_blocks: int,
                  block_size: int, start_layer: int = 0, end_layer: int | None = None,
@@ -170,7 +187,7 @@ class ModelRunner:
         torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.cfg, start, end, tp, head_range)
-        model = model.to_empty(device=self.device)
+        _materialize(model, self.device)
         model.load_weights(iter_safetensors(source, names=model.wants, slicer=model.shard_of)
                            if isinstance(source, str) else source)
         model = model.to(self.dtype).eval()

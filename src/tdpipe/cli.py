@@ -253,7 +253,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(server_config(a), engine_config(a))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = "") -> argparse.ArgumentParser:
+    """The whole parser; `command` (the one a command line names, None for none) leaves out the bench
+    subcommands unless it is "bench": their modules import torch, a second of start-up that `tdpipe serve`,
+    `run-batch` or `--help` do not need."""
     p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference: paged KV, continuous "
                                 "batching, pipeline parallelism (TD-Pipe, gLLM, SiPipe).")
     p.add_argument("--version", action="version", version=f"tdpipe {__version__}")
@@ -292,16 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from tdpipe.bench import throughput
-
-    throughput.add_parser(bsub)
-    __import__("tdpipe.bench.serve", fromlist=["add_parser"]).add_parser(bsub)
-    __import__("tdpipe.bench.prefix", fromlist=["add_parser"]).add_parser(bsub)
-    __import__("tdpipe.bench.layouts", fromlist=["add_parser"]).add_parser(bsub)
-    __import__("tdpipe.bench.sampler", fromlist=["add_parser"]).add_parser(bsub)
-    __import__("tdpipe.bench.llama_cpp", fromlist=["add_parser"]).add_parser(bsub)
-    __import__("tdpipe.bench.gemm", fromlist=["add_parser"]).add_parser(bsub)
-    __import__("tdpipe.bench.perplexity", fromlist=["add_parser"]).add_parser(bsub)
+    if command in ("", "bench"):
+        for name in ("throughput", "serve", "prefix", "layouts", "sampler", "llama_cpp", "gemm", "perplexity"):
+            __import__(f"tdpipe.bench.{name}", fromlist=["add_parser"]).add_parser(bsub)
 
     pl = sub.add_parser("plot", help="pictures of pipeline traces",
                         description="Pictures of pipeline-parallel traces: 'timeline' draws the per-stage "
@@ -360,9 +356,15 @@ def run() -> None:
     sys.exit(code)
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand a command line names: its first word that is not an option (`tdpipe` itself has none
+    that take a value)."""
+    return next((w for w in argv if not w.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(_command(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     except KeyboardInterrupt:
         print("tdpipe: interrupted", file=sys.stderr)
         return 130

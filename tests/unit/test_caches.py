@@ -420,3 +420,21 @@ def test_calibration_cache_is_validated_and_rewritten(cache, model_dir, monkeypa
     assert len(runs) == 4 and json.loads(path.read_text())["key"]["threads"] == [1, 2]
     monkeypatch.setenv("TDPIPE_NO_KERNEL", "1")  # other timings: another key
     assert calibrate.cache_path(str(model_dir), [1, 2]) != path
+
+
+def test_kernel_threads_start_after_setuptools_changed_the_import_path() -> None:
+    """in_background imports torch's cpp_extension (and so setuptools, whose distutils shim goes into and out
+    of sys.meta_path) on the caller's thread before any builder starts: a builder thread doing it while the
+    caller imports could make Python's walk of sys.meta_path skip the path finder ("No module named ..." for
+    an installed module). A fresh interpreter, since this one may have imported setuptools already."""
+    import subprocess
+
+    code = ("import sys, threading\n"
+            "from tdpipe.model.jit import in_background\n"
+            "seen = []\n"
+            "in_background(lambda: seen.append('setuptools' in sys.modules))\n"
+            "[t.join() for t in threading.enumerate() if t.name == 'tdpipe-kernel-build']\n"
+            "print(seen)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[True]"

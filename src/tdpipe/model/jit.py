@@ -231,6 +231,14 @@ def in_background(*builders: Callable[[], ModuleType | None]) -> None:
     """Start each kernel's build (or cache load) on a thread of its own and return at once: on a first run
     the kernels compile side by side (each gcc is single-threaded; 26 s and 20 s here, one after the other
     before) while the caller loads the weights. A later build() of the same kernel waits for its thread,
-    and so does the interpreter's exit (not daemon threads): a build is never cut off half-written."""
+    and so does the interpreter's exit (not daemon threads): a build is never cut off half-written.
+
+    torch's cpp_extension is imported here, on the caller's thread, first: it imports setuptools, whose
+    distutils shim is inserted into and removed from sys.meta_path, and Python 3.11 walks that very list
+    for every import. Done on a builder thread, while the caller imported something, the walk could skip
+    the path finder and report an installed module missing (CI saw "No module named
+    'torch.utils._device'" and "'sympy.polys.domains.pythonintegerring'" from a model being built)."""
+    from torch.utils import cpp_extension  # noqa: F401  (see above: sys.meta_path is changed only here)
+
     for b in builders:
         threading.Thread(target=b, name="tdpipe-kernel-build").start()

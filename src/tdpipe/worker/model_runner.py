@@ -122,8 +122,7 @@ class LayerCaches:
 
 def _materialize(module: torch.nn.Module, device: torch.device) -> None:
     """Give every meta parameter and buffer uninitialised storage on `device`. Not `Module.to_empty`: its
-    meta path runs through torch._refs, which imports sympy (0.3 s per stage process, and the one import a
-    fresh stage ever failed on in CI)."""
+    meta path runs through torch._refs, which imports sympy: 0.3 s of every stage's start-up."""
     made: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays shared
     for mod in module.modules():
         for name, p in list(mod.named_parameters(recurse=False)):

@@ -6,7 +6,9 @@ docs/benchmarks.md): B sequences of PP prompt tokens each are prefilled, then TG
 of them together, and it reports total tokens / total time. tdpipe's side is `tdpipe bench throughput` with
 the fixed workload (B requests of PP random prompt tokens, TG forced output tokens, submitted at once). Both
 count prompt + output tokens over the whole run, so the ratio compares like with like. llama.cpp computes on
-the quantised blocks; tdpipe dequantises the file once (bf16 or float32 weights).
+the quantised blocks; so does tdpipe by default in bf16 (`--quantization auto` keeps a quantised GGUF's 4- and
+8-bit blocks packed; `--tdpipe-args "--quantization none"` dequantises the file once to bf16 instead, as `auto`
+does for a float32 run).
 """
 from __future__ import annotations
 

@@ -209,6 +209,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _append_slot(self, seq: Sequence) -> None:
+        """A KV slot for seq's next token (capacity checked by the caller), with a private copy of a block it
+        would write that a fork shares (copy-on-write), in the global and the sliding-window tables."""
+        self.bm.append_slot(seq)
+        cow = self.bm.prepare_append(seq)  # the block it writes is shared (fork): a private copy
+        if cow is not None:
+            self.block_copies.append(cow)
+            seq.table_epoch += 1
+        if self.bm.window_pool is not None and (cow := self.bm.prepare_append_window(seq)) is not None:
+            self.block_copies.append(cow)  # numbered past the global pool (prepare_append_window)
+            seq.table_epoch += 1
+
     def _reserve_decode_slots(self, seqs: list[Sequence]) -> list[Sequence]:
         """Give each sequence a KV slot for its next token, preempting the newest running sequences
         (not in flight) when blocks run out. Returns the sequences that got a slot, in order."""
@@ -224,14 +236,7 @@ class Scheduler:
                     break
                 self._preempt(victim)
             if self.bm.can_append(seq):
-                self.bm.append_slot(seq)
-                cow = self.bm.prepare_append(seq)  # the block it writes is shared (fork): a private copy
-                if cow is not None:
-                    self.block_copies.append(cow)
-                    seq.table_epoch += 1
-                if self.bm.window_pool is not None and (cow := self.bm.prepare_append_window(seq)) is not None:
-                    self.block_copies.append(cow)  # numbered past the global pool (prepare_append_window)
-                    seq.table_epoch += 1
+                self._append_slot(seq)
                 chosen.append(seq)
                 taken.add(seq.seq_id)
             elif not seq.in_flight:

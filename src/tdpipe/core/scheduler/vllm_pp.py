@@ -266,14 +266,7 @@ class VllmPPScheduler(Scheduler):
                 self._preempt(seq)
                 continue
             before = len(seq.block_table)
-            self.bm.append_slot(seq)
-            cow = self.bm.prepare_append(seq)  # a shared last block (fork): a private copy
-            if cow is not None:
-                self.block_copies.append(cow)
-                seq.table_epoch += 1
-            if self.bm.window_pool is not None and (wcow := self.bm.prepare_append_window(seq)) is not None:
-                self.block_copies.append(wcow)
-                seq.table_epoch += 1
+            self._append_slot(seq)
             held += len(seq.block_table) - before
             chosen.append(seq)
         if not chosen:

@@ -69,9 +69,10 @@ def make_pd_executor(builder: Any, num_blocks: int, weights: Callable[[], Any] |
     builder.partition, builder.lm_head_split = [(0, mc.num_layers)], 0.0
     instances: list[Executor] = []
     try:
-        cpus = instance_cpus(n)
+        cpus = instance_cpus(n)  # equal groups (or all unpinned): every instance gets the same threads
+        threads = par.threads_per_stage or (len(cpus[0]) if cpus[0] else 1)
         for k in range(n):
-            instances.append(_instance(builder, num_blocks, weights, cpus[k]))
+            instances.append(_instance(builder, num_blocks, weights, cpus[k], threads))
         for ex in instances:
             ex.collective_rpc("attach_kv_staging", (path, shape))
     except BaseException:
@@ -80,18 +81,16 @@ def make_pd_executor(builder: Any, num_blocks: int, weights: Callable[[], Any] |
         raise
     finally:
         os.unlink(path)
-    builder.stage_threads = [builder.pd_threads]
+    builder.stage_threads = [threads]
     log.info("disaggregated: %d prefill + %d decode instances, %d KV blocks each, %d staging blocks, threads %d",
-             par.prefill_workers, par.decode_workers, num_blocks, builder.pd_num_slots, builder.pd_threads)
+             par.prefill_workers, par.decode_workers, num_blocks, builder.pd_num_slots, threads)
     return PDExecutor(instances, par.prefill_workers)
 
 
 def _instance(builder: Any, num_blocks: int, weights: Callable[[], Any] | None,
-              cpus: list[int] | None) -> Executor:
+              cpus: list[int] | None, threads: int) -> Executor:
     """One instance: the model whole, in a worker process (a model folder) or in this process (in memory)."""
-    par, cache = builder.config.parallel, builder.config.cache
-    threads = par.threads_per_stage or (len(cpus) if cpus else 1)
-    builder.pd_threads = threads
+    cache = builder.config.cache
     if weights is not None:  # in-memory weights: no folder for a worker to load; the tests' fast path
         from tdpipe.executor.local import LocalExecutor
         from tdpipe.worker.model_runner import ModelRunner

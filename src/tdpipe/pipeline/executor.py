@@ -124,8 +124,9 @@ class PipelineExecutor(Executor):
                  stages: list[StageSpec], max_num_batched_tokens: int, platform: Platform,
                  tensor_parallel_size: int = 1, lm_head_split: float = 0.0, graphs: object | None = None,
                  num_window_blocks: int = 0, cpus: list[int] | None = None) -> None:
-        """`cpus`: pin every spawned worker to these cores (None: not pinned). `platform`: the workers' device (each worker gets platform.torch_device(its worker index) and the
-        groups' backends from pipeline/wire/groups.py's choose_backends). `num_window_blocks`: the
+        """`cpus`: pin every spawned worker to these cores (None: not pinned). `platform`: the workers' device
+        (each worker gets platform.torch_device(its worker index) and the groups' backends from
+        pipeline/wire/groups.py's choose_backends). `num_window_blocks`: the
         sliding-window layers' own KV pool (core/window_blocks.py; 0: none)."""
         self.num_stages = len(stages)
         self.stages = stages

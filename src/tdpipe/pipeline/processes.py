@@ -26,7 +26,6 @@ from tdpipe.pipeline.wire.transport import (Rendezvous, failure_reason, serve_re
                                             torchrun_rendezvous)
 
 _KILL_WAIT = 5.0  # seconds to reap a killed stage
-STAGE_CPUS_ENV = "TDPIPE_STAGE_CPUS"  # comma-separated cores a spawned stage pins itself to (pipeline/stage.py)
 
 
 class StageProcesses:
@@ -35,7 +34,7 @@ class StageProcesses:
     def __init__(self, layout: Layout, threads: list[int], cpus: list[int] | None = None) -> None:
         self.layout = layout
         self.threads = threads  # per stage: its ranks' compute threads (OMP_NUM_THREADS)
-        self.cpus = cpus  # the cores every spawned rank is pinned to (STAGE_CPUS_ENV); None: not pinned
+        self.cpus = cpus  # the cores every spawned rank pins itself to (its --cpus); None: not pinned
         self.procs: list[subprocess.Popen] = []  # spawned worker ranks 1..W-1, in order; none under torchrun
         self.launcher = ""  # "spawn" or "torchrun"
         self.rendezvous: Rendezvous | None = None
@@ -67,10 +66,10 @@ class StageProcesses:
         for r in self.layout.worker_ranks():
             threads = self.threads[self.layout.coords(r)[0]]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            if self.cpus:
-                env[STAGE_CPUS_ENV] = ",".join(map(str, self.cpus))
             cmd = [sys.executable, "-m", "tdpipe.pipeline.stage", "--master", f"127.0.0.1:{port}",
                    "--rank", str(r), "--world-size", str(world), "--parent", str(os.getpid())]
+            if self.cpus:
+                cmd += ["--cpus", ",".join(map(str, self.cpus))]
             # own process group: the terminal's Ctrl-C goes to the engine only, which stops the stages
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0))
         self._watchdog = threading.Thread(target=self._watch, name="tdpipe-watchdog", daemon=True)

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--parent", type=int, default=None, help="engine pid: exit when it is gone")
+    p.add_argument("--cpus", default=None, help="comma-separated cores to pin this process to (default: not pinned)")
     a = p.parse_args(argv)
     # Ctrl-C is the engine's to handle; a write to the terminal from this background process group must
     # not stop the stage (`stty tostop`)
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.parent is not None:
         _parent = a.parent
         _watch_parent(a.parent)
-    if os.environ.get("TDPIPE_STAGE_CPUS"):  # its own cores (a disaggregated instance: executor/pd.py)
-        os.sched_setaffinity(0, {int(c) for c in os.environ["TDPIPE_STAGE_CPUS"].split(",")})
+    if a.cpus:  # its own cores (a disaggregated instance: core/pd_parts.py)
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     host, port = a.master.rsplit(":", 1)
     try:
         serve(join_rendezvous(host, int(port), a.rank, a.world_size))

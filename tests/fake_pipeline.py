@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from hypothesis import strategies as st
 
 from tdpipe.core.batch import StepInput
 from tdpipe.executor.base import Executor, StepResult
@@ -23,6 +24,19 @@ VOCAB = 32
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32,
         "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
         "max_position_embeddings": 1 << 16, "eos_token_id": 0}
+
+
+def draw_kv_workload(draw, max_requests: int, max_output: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """(block_size, num_blocks, [(prompt, output) tokens] of up to `max_requests` requests), each request
+    fitting the KV cache alone: the drawn part of the engine-loop property tests' scenarios."""
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    num_blocks = draw(st.integers(8, 96))
+    cap = num_blocks * block_size
+    lengths = []
+    for _ in range(draw(st.integers(1, max_requests))):
+        p = draw(st.integers(1, max(1, cap // 2)))
+        lengths.append((p, draw(st.integers(1, max(1, min(max_output, cap - p))))))
+    return block_size, num_blocks, lengths
 
 
 def step_cost(step: StepInput) -> float:

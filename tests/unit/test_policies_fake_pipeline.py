@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 import torch
-from fake_pipeline import TINY, TimedFakeExecutor, check_outcome, watch
+from fake_pipeline import TINY, TimedFakeExecutor, check_outcome, draw_kv_workload, watch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -75,14 +75,8 @@ def run(engine, lengths, gaps, predicted=None, max_steps=500_000):
 
 @st.composite
 def scenario(draw):
-    block_size = draw(st.sampled_from([1, 4, 16]))
-    num_blocks = draw(st.integers(8, 96))
-    cap = num_blocks * block_size
-    n = draw(st.integers(1, 40))
-    lengths = []
-    for _ in range(n):
-        p = draw(st.integers(1, max(1, cap // 2)))
-        lengths.append((p, draw(st.integers(1, max(1, min(80, cap - p))))))
+    block_size, num_blocks, lengths = draw_kv_workload(draw, max_requests=40, max_output=80)
+    n = len(lengths)
     gaps = draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, 3.0, 20.0]), min_size=n, max_size=n))
     return dict(block_size=block_size, num_blocks=num_blocks, lengths=lengths, gaps=gaps,
                 max_seqs=draw(st.integers(1, 24)), pp=draw(st.integers(1, 4)),

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from fake_pipeline import TINY, TimedFakeExecutor, check_batch
+from fake_pipeline import TINY, TimedFakeExecutor, check_batch, draw_kv_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -195,14 +195,7 @@ def run_fake(lengths, num_blocks, block_size, max_seqs, pp, depth=None, budget=N
 
 @st.composite
 def scenario(draw):
-    block_size = draw(st.sampled_from([1, 4, 16]))
-    num_blocks = draw(st.integers(8, 96))
-    cap = num_blocks * block_size
-    n = draw(st.integers(1, 30))
-    lengths = []
-    for _ in range(n):
-        p = draw(st.integers(1, max(1, cap // 2)))
-        lengths.append((p, draw(st.integers(1, max(1, min(60, cap - p))))))
+    block_size, num_blocks, lengths = draw_kv_workload(draw, max_requests=30, max_output=60)
     return dict(block_size=block_size, num_blocks=num_blocks, lengths=lengths, max_seqs=draw(st.integers(1, 24)),
                 pp=draw(st.integers(1, 4)), depth=draw(st.sampled_from([None, None, 1, 3, 5])),
                 binding=draw(st.sampled_from(["fewest-unfinished", "most-free-kv"])),

@@ -68,7 +68,6 @@ def parse_pairs(text: str) -> list[tuple[str, str]]:
 
 
 def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str, Any]) -> dict[str, Any]:
-    from tdpipe.bench import workload as wl
     from tdpipe.sim.hardware import load_hardware
     from tdpipe.sim.runner import DoesNotFit, SimConfig, simulate
 
@@ -88,8 +87,7 @@ def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str
     except ValueError as e:
         return out | {"invalid": str(e)}
     try:
-        reqs = wl.sharegpt_like(num_prompts, sim_model_config(cell["model"])[1]["vocab_size"], seed, 2048)
-        res = simulate(cfg, reqs)
+        res = simulate(cfg, _requests(cell, num_prompts, seed))
     except DoesNotFit as e:
         return out | {"oom": str(e)}
     keep = ("output_tokens_per_s", "total_tokens_per_s", "elapsed_s", "bubble_ratio", "decode_bubble_ratio",
@@ -98,12 +96,19 @@ def run_cell(cell: dict[str, Any], num_prompts: int, seed: int, engine: dict[str
     return out | {k: res[k] for k in keep}
 
 
+def _requests(cell: dict[str, Any], num_prompts: int, seed: int) -> list:
+    """Every cell's workload: the same ShareGPT-like requests (up to 2048 tokens) for the cell's model."""
+    from tdpipe.bench import workload as wl
+    from tdpipe.sim.runner import sim_model_config
+
+    return wl.sharegpt_like(num_prompts, sim_model_config(cell["model"])[1]["vocab_size"], seed, 2048)
+
+
 def _run_pd_cell(cell: dict[str, Any], split: dict[str, Any], num_prompts: int, seed: int,
                  engine: dict[str, Any]) -> dict[str, Any]:
-    from tdpipe.bench import workload as wl
     from tdpipe.sim.hardware import load_hardware
     from tdpipe.sim.pd import PDConfig, simulate_pd
-    from tdpipe.sim.runner import DoesNotFit, sim_model_config
+    from tdpipe.sim.runner import DoesNotFit
 
     n = cell["devices"]
     out = dict(cell)
@@ -112,8 +117,7 @@ def _run_pd_cell(cell: dict[str, Any], split: dict[str, Any], num_prompts: int, 
     p = n // 2 if split["prefill_devices"] == "half" else split["prefill_devices"]
     cfg = PDConfig(load_hardware(cell["hardware"]), p, n - p, cell["model"], engine=dict(engine))
     try:
-        reqs = wl.sharegpt_like(num_prompts, sim_model_config(cell["model"])[1]["vocab_size"], seed, 2048)
-        res = simulate_pd(cfg, reqs)
+        res = simulate_pd(cfg, _requests(cell, num_prompts, seed))
     except DoesNotFit as e:
         return out | {"oom": str(e)}
     keep = ("output_tokens_per_s", "total_tokens_per_s", "elapsed_s", "bubble_ratio", "parallel", "ttft_mean_s",

@@ -108,19 +108,15 @@ def test_block_gemm_empty_and_3d_input() -> None:
     assert torch.allclose(lin(x), lin(x.reshape(6, 64)).reshape(2, 3, 16))
 
 
-@pytest.mark.slow
 def test_the_portable_path_gives_the_vnni_paths_bits() -> None:
-    """The loop a CPU without VNNI compiles (the same extension built with -mno-avx512vnni: a second gcc run,
-    two minutes here the first time) sums the same products in the same order."""
-    from tdpipe.model.jit import build
-
-    vnni = cpu_ops.kernel()
-    if vnni is None or vnni.qgemm_path() != "AVX-512 VNNI":
-        pytest.skip("this CPU has no VNNI path to compare with")
-    port = build("tdpipe_ops_novnni", "ops.cpp", ["-ffast-math", "-mno-avx512vnni"])
-    assert port is not None and port.qgemm_path().startswith("portable")
-    for kind in (Q.Q4_1, Q.Q8_0):
-        lin = linear_of(kind, 33, 96, bias=True)
-        xb = vnni.quantize_blocks(torch.randn(7, 96))
-        args = (lin.packed, lin.scales, 33, lin.bits, lin.bias, torch.float32)
-        assert torch.equal(port.qgemm(*xb, *args), vnni.qgemm(*xb, *args))
+    """The loop a CPU without VNNI runs (compiled into every build as qgemm_portable, so no second gcc run)
+    sums the same products in the same order as the VNNI registers: the same bits, for every tile and row
+    blocking (33 channels: a pair of tiles and a lone one; 7 rows: a block of 4 and one of 3)."""
+    k = cpu_ops.kernel()
+    assert k is not None
+    for kind in (Q.Q4_1, Q.Q8_0, Q.Q4_K):
+        lin = linear_of(kind, 33, 256, bias=kind != Q.Q4_K)
+        xb = k.quantize_blocks(torch.randn(7, 256))
+        for out in (torch.float32, torch.bfloat16):
+            args = (lin.packed, lin.scales, 33, lin.bits, lin.bias, out)
+            assert torch.equal(k.qgemm_portable(*xb, *args), k.qgemm(*xb, *args))

@@ -224,6 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_bitmask_", &apply_bitmask_, "in place: tokens a grammar's bitmask forbids -> -inf (fp32 logits)");
   m.def("quantize_blocks", &quantize_blocks, "int8 activations per block of 32: (xq, dx, cx)");
   m.def("qgemm", &qgemm, "block-quantised GEMM: packed 4- or 8-bit weights x int8 activations (VNNI)");
+  m.def("qgemm_portable", &qgemm_portable, "qgemm by the portable loop, whatever the CPU (tests)");
   m.def("qgemm_path", &qgemm_path, "which code path qgemm was compiled to");
   m.def("masked_argmax_rows", &masked_argmax_rows, "row-wise argmax over the tokens a bitmask allows (-1: none)");
 }

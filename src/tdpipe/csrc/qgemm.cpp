@@ -90,11 +90,11 @@ void quantize_row_blocks(const T* xr, int8_t* qr, float* dx, float* cx, int64_t 
 
 // Output rows [r0, r0 + R) of tiles [t, t + TT). y accumulates in fp32 per block, in block order; each
 // row's arithmetic is the same whatever R and TT are (a row's result does not depend on its batch).
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 template <int BITS, typename S, typename O, int R, int TT>
 void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
                const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0) {
   constexpr int BPB = BITS == 4 ? 256 : 512;  // bytes per (tile, block)
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
   __m512 y[R][TT];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < TT; ++u) y[r][u] = _mm512_setzero_ps();
@@ -149,8 +149,16 @@ void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, in
       for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? tmp[j] + bias[c0 + j] : tmp[j]);
     }
   }
-#else
-  // portable: the same sums, one lane at a time (fma as the vector path, so the bits agree)
+}
+#endif
+
+// Portable: the same sums, one lane at a time (fma as the vector path, so the bits agree). What a CPU
+// without VNNI runs, and compiled everywhere, so a VNNI build checks it against its own (qgemm_portable).
+template <int BITS, typename S, typename O>
+void tile_rows_portable(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb,
+                        const uint8_t* w, const S* sc, const float* bias, O* out, int64_t n, int64_t t,
+                        int64_t r0, int64_t R, int64_t TT) {
+  constexpr int BPB = BITS == 4 ? 256 : 512;  // bytes per (tile, block)
   for (int u = 0; u < TT; ++u) {
     const uint8_t* wt = w + (t + u) * kb * BPB;
     const S* st_ = sc + (t + u) * kb * 2 * NT;
@@ -185,11 +193,11 @@ void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, in
       for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? y[j] + bias[c0 + j] : y[j]);
     }
   }
-#endif
 }
 
 constexpr int RB = 4;  // rows per register block: 4 rows x 2 tiles = 8 independent sums (bench gemm)
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 template <int BITS, typename S, typename O, int TT>
 void rows_of(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
              const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0, int64_t nr) {
@@ -200,17 +208,24 @@ void rows_of(const int8_t* xq, const float* dx, const float* cx, int64_t k, int6
     default: tile_rows<BITS, S, O, 1, TT>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0); break;
   }
 }
+#endif
 
-template <int BITS, typename S, typename O>
+template <int BITS, typename S, typename O, bool PORTABLE>
 void gemm_impl(const int8_t* xq, const float* dx, const float* cx, int64_t rows, int64_t k, const uint8_t* w,
                const S* sc, const float* bias, O* out, int64_t n) {
   const int64_t kb = k / BK, tiles = (n + NT - 1) / NT, pairs = (tiles + 1) / 2, chunks = (rows + RB - 1) / RB;
 #pragma omp parallel for collapse(2) schedule(static) if (rows * n * k > 65536)
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t t = 2 * p, r0 = c * RB, nr = std::min<int64_t>(RB, rows - r0);
-      if (t + 1 < tiles) rows_of<BITS, S, O, 2>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
-      else rows_of<BITS, S, O, 1>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
+      const int64_t t = 2 * p, r0 = c * RB, nr = std::min<int64_t>(RB, rows - r0), tt = t + 1 < tiles ? 2 : 1;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+      if constexpr (!PORTABLE) {
+        if (tt == 2) rows_of<BITS, S, O, 2>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
+        else rows_of<BITS, S, O, 1>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
+        continue;
+      }
+#endif
+      tile_rows_portable<BITS, S, O>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr, tt);
     }
   }
 }
@@ -245,8 +260,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_blocks(torch::T
 }
 
 // y [M, n] = the block-quantised product (header); bits 4 or 8; scales fp32 or fp16; bias fp32 [n] or none
-torch::Tensor qgemm(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w, torch::Tensor scales,
-                    int64_t n, int64_t bits, c10::optional<torch::Tensor> bias, torch::ScalarType out_dtype) {
+template <bool PORTABLE>
+torch::Tensor qgemm_run(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w, torch::Tensor scales,
+                        int64_t n, int64_t bits, c10::optional<torch::Tensor> bias, torch::ScalarType out_dtype) {
   using namespace qgemm_detail;
   TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.dtype() == torch::kInt8, "qgemm: xq contiguous int8 [M, K]");
   const int64_t rows = xq.size(0), k = xq.size(1), kb = k / BK, tiles = (n + NT - 1) / NT;
@@ -273,8 +289,8 @@ torch::Tensor qgemm(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch:
     using S = std::remove_const_t<std::remove_pointer_t<decltype(ps)>>;
     auto with_out = [&](auto* po) {
       using O = std::remove_pointer_t<decltype(po)>;
-      if (bits == 4) gemm_impl<4, S, O>(px, pd, pc, rows, k, pw, ps, pb, po, n);
-      else gemm_impl<8, S, O>(px, pd, pc, rows, k, pw, ps, pb, po, n);
+      if (bits == 4) gemm_impl<4, S, O, PORTABLE>(px, pd, pc, rows, k, pw, ps, pb, po, n);
+      else gemm_impl<8, S, O, PORTABLE>(px, pd, pc, rows, k, pw, ps, pb, po, n);
     };
     if (out_dtype == torch::kBFloat16) with_out(reinterpret_cast<uint16_t*>(out.data_ptr()));
     else with_out(out.data_ptr<float>());
@@ -282,6 +298,18 @@ torch::Tensor qgemm(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch:
   if (scales.dtype() == torch::kFloat32) with_scales(scales.data_ptr<float>());
   else with_scales(scales.data_ptr<c10::Half>());
   return out;
+}
+
+torch::Tensor qgemm(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w, torch::Tensor scales,
+                    int64_t n, int64_t bits, c10::optional<torch::Tensor> bias, torch::ScalarType out_dtype) {
+  return qgemm_run<false>(xq, dx, cx, w, scales, n, bits, bias, out_dtype);
+}
+
+// The portable loop whatever the CPU: the VNNI path is tested against it without a second build.
+torch::Tensor qgemm_portable(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w,
+                             torch::Tensor scales, int64_t n, int64_t bits, c10::optional<torch::Tensor> bias,
+                             torch::ScalarType out_dtype) {
+  return qgemm_run<true>(xq, dx, cx, w, scales, n, bits, bias, out_dtype);
 }
 
 // Which path qgemm compiled to, for the one-line notice.

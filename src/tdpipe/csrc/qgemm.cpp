@@ -32,6 +32,14 @@ namespace qgemm_detail {
 constexpr int BK = 32;  // weights and activations per block along K
 constexpr int NT = 16;  // output channels per tile (one register of int32 / fp32 lanes)
 
+// One switch for every VNNI-only piece (the register kernel, its dispatch, the notice); without it the
+// portable loop runs.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define QGEMM_VNNI 1
+#else
+#define QGEMM_VNNI 0
+#endif
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 inline __m512 load_scale(const float* p) { return _mm512_loadu_ps(p); }
@@ -90,7 +98,7 @@ void quantize_row_blocks(const T* xr, int8_t* qr, float* dx, float* cx, int64_t 
 
 // Output rows [r0, r0 + R) of tiles [t, t + TT). y accumulates in fp32 per block, in block order; each
 // row's arithmetic is the same whatever R and TT are (a row's result does not depend on its batch).
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if QGEMM_VNNI
 template <int BITS, typename S, typename O, int R, int TT>
 void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
                const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0) {
@@ -197,7 +205,7 @@ void tile_rows_portable(const int8_t* xq, const float* dx, const float* cx, int6
 
 constexpr int RB = 4;  // rows per register block: 4 rows x 2 tiles = 8 independent sums (bench gemm)
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if QGEMM_VNNI
 template <int BITS, typename S, typename O, int TT>
 void rows_of(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
              const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0, int64_t nr) {
@@ -218,7 +226,7 @@ void gemm_impl(const int8_t* xq, const float* dx, const float* cx, int64_t rows,
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t t = 2 * p, r0 = c * RB, nr = std::min<int64_t>(RB, rows - r0), tt = t + 1 < tiles ? 2 : 1;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if QGEMM_VNNI
       if constexpr (!PORTABLE) {
         if (tt == 2) rows_of<BITS, S, O, 2>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
         else rows_of<BITS, S, O, 1>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
@@ -314,7 +322,7 @@ torch::Tensor qgemm_portable(torch::Tensor xq, torch::Tensor dx, torch::Tensor c
 
 // Which path qgemm compiled to, for the one-line notice.
 std::string qgemm_path() {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if QGEMM_VNNI
   return "AVX-512 VNNI";
 #else
   return "portable C++ (no AVX-512 VNNI)";

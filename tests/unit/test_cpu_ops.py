@@ -34,7 +34,8 @@ def test_rope_in_place_on_strided_view():
     pos = torch.randint(0, 512, (11,))
     q = qkv[:, :576].view(11, 9, 64)  # rows strided by 960, as in the fused projection
     cs = rot.cos_sin[pos].bfloat16()
-    cos, sin = cs[:, None, :64], cs[:, None, 64:]
+    assert rot.cos_sin.shape == (512, 64)  # cos | sin of the 32 frequencies, each used in both halves
+    cos, sin = cs[:, None, :32].repeat(1, 1, 2), cs[:, None, 32:].repeat(1, 1, 2)
     ref = q * cos + torch.cat((-q[..., 32:], q[..., :32]), -1) * sin
     rot(q, pos)
     assert torch.equal(q, ref)

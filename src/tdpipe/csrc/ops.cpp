@@ -113,17 +113,16 @@ void rope_impl(T* x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
   const int64_t half = d / 2;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos_sin + pos[r] * table_stride;  // [cos(d) | sin(d)] per position
-    const float* s = c + d;
+    const float* c = cos_sin + pos[r] * table_stride;  // [cos(d/2) | sin(d/2)] per position
+    const float* s = c + half;
     for (int64_t hh = 0; hh < heads; ++hh) {
       T* v = x + r * row_stride + hh * d;
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         float a = ld<T>(v, i), b = ld<T>(v, i + half);
         float ci = rnd<T>(c[i]), si = rnd<T>(s[i]);
-        float ci2 = rnd<T>(c[i + half]), si2 = rnd<T>(s[i + half]);
         float na = rnd<T>(a * ci) - rnd<T>(b * si);
-        float nb = rnd<T>(b * ci2) + rnd<T>(a * si2);
+        float nb = rnd<T>(b * ci) + rnd<T>(a * si);
         st<T>(v, i, na);
         st<T>(v, i + half, nb);
       }
@@ -175,8 +174,8 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
   check_dtype(x);
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_: [T, H, D] with contiguous heads");
   TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.is_contiguous(), "rope_: int64 positions");
-  TORCH_CHECK(cos_sin.dtype() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.size(1) == 2 * x.size(2),
-              "rope_: cos_sin table [max_pos, 2*D] float32");
+  TORCH_CHECK(cos_sin.dtype() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.size(1) == x.size(2),
+              "rope_: cos_sin table [max_pos, D] float32");
   const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
   if (x.dtype() == torch::kBFloat16) {
     rope_impl<uint16_t>(reinterpret_cast<uint16_t*>(x.data_ptr()), rows, heads, d, x.stride(0), positions.data_ptr<int64_t>(),

@@ -65,14 +65,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] in place; cos_sin is [max_pos, 2D] float32 (cos | sin), HF's rotate_half layout."""
+    """Rotate x [T, H, D] in place; cos_sin is [max_pos, D] float32 (cos | sin of the D / 2 frequencies),
+    HF's rotate_half convention (both halves of a head turn by the same frequencies)."""
     if _use(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         kernel().rope_(x, positions, cos_sin)
         return x
     d = x.shape[-1]
-    cs = cos_sin[positions].to(x.dtype)
-    cos, sin = cs[:, None, :d], cs[:, None, d:]
     half = d // 2
+    cs = cos_sin[positions].to(x.dtype)
+    cos, sin = cs[:, None, :half].repeat(1, 1, 2), cs[:, None, half:].repeat(1, 1, 2)
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     x.copy_(x * cos + rotated * sin)
     return x

@@ -74,7 +74,10 @@ def rope_attention_factor(scaling: dict | None) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """A float32 [max_positions, 2 * rotary_dim] table of (cos | sin), applied in place to q and k by position.
+    """A float32 [max_positions, rotary_dim] table of (cos | sin) over the first rotary_dim / 2 frequencies,
+    applied in place to q and k by position. rotate_half's cos and sin repeat each frequency in both halves
+    of a head, so a table of both halves held every value twice (64 MiB per table for Gemma 3's 32,768
+    positions and 256-dim heads).
 
     `rotary_dim` < head_dim (partial rotary, Phi-3/4) turns the first rotary_dim dims only. longrope: the
     positions below the pretraining length use the short factors, the others the long ones. transformers
@@ -90,7 +93,7 @@ class RotaryEmbedding(nn.Module):
             # a shell on the meta device, its table built on the real device by rebuild() (ModelRunner):
             # computing on meta tensors runs torch's Python reference ops, which import torch._dynamo (and
             # triton where installed), about half a second of every engine and stage start-up
-            self.register_buffer("cos_sin", torch.empty(self.max_positions, 2 * self.rotary_dim), persistent=False)
+            self.register_buffer("cos_sin", torch.empty(self.max_positions, self.rotary_dim), persistent=False)
             return
         self.register_buffer("cos_sin", self._table(), persistent=False)
 
@@ -101,9 +104,8 @@ class RotaryEmbedding(nn.Module):
             orig = self.scaling["original_max_position_embeddings"]
             long = t[orig:, None] * rope_inv_freq(self.rotary_dim, self.theta, self.scaling, long=True)[None, :]
             freqs[orig:] = long
-        emb = torch.cat((freqs, freqs), dim=-1)
         a = rope_attention_factor(self.scaling)
-        cos, sin = (emb.cos(), emb.sin()) if a == 1.0 else (emb.cos() * a, emb.sin() * a)
+        cos, sin = (freqs.cos(), freqs.sin()) if a == 1.0 else (freqs.cos() * a, freqs.sin() * a)
         return torch.cat((cos, sin), dim=-1).to(device)
 
     def rebuild(self, device: torch.device | str) -> None:

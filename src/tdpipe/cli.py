@@ -1,4 +1,4 @@
-"""`tdpipe` command line: generate, chat, bench, plot, predictor, simulate."""
+"""`tdpipe` command line: generate, chat, bench, plot, predictor, simulate, serve, run-batch, smoothquant."""
 from __future__ import annotations
 
 import os
@@ -329,6 +329,7 @@ def build_parser(command: str | None = "") -> argparse.ArgumentParser:
     __import__("tdpipe.entrypoints.openai.serve_args", fromlist=["add_parser"]).add_parser(sub).set_defaults(
         fn=cmd_serve)
     __import__("tdpipe.entrypoints.run_batch", fromlist=["add_parser"]).add_parser(sub)
+    __import__("tdpipe.entrypoints.smoothquant", fromlist=["add_parser"]).add_parser(sub)
     gpu_check = __import__("tdpipe.bench.gpu_check", fromlist=["add_parser"]).add_parser(sub)
     __import__("tdpipe.sim.gpu_cli", fromlist=["add_parser"]).add_parser(gpu_check)
     return p

@@ -1,0 +1,118 @@
+"""SmoothQuant (model/smoothquant.py) on tiny random transformers models of every family it folds: the smoothed
+model computes the same logits in float32, its linears' inputs are the old ones divided by s, and
+`tdpipe smoothquant` writes a folder in the source's dtype that transformers loads; refusals name the problem."""
+import json
+
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+from tdpipe.model import smoothquant as sq
+
+SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny(family: str):
+    cls, cfg = {
+        "llama": (LlamaForCausalLM, LlamaConfig(**SIZES)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SIZES)),  # q/k/v biases: v's is divided with its rows
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**SIZES, head_dim=16, query_pre_attn_scalar=16,
+                                                       sliding_window=8)),
+        "phi3": (Phi3ForCausalLM, Phi3Config(**SIZES, pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+    }[family]
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        for layer in model.model.layers:  # outlier channels, as trained models have them
+            norm = layer.input_layernorm.weight
+            norm[:3] = norm[:3] * 20 + (19 if family == "gemma3" else 0)
+    return model
+
+
+def windows() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 300, (40,), generator=g).tolist() for _ in range(3)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3"])
+def test_smoothing_keeps_the_function_and_divides_the_inputs(family):
+    model = tiny(family)
+    ids = torch.tensor([windows()[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    maxima = sq.activation_maxima(model, iter(windows()))
+    names = sq.layer_names(model)
+    layers = model.model.layers
+    # s per checked input, from the maxima and the weights before the fold (Eq. 4)
+    checked = {"layers.0." + names.qkv[0]: (0, names.qkv), "layers.1." + names.gate_up[0]: (1, names.gate_up),
+               "layers.1." + names.down: (1, (names.down,))}
+    s = {k: sq.smoothing_scales(maxima[k], [layers[i].get_submodule(n).weight for n in group])
+         for k, (i, group) in checked.items()}
+    q0 = layers[0].get_submodule(names.qkv[0])
+    w_before = q0.weight.detach().clone()
+    assert sq.fold(model, maxima) == 2
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, atol=2e-4, rtol=2e-4)
+    q_rows = slice(0, 64)  # q's rows (Phi-3's fused qkv: v's rows also carry o's smoothing)
+    torch.testing.assert_close(q0.weight[q_rows], w_before[q_rows] * s["layers.0." + names.qkv[0]])
+    assert float(s["layers.0." + names.qkv[0]].max() / s["layers.0." + names.qkv[0]].min()) > 3  # outliers moved
+    new = sq.activation_maxima(model, iter(windows()))
+    for key in checked:
+        torch.testing.assert_close(new[key], maxima[key] / s[key], atol=1e-4, rtol=1e-3)
+
+
+def test_smooth_checkpoint_writes_a_folder_in_the_source_dtype(tmp_path):
+    model = tiny("llama")
+    ids = torch.tensor([windows()[0]])
+    with torch.no_grad():
+        exact = model(ids).logits
+    src = tmp_path / "src"
+    model.to(torch.bfloat16).save_pretrained(src)
+    (src / "tokenizer_config.json").write_text("{}")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)} | {"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    text = " ".join(f"w{(i * 37) % 300}" for i in range(700))
+    report = sq.smooth_checkpoint(str(src), str(tmp_path / "out"), text, tokens=600)
+    assert report["dtype"] == "bfloat16" and report["layers"] == 2 and report["calibration_tokens"] == 600
+    out = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert (tmp_path / "out" / "tokenizer.json").exists()
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    ref = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        a, b = out(ids).logits, ref(ids).logits
+    assert not torch.equal(out.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
+    # the same function up to bf16 rounding: the smoothed copy is as far from the source as the source's
+    # own bf16 rounding is from its float32 original
+    assert (a - b).abs().max() <= 2 * (b - exact).abs().max()
+
+
+def test_refusals_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="alpha"):
+        sq.smooth_checkpoint(str(tmp_path), str(tmp_path / "o"), alpha=1.5)
+    with pytest.raises(ValueError, match="source folder"):
+        sq.smooth_checkpoint(str(tmp_path), str(tmp_path))
+
+    class Other(torch.nn.Module):
+        config = type("C", (), {"model_type": "gpt2", "intermediate_size": 8, "num_key_value_heads": 1,
+                                "hidden_size": 8, "num_attention_heads": 1})()
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        sq.layer_names(Other())
+
+
+def test_cli_checks_before_loading(tmp_path, capsys):
+    from tdpipe.cli import main
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["smoothquant", "--output", str(tmp_path / "full")]) == 2
+    assert "--output" in capsys.readouterr().err
+    assert main(["smoothquant", "--output", str(tmp_path / "o"), "--alpha", "2"]) == 2
+    assert "--alpha" in capsys.readouterr().err

@@ -66,8 +66,9 @@ def test_smoothing_keeps_the_function_and_divides_the_inputs(family):
         torch.testing.assert_close(new[key], maxima[key] / s[key], atol=1e-4, rtol=1e-3)
 
 
-def test_smooth_checkpoint_writes_a_folder_in_the_source_dtype(tmp_path):
-    model = tiny("llama")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_smooth_checkpoint_writes_a_folder_in_the_source_dtype(tmp_path, family):
+    model = tiny(family)
     ids = torch.tensor([windows()[0]])
     with torch.no_grad():
         exact = model(ids).logits
@@ -82,10 +83,18 @@ def test_smooth_checkpoint_writes_a_folder_in_the_source_dtype(tmp_path):
     text = " ".join(f"w{(i * 37) % 300}" for i in range(700))
     report = sq.smooth_checkpoint(str(src), str(tmp_path / "out"), text, tokens=600)
     assert report["dtype"] == "bfloat16" and report["layers"] == 2 and report["calibration_tokens"] == 600
-    out = LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    cls = type(model)
+    out = cls.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert (tmp_path / "out" / "tokenizer.json").exists()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
-    ref = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ref = cls.from_pretrained(src, dtype=torch.float32).eval()
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    norms = [k for k in dtypes if k.endswith(("input_layernorm.weight", "pre_feedforward_layernorm.weight"))]
+    # Gemma's folded (1 + w) / s - 1 is written in float32; every other tensor in the source's bf16
+    assert {dtypes[k] for k in norms} == {"F32" if family == "gemma3" else "BF16"}
+    assert {v for k, v in dtypes.items() if k not in norms} == {"BF16"}
     with torch.no_grad():
         a, b = out(ids).logits, ref(ids).logits
     assert not torch.equal(out.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.q_proj.weight)
@@ -116,3 +125,18 @@ def test_cli_checks_before_loading(tmp_path, capsys):
     assert "--output" in capsys.readouterr().err
     assert main(["smoothquant", "--output", str(tmp_path / "o"), "--alpha", "2"]) == 2
     assert "--alpha" in capsys.readouterr().err
+
+
+def test_gemma_norm_weights_stay_float32_through_a_cast():
+    from tdpipe.model.layers import GemmaRMSNorm, RMSNorm
+
+    g, r = GemmaRMSNorm(8, 1e-6), RMSNorm(8, 1e-6)
+    with torch.no_grad():
+        g.weight.copy_(torch.full((8,), -0.99 + 1e-4))  # not a bf16 value
+        r.weight.fill_(0.5)
+    g.to(torch.bfloat16)
+    r.to(torch.bfloat16)
+    assert g.weight.dtype == torch.float32 and float(g.weight[0]) == pytest.approx(-0.99 + 1e-4, abs=1e-7)
+    assert r.weight.dtype == torch.bfloat16
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert g(x).dtype == torch.bfloat16

@@ -24,7 +24,18 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x * (1 + w), the product taken in float32 before the cast back (transformers'
-    Gemma3RMSNorm; the checkpoint stores w around 0)."""
+    Gemma3RMSNorm; the checkpoint stores w around 0).
+
+    w stays float32 whatever the model is cast to. The product is float32 anyway, so a bf16 checkpoint's
+    numbers are unchanged (its values upcast exactly); a checkpoint that stores (1 + w) / s - 1 in float32
+    (SmoothQuant's fold, model/smoothquant.py) keeps the bits bf16 loses near -1."""
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        before = self.weight.data
+        out = super()._apply(fn, recurse)
+        if before.dtype == torch.float32 and before.device.type != "meta" and self.weight.dtype != torch.float32:
+            self.weight.data = before.to(device=self.weight.device)
+        return out
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return ops.add_gemma_rms_norm(x, residual, self.weight, self.eps)

@@ -11,7 +11,8 @@ max|X_j| comes from a calibration run over a few thousand tokens of text. The di
 whatever produces the linear's input, so the smoothed checkpoint computes the same function in float (up to
 its dtype's rounding) and costs nothing at run time:
 
-- q/k/v (one input): into the norm before attention (Gemma's (1 + w): (1 + w) / s - 1);
+- q/k/v (one input): into the norm before attention (Gemma's (1 + w): (1 + w) / s - 1, written in float32,
+  which tdpipe keeps: model/layers.GemmaRMSNorm);
 - gate/up (one input): into the norm before the MLP (`post_attention_layernorm`, Gemma's
   `pre_feedforward_layernorm`);
 - down: into up's rows (act(gate) * up is linear in up);
@@ -205,7 +206,13 @@ def smooth_checkpoint(folder: str, output: str, text: str | None = None, alpha: 
         ids = [tok.bos_token_id, *ids]
     maxima = activation_maxima(model, calibration_windows(ids, tokens))
     layers = fold(model, maxima, alpha)
-    model.to(src_dtype).save_pretrained(output)
+    names = layer_names(model)
+    gemma_norms = {n: m.weight.data for n, m in model.named_modules()
+                   if names.gemma_norm and n.endswith((names.attn_norm, names.mlp_norm))}
+    model.to(src_dtype)
+    for n, w in gemma_norms.items():  # float32: (1 + w) / s - 1 needs more bits near -1 than bf16 keeps
+        model.get_submodule(n).weight.data = w
+    model.save_pretrained(output)
     for f in os.listdir(folder):
         if "token" in f or f.endswith(".jinja") or f in ("generation_config.json", "special_tokens_map.json"):
             shutil.copy(os.path.join(folder, f), output)

@@ -69,14 +69,28 @@ def test_int_mm_result_is_exact_integer_arithmetic():
     assert torch.equal(torch._int_mm(a, b), a.int() @ b.int())
 
 
-def test_prepare_linears_keeps_the_head_in_float():
+def test_prepare_linears_runs_the_head_as_8bit_blocks():
+    from tdpipe.model import cpu_ops
+    from tdpipe.model.block_linear import BlockLinear
+
     m = torch.nn.Module()
     m.block = torch.nn.Module()
-    m.block.proj = torch.nn.Linear(8, 8)
-    m.lm_head = torch.nn.Linear(8, 16)
+    m.block.proj = torch.nn.Linear(64, 64)
+    m.lm_head = torch.nn.Linear(64, 40, bias=False)
+    head = m.lm_head
     assert prepare_linears(m, "w8a8") == 1
-    assert isinstance(m.block.proj, il.Int8Linear) and not isinstance(m.lm_head, (il.Int8Linear, il.Int8Head))
-    assert KEEP_FLOAT == ("lm_head",)
+    assert isinstance(m.block.proj, il.Int8Linear) and KEEP_FLOAT == ("lm_head",)
+    if cpu_ops.kernel() is None:  # the block GEMM needs the C++ kernel; without it the head stays float
+        assert m.lm_head is head
+        return
+    assert isinstance(m.lm_head, BlockLinear) and m.lm_head.bits == 8
+    x = torch.randn(9, 64)
+    y, ref = m.lm_head(x), head(x)
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # 8-bit weights, 8-bit activations per 32
+    odd = torch.nn.Module()
+    odd.lm_head = torch.nn.Linear(40, 16)  # K not a multiple of 32: stays float
+    prepare_linears(odd, "w8a8")
+    assert not isinstance(odd.lm_head, BlockLinear)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -4,9 +4,11 @@ layers into what executes them, for the stages and for the step-cost profile ali
   none   bf16 weights prepacked for oneDNN on CPU (model/packed_linear.py); float32 and CUDA as loaded; a
          quantised GGUF dequantised (its bf16 or float32 conversion)
   w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU;
-         the lm_head stays bf16 (packed): per token, torch._int_mm's int32 output at its shape is slower
-         than the bf16 GEMM, and the fast int8 head (Int8Head, one activation scale per call) measured +2.5%
-         perplexity on its own (`tdpipe bench gemm`, `tdpipe bench perplexity`, docs/quantization.md)
+         the lm_head as 8-bit blocks against int8 activations per block of 32 (gguf's block GEMM,
+         model/block_linear.py): 1.9x the packed bf16 GEMM at its shape and 256 rows, +0.01% perplexity.
+         Per token, torch._int_mm's int32 output at that shape is slower than bf16, and Int8Head (one
+         activation scale per call) cost +2.5% perplexity (`tdpipe bench gemm`, `tdpipe bench perplexity`,
+         docs/quantization.md). Without the C++ kernel the head stays bf16
   gguf   a GGUF file's quantised blocks kept packed, 4-bit as 4-bit, against int8 activations per block of
          32 (model/block_linear.py, model/gguf_quantized.py), the tied embedding and lm_head included
   auto   gguf for a .gguf `--model` with quantised tensors, run in bf16 on CPU; none otherwise
@@ -21,7 +23,7 @@ from tdpipe.config import QUANTIZATIONS
 from tdpipe.model.int8_linear import quantize_linears
 from tdpipe.model.packed_linear import pack_linears
 
-KEEP_FLOAT = ("lm_head",)  # children left in floating point under w8a8
+KEEP_FLOAT = ("lm_head",)  # children not made Int8Linear under w8a8 (the head: block_head)
 
 
 def check_quantization(method: str, device: str) -> None:
@@ -68,6 +70,7 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "") -> int:
     the float weights, the same GEMMs."""
     if method == "w8a8":
         n = quantize_linears(model, skip=KEEP_FLOAT)
+        block_head(model)
     elif method == "gguf":
         from tdpipe.model.gguf_quantized import keep_gguf_blocks, quantize_blocks_from_float
 
@@ -78,5 +81,20 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "") -> int:
     return n
 
 
-__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "check_quantization", "gguf_source", "prepare_linears",
+def block_head(model: nn.Module) -> bool:
+    """W8A8's lm_head as 8-bit blocks (module docstring), where the C++ block GEMM runs it: CPU, the kernel
+    built, K a multiple of the 32-wide block. Returns whether it was replaced."""
+    from tdpipe.model import cpu_ops
+    from tdpipe.model.block_linear import BlockLinear
+    from tdpipe.model.gguf_blocks import BLOCK
+
+    head = getattr(model, "lm_head", None)
+    if (not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % BLOCK
+            or cpu_ops.kernel() is None):
+        return False
+    model.lm_head = BlockLinear.from_float(head, 8)
+    return True
+
+
+__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "block_head", "check_quantization", "gguf_source", "prepare_linears",
            "resolve_quantization"]

@@ -1,8 +1,10 @@
-"""Where W8A8's perplexity cost comes from: the bundled model's perplexity (bench/perplexity.py, same text)
-with every linear int8 but one kind left in bf16, one kind at a time, and with the lm_head int8 per call
-(Int8Head) or per token (Int8Linear). Each variant in a fresh process (it patches model/quantization.py).
+"""Where W8A8's perplexity cost comes from: a model's perplexity (bench/perplexity.py, same text) with every
+linear int8 but one kind left in bf16, one kind at a time, and with the lm_head in bf16, as 8-bit blocks
+(the engine's), int8 per call (Int8Head) or per token (Int8Linear). Each variant in a fresh process (it
+patches model/quantization.py).
 
     .venv/bin/python scripts/quant/ppl_ablation.py --json bench_results/quant/ppl_ablation.json
+    .venv/bin/python scripts/quant/ppl_ablation.py --model SMOOTHED_FOLDER --max-tokens 8192
 """
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import sys
 
 VARIANTS = {  # name -> (quantization, linears kept in bf16 besides the lm_head, how the head runs)
     "bf16": ("none", [], "bf16"),
-    "w8a8 (the engine's: head bf16)": ("w8a8", [], "bf16"),
+    "w8a8 (the engine's: head 8-bit blocks)": ("w8a8", [], "block"),
+    "w8a8, head bf16": ("w8a8", [], "bf16"),
     "w8a8 + head int8 per call (Int8Head)": ("w8a8", [], "per-call"),
     "w8a8 + head int8 per token (Int8Linear)": ("w8a8", [], "per-token"),
-    "w8a8 but qkv_proj bf16": ("w8a8", ["qkv_proj"], "bf16"),
-    "w8a8 but o_proj bf16": ("w8a8", ["o_proj"], "bf16"),
-    "w8a8 but gate_up_proj bf16": ("w8a8", ["gate_up_proj"], "bf16"),
-    "w8a8 but down_proj bf16": ("w8a8", ["down_proj"], "bf16"),
+    "w8a8 but qkv_proj bf16": ("w8a8", ["qkv_proj"], "block"),
+    "w8a8 but o_proj bf16": ("w8a8", ["o_proj"], "block"),
+    "w8a8 but gate_up_proj bf16": ("w8a8", ["gate_up_proj"], "block"),
+    "w8a8 but down_proj bf16": ("w8a8", ["down_proj"], "block"),
 }
 
 CHILD = r'''
@@ -31,17 +34,20 @@ import tdpipe.model.quantization as Q
 from tdpipe import LLM
 from tdpipe.bench.perplexity import DEFAULT_DATASET, read_text, score, windows
 q, keep, head, max_tokens = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+model_arg = sys.argv[5] or None
 orig = il.quantize_linears
-def prepare(model, method):
+def prepare(model, method, gguf_file=""):
     n = orig(model, skip=("lm_head", *keep)) if method == "w8a8" else 0
-    if method == "w8a8" and head != "bf16":
+    if method == "w8a8" and head == "block":
+        Q.block_head(model)
+    elif method == "w8a8" and head != "bf16":
         model.lm_head = (il.Int8Head if head == "per-call" else il.Int8Linear)(model.lm_head)
     Q.pack_linears(model)
     return n
 Q.prepare_linears = prepare
 import tdpipe.worker.model_runner as mr
 mr.prepare_linears = prepare
-with LLM(quantization=q, kv_cache_memory=1 << 30) as llm:
+with LLM(model_arg, quantization=q, kv_cache_memory=1 << 30) as llm:
     lps, _ = score(llm, windows(llm.get_tokenizer().encode(read_text(DEFAULT_DATASET)), 512, max_tokens))
 print(json.dumps({"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": len(lps)}))
 '''
@@ -49,19 +55,20 @@ print(json.dumps({"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": len(lp
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="model folder or .gguf (default: the bundled model)")
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     rows = []
     for name, (q, keep, head) in VARIANTS.items():
-        out = subprocess.run([sys.executable, "-c", CHILD, q, json.dumps(keep), head, str(a.max_tokens)],
+        out = subprocess.run([sys.executable, "-c", CHILD, q, json.dumps(keep), head, str(a.max_tokens), a.model],
                              capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
         rows.append({"variant": name, **json.loads(out)})
         base = rows[0]["perplexity"]
         print(f"{name:45s} {rows[-1]['perplexity']:.4f} ({rows[-1]['perplexity'] / base - 1:+.2%})", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"max_tokens": a.max_tokens, "rows": rows, "method": "each variant in a fresh process"},
+            json.dump({"model": a.model or "bundled", "max_tokens": a.max_tokens, "rows": rows, "method": "each variant in a fresh process"},
                       f, indent=1)
 
 

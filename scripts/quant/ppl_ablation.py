@@ -61,9 +61,13 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     for name, (q, keep, head) in VARIANTS.items():
-        out = subprocess.run([sys.executable, "-c", CHILD, q, json.dumps(keep), head, str(a.max_tokens), a.model],
-                             capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-        rows.append({"variant": name, **json.loads(out)})
+        proc = subprocess.run([sys.executable, "-c", CHILD, q, json.dumps(keep), head, str(a.max_tokens), a.model],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:  # e.g. Int8Linear's int32 logits of a 262k vocabulary: killed for memory
+            rows.append({"variant": name, "error": f"exit status {proc.returncode}"})
+            print(f"{name:45s} failed ({rows[-1]['error']})", flush=True)
+            continue
+        rows.append({"variant": name, **json.loads(proc.stdout.strip().splitlines()[-1])})
         base = rows[0]["perplexity"]
         print(f"{name:45s} {rows[-1]['perplexity']:.4f} ({rows[-1]['perplexity'] / base - 1:+.2%})", flush=True)
     if a.json:

@@ -262,3 +262,18 @@ def test_sampling_metadata_from_samples():
     assert meta.keys == [draw_key(5, 0), draw_key(sample_seed(5, 1), 0), None]
     assert meta.prompt_ids == [[], [], [3]] and meta.output_ids == [[], [], [4]]
     assert meta.num_logprobs == [None, None, 2] and len(meta) == 3
+
+
+def test_prompt_logprobs_in_row_chunks_equal_one_pass(monkeypatch):
+    """token_logprobs works through [rows, vocab] a few rows at a time (a 262k vocabulary's float32 copies of
+    a whole prefill chunk ran a 24 GiB machine out of memory): same answers as one pass."""
+    import tdpipe.sampling.sampler as sampler_mod
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(13, 97, generator=g).bfloat16()
+    toks = torch.randint(0, 97, (13,), generator=g).tolist()
+    whole = sampler_mod.Sampler.token_logprobs(logits, toks, 3)
+    monkeypatch.setattr(sampler_mod, "PROMPT_LOGPROBS_CHUNK", 97 * 4)  # 4 rows a chunk
+    assert sampler_mod.Sampler.token_logprobs(logits, toks, 3) == whole
+    monkeypatch.setattr(sampler_mod, "PROMPT_LOGPROBS_CHUNK", 1)  # one row a chunk
+    assert sampler_mod.Sampler.token_logprobs(logits, toks, 3) == whole

@@ -320,7 +320,7 @@ class LLMEngine:
         forks of a greedy request are all the same answer), else drawn from the row's logits."""
         logits = result.logits
         if batch.all_logits and logits is not None:  # prompt_logprobs rows: one per new token, whether sampled
-            logits = split_prompt_logits(batch.seqs, batch.num_new_tokens, batch.all_logits, logits)
+            logits = split_prompt_logits(batch.seqs, batch.num_new_tokens, batch.all_logits, logits).float()
         if not samples:
             return [], []
         row_of = {id(batch.seqs[i]): i for i in rows}

@@ -6,7 +6,7 @@ from collections import deque
 
 import torch
 
-from tdpipe.executor.base import MAX_STAGE_EVENTS, Executor, StepResult
+from tdpipe.executor.base import MAX_STAGE_EVENTS, Executor, StepResult, host_logits
 from tdpipe.model import cpu_ops as ops
 from tdpipe.sampling.stage_rows import split_rows
 from tdpipe.step_input import StepInput
@@ -36,7 +36,7 @@ class LocalExecutor(Executor):
             token_ids, out = self._split(logits, step)
         else:
             logits = logits.cpu()  # the engine samples on the host (no copy on CPU)
-            token_ids, out = None, logits.float() if logits.dtype != torch.float32 else logits
+            token_ids, out = None, host_logits(logits, step)
         t2 = time.time()
         prefill, decode = step.shape()
         # input preparation runs inline here, so it counts as waiting (the pipeline overlaps it)

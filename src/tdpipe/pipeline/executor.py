@@ -27,7 +27,7 @@ from typing import NoReturn
 
 import torch
 
-from tdpipe.executor.base import Executor, StepResult
+from tdpipe.executor.base import Executor, StepResult, host_logits
 from tdpipe.interrupt import deferred_sigint
 from tdpipe.pipeline.processes import StageProcesses
 from tdpipe.pipeline.wire import messages as m
@@ -365,7 +365,7 @@ class PipelineExecutor(Executor):
             res.token_ids = f.bufs[0].tolist()
         else:
             logits = f.bufs[0] if len(f.bufs) == 1 else torch.cat(f.bufs, dim=1)
-            res.logits = logits.float() if logits.dtype != torch.float32 else logits
+            res.logits = host_logits(logits, f.step)
         return res
 
     def drain(self) -> int:

@@ -22,8 +22,9 @@ def extend_prompt_logprobs(seq: Any, logits: torch.Tensor) -> None:
         seq.prompt_logprobs = [None]
     have = len(seq.prompt_logprobs)  # row j predicts position start + j + 1; the known ones are skipped
     js = [j for j in range(logits.shape[0]) if have <= start + j + 1 < len(prompt)]
-    if js:
-        out: list[TokenLogprobs] = Sampler.token_logprobs(logits[js], [prompt[start + j + 1] for j in js],
+    if js:  # a contiguous run of rows: a view, not a copy of [rows, vocab]
+        out: list[TokenLogprobs] = Sampler.token_logprobs(logits[js[0]:js[-1] + 1],
+                                                         [prompt[start + j + 1] for j in js],
                                                          seq.sampling_params.prompt_logprobs)
         seq.prompt_logprobs.extend(out)
 

@@ -98,6 +98,8 @@ CANDIDATES = 256  # top tokens per row on the fast path of top-k / top-p samplin
 # thousands of tokens), before a full sort: on a 262,144-column row topk(4096) takes ~4 ms, topk(32768)
 # ~9 ms, the sort ~50 ms (one core)
 WIDE_CANDIDATES = (4096, 32768)
+PROMPT_LOGPROBS_CHUNK = 1 << 25  # logits elements per prompt_logprobs chunk: its float32 copies ~128 MiB each
+# (a 2048-token chunk of a 262k vocabulary at once needed ~5 GiB of float32 copies; 32k tokens went OOM)
 
 
 def _logsumexp(x: torch.Tensor, top: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,9 +258,14 @@ class Sampler:
     def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
         """Per row of `logits` (the model's raw distribution): the logprob and rank of `token_ids[row]`, then
         the row's top-k. What prompt_logprobs reports for each prompt position."""
-        out: list[TokenLogprobs | None] = [None] * len(token_ids)
-        rows = list(range(len(token_ids)))
-        Sampler._fill_logprobs(logits.to(torch.float32), token_ids, rows, [k] * len(rows), out)
+        out: list[TokenLogprobs | None] = []
+        step = max(1, PROMPT_LOGPROBS_CHUNK // max(1, logits.shape[-1]))
+        for r0 in range(0, len(token_ids), step):  # a chunk's float32 log_softmax stays ~128 MiB
+            part: list[TokenLogprobs | None] = [None] * min(step, len(token_ids) - r0)
+            rows = list(range(len(part)))
+            Sampler._fill_logprobs(logits[r0:r0 + len(part)].to(torch.float32), token_ids[r0:r0 + len(part)],
+                                   rows, [k] * len(rows), part)
+            out += part
         return out  # type: ignore[return-value]
 
     @staticmethod

@@ -9,7 +9,7 @@ import json
 import os
 
 from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable
-from tdpipe.model.smoothquant import DEFAULT_ALPHA, DEFAULT_TOKENS
+from tdpipe.model.smoothquant import DEFAULT_ALPHA, DEFAULT_TOKENS, check_settings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model folder, .gguf file or random:NAME (default: the bundled model)")
     p.add_argument("--output", "-o", required=True, help="folder to write (must not exist, or be empty)")
     p.add_argument("--calibration", default=None, metavar="FILE",
-                   help="text file to calibrate on (default: a built-in ~24 KB of English prose, tdpipe's docs)")
+                   help="text file to calibrate on (default: a built-in ~24 KB of tdpipe's docs: prose, "
+                        "tables, commands and code)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
                    help="migration strength alpha of Eq. 4, in [0, 1] (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
@@ -38,10 +39,7 @@ def cmd_smoothquant(a: argparse.Namespace) -> int:
     check_readable(a.calibration, "--calibration")
     if os.path.exists(a.output) and (not os.path.isdir(a.output) or os.listdir(a.output)):
         raise PreflightError(f"--output {a.output}: exists and is not an empty folder")
-    if not 0.0 <= a.alpha <= 1.0:
-        raise PreflightError(f"--alpha must be in [0, 1], got {a.alpha}")
-    if a.tokens < 1:
-        raise PreflightError(f"--tokens must be positive, got {a.tokens}")
+    check_settings(a.alpha, a.tokens)
     from tdpipe.model.bundled import resolve_model
     from tdpipe.model.smoothquant import smooth_checkpoint
 

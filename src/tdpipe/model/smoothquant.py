@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI parser reads th
 DEFAULT_ALPHA = 0.5  # the paper's migration strength for most models (§4.2)
 DEFAULT_TOKENS = 4096  # calibration tokens; more changed perplexity by < 0.1% on the bundled model
 WINDOW = 512  # tokens per calibration forward
-CALIBRATION_TEXT = Path(__file__).with_name("data") / "calibration.txt"  # tdpipe's own docs, prose only
+CALIBRATION_TEXT = Path(__file__).with_name("data") / "calibration.txt"  # tdpipe's docs: prose, tables, code
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,14 @@ def _divide_rows(linear: nn.Linear, start: int, s: torch.Tensor) -> None:
         linear.bias[rows].div_(s)
 
 
+def check_settings(alpha: float, tokens: int) -> None:
+    """The settings' ranges, checked before anything loads (the CLI calls it before a GGUF is converted)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha (--alpha) must be in [0, 1], got {alpha}")
+    if tokens < 1:
+        raise ValueError(f"tokens (--tokens) must be positive, got {tokens}")
+
+
 def smooth_checkpoint(folder: str, output: str, text: str | None = None, alpha: float = DEFAULT_ALPHA,
                       tokens: int = DEFAULT_TOKENS) -> dict:
     """Write `folder`'s checkpoint, smoothed, to `output` (weights in the source's dtype, tokenizer and chat
@@ -190,23 +198,19 @@ def smooth_checkpoint(folder: str, output: str, text: str | None = None, alpha: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if tokens < 1:
-        raise ValueError(f"tokens must be positive, got {tokens}")
+    check_settings(alpha, tokens)
     if os.path.realpath(folder) == os.path.realpath(output):
         raise ValueError(f"output {output!r} is the source folder; choose another")
     src_dtype = _checkpoint_dtype(folder)
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    layer_names(model)  # an unsupported family fails before the calibration run
+    names = layer_names(model)  # an unsupported family fails before the calibration run
     text = text if text is not None else CALIBRATION_TEXT.read_text(encoding="utf-8")
     ids = tok(text, add_special_tokens=False).input_ids
     if tok.bos_token_id is not None:
         ids = [tok.bos_token_id, *ids]
     maxima = activation_maxima(model, calibration_windows(ids, tokens))
     layers = fold(model, maxima, alpha)
-    names = layer_names(model)
     gemma_norms = {n: m.weight.data for n, m in model.named_modules()
                    if names.gemma_norm and n.endswith((names.attn_norm, names.mlp_norm))}
     model.to(src_dtype)

@@ -4,6 +4,7 @@ of those, the weights alone: all but the rotary position tables (float32 cos / s
 in every mode and sized by the context length, not by the model's weights).
 
     .venv/bin/python scripts/quant/weight_memory.py --json bench_results/quant/weight_memory_smollm2.json
+    .venv/bin/python scripts/quant/weight_memory.py --model /tmp/smollm2-awq --json bench_results/quant/weight_memory_smollm2_awq.json
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from tdpipe.model.block_linear import resident_bytes
 from tdpipe.model.bundled import resolve_model
 from tdpipe.model.llama import LlamaForCausalLM
 from tdpipe.model.quantization import prepare_linears, resolve_quantization
-from tdpipe.model.weights import iter_safetensors, load_hf_config
+from tdpipe.model.awq import awq_spec, read_checkpoint
+from tdpipe.model.weights import load_hf_config
 
 
 def measure(model_arg: str | None, method: str) -> dict:
@@ -28,10 +30,10 @@ def measure(model_arg: str | None, method: str) -> dict:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu")
-    model.load_weights(iter_safetensors(folder, names=model.wants))
+    model.load_weights(read_checkpoint(folder, names=model.wants))
     model = model.to(torch.bfloat16).eval()
     model.init_rotary("cpu")  # float32 tables, as the engine keeps them after the cast
-    prepare_linears(model, method, gguf)
+    prepare_linears(model, method, gguf, folder)
     n = resident_bytes(model)
     tables = sum(resident_bytes(r) for r in (model.rotary, model.rotary_local) if r is not None)
     params = sum(p.numel() for p in model.parameters())
@@ -43,10 +45,11 @@ def measure(model_arg: str | None, method: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2's)")
+    p.add_argument("--model", default=None, help="a .gguf file or an AWQ folder (default: the bundled SmolLM2's "
+                                                  "GGUF)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    rows = [measure(a.model, "none"), measure(a.model, "gguf")]
+    rows = [measure(a.model, "none"), measure(a.model, "awq" if awq_spec(a.model) else "gguf")]
     cfg = ModelConfig.from_hf(load_hf_config(resolve_model(a.model)))
     bf16_params = cfg.num_params() * 2
     for r in rows:

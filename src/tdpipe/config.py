@@ -301,7 +301,7 @@ class ParallelConfig:
 
 
 DISAGGREGATIONS = ("none", "pd")  # --disaggregation (core/pd_parts.py)
-QUANTIZATIONS = ("auto", "none", "w8a8", "gguf")  # --quantization: how the linears run (model/quantization.py)
+QUANTIZATIONS = ("auto", "none", "w8a8", "gguf", "awq")  # --quantization: how the linears run (model/quantization.py)
 
 
 @dataclass

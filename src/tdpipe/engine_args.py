@@ -92,12 +92,14 @@ class EngineArgs:
                         "--dtype", choices=["auto", "bfloat16", "float32"])
     quantization: str = option(EngineConfig.quantization,
                                "how the linear layers run: none = in --dtype (bf16 weights prepacked for oneDNN "
-                               "on CPU; a quantised GGUF dequantised); w8a8 = int8 weights per output channel, "
-                               "quantised at load, and int8 activations per token, int32 accumulation (CPU only; "
-                               "the lm_head stays in --dtype); gguf = a GGUF file's quantised weights kept packed "
-                               "(4-bit as 4-bit) and multiplied against int8 activations per block of 32 (CPU); "
-                               "auto = gguf for a --model .gguf file with quantised tensors run in bf16 on "
-                               "CPU, else none (docs/quantization.md) (default: %(default)s)",
+                               "on CPU; a quantised GGUF or AWQ checkpoint dequantised); w8a8 = int8 weights per "
+                               "output channel, quantised at load, and int8 activations per token, int32 "
+                               "accumulation (CPU only; the lm_head as 8-bit blocks); gguf = a GGUF file's "
+                               "quantised weights kept packed (4-bit as 4-bit) and multiplied against int8 "
+                               "activations per block of 32 (CPU); awq = an AWQ folder's 4-bit weights kept "
+                               "packed, the same way (CPU); auto = gguf for a --model .gguf file with quantised "
+                               "tensors and awq for an AWQ folder, run in bf16 on CPU, else none "
+                               "(docs/quantization.md) (default: %(default)s)",
                                "--quantization", "-q", choices=list(QUANTIZATIONS))
     device: str = option(ParallelConfig.device, "where the model runs: auto = cuda where torch sees a CUDA device, "
                                                 "else cpu. The cuda path ran on one H200 (docs/gpu.md); tensor "

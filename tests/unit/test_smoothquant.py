@@ -83,6 +83,9 @@ def test_smooth_checkpoint_writes_a_folder_in_the_source_dtype(tmp_path, family)
     text = " ".join(f"w{(i * 37) % 300}" for i in range(700))
     report = sq.smooth_checkpoint(str(src), str(tmp_path / "out"), text, tokens=600)
     assert report["dtype"] == "bfloat16" and report["layers"] == 2 and report["calibration_tokens"] == 600
+    assert report["alpha"] == sq.DEFAULT_ALPHA == "auto"  # the per-layer search: its choices written beside
+    chosen = json.loads((tmp_path / "out" / "smoothquant.json").read_text())["alphas"]
+    assert len(chosen) == 8 and set(chosen.values()) <= set(sq.ALPHA_GRID)
     cls = type(model)
     out = cls.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert (tmp_path / "out" / "tokenizer.json").exists()
@@ -101,6 +104,62 @@ def test_smooth_checkpoint_writes_a_folder_in_the_source_dtype(tmp_path, family)
     # the same function up to bf16 rounding: the smoothed copy is as far from the source as the source's
     # own bf16 rounding is from its float32 original
     assert (a - b).abs().max() <= 2 * (b - exact).abs().max()
+
+
+def test_fake_quant_is_the_engines_int8_round_trip():
+    from tdpipe.model.int8_linear import Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=g)
+    x[:, :2] *= 40  # outlier channels
+    lin = torch.nn.Linear(64, 24, bias=False)
+    w8 = Int8Linear(lin)
+    # W8A8's output is the fake-quantised activations times the fake-quantised weight, up to float32 sums
+    expect = sq.fake_quant_rows(x) @ sq.fake_quant_rows(lin.weight.detach()).T
+    torch.testing.assert_close(w8(x), expect, atol=1e-4, rtol=1e-4)
+    # so the search's error at s = 1 is exactly the engine's squared error
+    ones = torch.ones(64)
+    err = float((w8(x) - x @ lin.weight.detach().T).square().sum())
+    assert sq.w8a8_error(x, [lin.weight.detach()], ones) == pytest.approx(err, rel=1e-3)
+
+
+def test_search_alpha_takes_the_grid_argmin_and_it_matters():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)
+    x[:, :3] *= 60  # a few channels far larger than the rest, as after a trained model's norms
+    ws = [torch.randn(32, 64, generator=g) * 0.05, torch.randn(16, 64, generator=g) * 0.05]
+    x_max = x.abs().amax(0)
+    errors = {a: sq.w8a8_error(x, ws, sq.smoothing_scales(x_max, ws, a)) for a in sq.ALPHA_GRID}
+    best = sq.search_alpha(x, ws, x_max)
+    assert errors[best] == min(errors.values())
+    assert 0 < best < 1 and errors[best] < 0.5 * min(errors[0.0], errors[1.0])  # an interior optimum
+    # GQA: the scales the search scores are the ones the fold applies (one per kv head and dim)
+    o = [torch.randn(8, 64, generator=g)]
+    a = sq.search_alpha(x, o, x_max, gqa=(2, 16))
+    s = sq._group_scales(sq.smoothing_scales(x_max, o, a), (2, 16)).view(2, 2, 16)
+    torch.testing.assert_close(s[:, 0], s[:, 1])
+
+
+def test_fold_takes_one_alpha_per_input():
+    model = tiny("llama")
+    ids = torch.tensor([windows()[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    maxima, samples = sq.calibrate(model, iter(windows()), stride=2)
+    names = sq.layer_names(model)
+    assert set(samples) == {f"layers.{i}.{n}" for i in range(2)
+                            for n in (names.qkv[0], names.gate_up[0], names.down, names.o)}
+    assert samples["layers.0." + names.down].shape == (60, 96)  # every 2nd of 3 x 40 rows
+    alphas = sq.choose_alphas(model, maxima, samples)
+    assert set(alphas) == set(samples) and set(alphas.values()) <= set(sq.ALPHA_GRID)
+    alphas["layers.0." + names.qkv[0]] = 0.3
+    q0 = model.model.layers[0].get_submodule(names.qkv[0])
+    expect = q0.weight.detach() * sq.smoothing_scales(
+        maxima["layers.0." + names.qkv[0]], [model.model.layers[0].get_submodule(n).weight for n in names.qkv], 0.3)
+    sq.fold(model, maxima, alphas)
+    torch.testing.assert_close(q0.weight, expect)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, atol=2e-4, rtol=2e-4)
 
 
 def test_refusals_name_the_problem(tmp_path):
@@ -125,6 +184,9 @@ def test_cli_checks_before_loading(tmp_path, capsys):
     assert "--output" in capsys.readouterr().err
     assert main(["smoothquant", "--output", str(tmp_path / "o"), "--alpha", "2"]) == 2
     assert "--alpha" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["smoothquant", "--output", str(tmp_path / "o"), "--alpha", "most"])
+    assert "--alpha: must be a number in [0, 1] or 'auto', got 'most'" in capsys.readouterr().err
 
 
 def test_gemma_norm_weights_stay_float32_through_a_cast():

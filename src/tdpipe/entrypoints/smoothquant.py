@@ -9,7 +9,7 @@ import json
 import os
 
 from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable
-from tdpipe.model.smoothquant import DEFAULT_ALPHA, DEFAULT_TOKENS, check_settings
+from tdpipe.model.smoothquant import ALPHA_GRID, AUTO, DEFAULT_ALPHA, DEFAULT_TOKENS, check_settings, parse_alpha
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,11 +27,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="text file to calibrate on (default: a built-in ~24 KB of tdpipe's docs: prose, "
                         "tables, commands and code)")
-    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                   help="migration strength alpha of Eq. 4, in [0, 1] (default: %(default)s)")
+    p.add_argument("--alpha", type=_alpha, default=DEFAULT_ALPHA,
+                   help=f"migration strength alpha of Eq. 4, in [0, 1], or {AUTO!r}: per layer and input, the "
+                        f"alpha of {ALPHA_GRID[0]:g}, {ALPHA_GRID[1]:g}, ..., {ALPHA_GRID[-1]:g} whose int8 "
+                        "outputs come closest to the float ones on the calibration rows (AWQ's grid search, "
+                        "§3.2; the choices are written to OUTPUT/smoothquant.json) (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help="calibration tokens, read in windows of 512 (default: %(default)s)")
     p.set_defaults(fn=cmd_smoothquant)
+
+
+def _alpha(text: str) -> float | str:
+    try:
+        return parse_alpha(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1] or {AUTO!r}, got {text!r}") from None
 
 
 def cmd_smoothquant(a: argparse.Namespace) -> int:

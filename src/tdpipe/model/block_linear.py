@@ -171,6 +171,21 @@ def resident_bytes(module: nn.Module) -> int:
     return total
 
 
+def shard_blocks(model: Any, hf_name: str, q: Any, s: Any, m: Any) -> tuple:
+    """This rank's part of a checkpoint weight's blocks (model.shard_of: rows, or 32-aligned columns); numpy
+    arrays or tensors alike, [N, K] and [N, K / 32]."""
+    shard = model.shard_of(hf_name)
+    if shard is None:
+        return q, s, m
+    dim, a, b = shard
+    if dim == 0:
+        return q[a:b], s[a:b], m[a:b]
+    if a % BLOCK or b % BLOCK:
+        raise ValueError(f"{hf_name}: a tensor-parallel column shard [{a}, {b}) is not on {BLOCK}-column "
+                         "block bounds; use --quantization none")
+    return q[:, a:b], s[:, a // BLOCK:b // BLOCK], m[:, a // BLOCK:b // BLOCK]
+
+
 def as_tensors(q: np.ndarray, s: np.ndarray, m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """numpy blocks (memory-mapped slices included) as contiguous tensors for BlockLinear."""
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(s)), \
@@ -178,4 +193,4 @@ def as_tensors(q: np.ndarray, s: np.ndarray, m: np.ndarray) -> tuple[torch.Tenso
 
 
 __all__ = ["BlockEmbedding", "BlockLinear", "TILE", "as_tensors", "gemm_path", "pack", "quantize_blocks_torch",
-           "resident_bytes", "unpack_rows"]
+           "resident_bytes", "shard_blocks", "unpack_rows"]

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
-from tdpipe.model.block_linear import BlockEmbedding, BlockLinear, as_tensors, gemm_path
+from tdpipe.model.block_linear import BlockEmbedding, BlockLinear, as_tensors, gemm_path, shard_blocks
 from tdpipe.model.gguf import unpermute_rope_rows
 from tdpipe.model.gguf_blocks import BLOCK, blocks_of, is_block_quantized, requantize_4bit
 
@@ -129,20 +129,6 @@ def has_quantized_linears(path: str) -> bool:
     return bool(kinds) and all(is_block_quantized(k) for k in kinds)
 
 
-def _rows_cols(model: Any, hf_name: str, q: np.ndarray, s: np.ndarray, m: np.ndarray) -> tuple:
-    """This rank's part of a checkpoint tensor's blocks (model.shard_of: rows, or 32-aligned columns)."""
-    shard = model.shard_of(hf_name)
-    if shard is None:
-        return q, s, m
-    dim, a, b = shard
-    if dim == 0:
-        return q[a:b], s[a:b], m[a:b]
-    if a % BLOCK or b % BLOCK:
-        raise ValueError(f"{hf_name}: a tensor-parallel column shard [{a}, {b}) is not on {BLOCK}-column "
-                         "block bounds; use --quantization none")
-    return q[:, a:b], s[:, a // BLOCK:b // BLOCK], m[:, a // BLOCK:b // BLOCK]
-
-
 def _linear_from(table: TensorTable, model: Any, layer: int, parts: tuple[str, ...],
                  bias: torch.Tensor | None) -> BlockLinear | None:
     cfg = model.cfg
@@ -156,7 +142,7 @@ def _linear_from(table: TensorTable, model: Any, layer: int, parts: tuple[str, .
             heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
             q, s, m = (unpermute_rope_rows(torch.from_numpy(np.ascontiguousarray(a)), heads).numpy()
                        for a in (q, s, m))
-        q, s, m = _rows_cols(model, f"model.layers.{layer}.{HF_PART[part]}.weight", q, s, m)
+        q, s, m = shard_blocks(model, f"model.layers.{layer}.{HF_PART[part]}.weight", q, s, m)
         got.append((q, s, m, bits))
     bits = 4 if all(g[3] == 4 for g in got) else 8  # a 4-bit part beside an 8-bit one: as 8 bits, exactly
     q, s, m = (np.concatenate([g[i] for g in got]) for i in range(3))

@@ -11,7 +11,9 @@ layers into what executes them, for the stages and for the step-cost profile ali
          docs/quantization.md). Without the C++ kernel the head stays bf16
   gguf   a GGUF file's quantised blocks kept packed, 4-bit as 4-bit, against int8 activations per block of
          32 (model/block_linear.py, model/gguf_quantized.py), the tied embedding and lm_head included
-  auto   gguf for a .gguf `--model` with quantised tensors, run in bf16 on CPU; none otherwise
+  awq    an AWQ checkpoint folder's 4-bit weights kept packed, in the same block GEMM (model/awq.py)
+  auto   gguf for a .gguf `--model` with quantised tensors and awq for an AWQ folder, run in bf16 on CPU;
+         none otherwise (an AWQ folder's linears then dequantised as they load)
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def check_quantization(method: str, device: str) -> None:
     """A clear error for a method this build or device cannot run."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
-    if method in ("w8a8", "gguf") and device != "cpu":
+    if method in ("w8a8", "gguf", "awq") and device != "cpu":
         raise ValueError(f"quantization {method!r} runs on CPU only (int8 GEMMs on AVX-512), not on {device!r}")
 
 
@@ -48,13 +50,20 @@ def gguf_source(model: str | None) -> str:
 
 
 def resolve_quantization(method: str, model: str | None, device: str, bf16: bool) -> tuple[str, str]:
-    """(method, gguf file) that the stages run: `auto` decided here, `gguf` checked to have a file."""
+    """(method, gguf file) that the stages run: `auto` decided here, `gguf` checked to have a file and `awq`
+    an AWQ folder."""
+    from tdpipe.model.awq import awq_spec
     from tdpipe.model.gguf_quantized import has_quantized_linears
 
     if method == "auto":  # the bundled model (model None) stays its bf16 conversion unless asked
+        if device == "cpu" and bf16 and awq_spec(model):
+            return "awq", ""
         src = gguf_source(model) if model is not None else ""
         keep = bool(src) and device == "cpu" and bf16 and has_quantized_linears(src)
         return ("gguf", src) if keep else ("none", "")
+    if method == "awq" and not awq_spec(model):
+        raise ValueError(f"quantization 'awq' needs an AWQ checkpoint folder (config.json's quantization_config "
+                         f"with quant_method 'awq'), got {model or 'the bundled model'!r}")
     if method == "gguf":
         src = gguf_source(model)
         if not src or not has_quantized_linears(src):
@@ -64,10 +73,10 @@ def resolve_quantization(method: str, model: str | None, device: str, bf16: bool
     return method, ""
 
 
-def prepare_linears(model: nn.Module, method: str, gguf_file: str = "") -> int:
+def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: str = "") -> int:
     """Replace the linears for `method` after the weights are loaded and cast; returns how many were
-    quantised (0 for none). `gguf` without a file (the step-cost profile's random layer): 4-bit blocks of
-    the float weights, the same GEMMs."""
+    quantised (0 for none). `gguf` without a file, `awq` without the folder (the step-cost profile's random
+    layer): 4-bit blocks of the float weights, the same GEMMs."""
     if method == "w8a8":
         n = quantize_linears(model, skip=KEEP_FLOAT)
         block_head(model)
@@ -75,6 +84,11 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "") -> int:
         from tdpipe.model.gguf_quantized import keep_gguf_blocks, quantize_blocks_from_float
 
         n = keep_gguf_blocks(model, gguf_file) if gguf_file else quantize_blocks_from_float(model)
+    elif method == "awq":
+        from tdpipe.model.awq import keep_awq_blocks
+        from tdpipe.model.gguf_quantized import quantize_blocks_from_float
+
+        n = keep_awq_blocks(model, folder) if folder else quantize_blocks_from_float(model)
     else:
         n = 0
     pack_linears(model)  # whatever stays bf16 on CPU

@@ -21,7 +21,7 @@ from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
 from tdpipe.model.paged_attention import load_kernel
 from tdpipe.model.quantization import prepare_linears
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup
-from tdpipe.model.weights import iter_safetensors
+from tdpipe.model.awq import read_checkpoint
 from tdpipe.platforms import get_platform
 from tdpipe.sampling.device_sampler import DeviceSampler
 from tdpipe.step_input import StepInput
@@ -187,10 +187,11 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.cfg, start, end, tp, head_range)
         _materialize(model, self.device)
-        model.load_weights(iter_safetensors(source, names=model.wants, slicer=model.shard_of)
+        model.load_weights(read_checkpoint(source, names=model.wants, slicer=model.shard_of)
                            if isinstance(source, str) else source)
         model = model.to(self.dtype).eval()
-        prepare_linears(model, self.cfg.quantization, self.cfg.gguf_file)  # w8a8, gguf, or bf16 packed
+        prepare_linears(model, self.cfg.quantization, self.cfg.gguf_file,  # w8a8, gguf, awq, or bf16 packed
+                        source if isinstance(source, str) else "")
         model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
         return model
 

@@ -88,3 +88,19 @@ def test_the_slice_holds_packed_blocks(bundled_path):
     assert torch.equal(lin.dequantized().to(torch.bfloat16), qkv)
     assert torch.equal(model.embed_tokens(ids), rows)
     assert lin.out_features == cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+def test_new_weights_replace_the_files_blocks(bundled_path):
+    """update_weights on a packed GGUF run: the new weights run, quantised from their floats (the file's
+    blocks are the old weights); the folder the run started from brings the file's blocks back."""
+    from tdpipe.model.weights import iter_safetensors
+
+    with LLM(quantization="gguf", kv_cache_memory=KV) as llm:
+        ids = llm.get_tokenizer().encode(TEXT)[:16]
+        lps = _prompt_lps(llm, ids)
+        silenced = [(n, t * 0 if "mlp.down_proj" in n else t) for n, t in iter_safetensors(bundled_path)]
+        llm.update_weights(silenced)
+        changed = _prompt_lps(llm, ids)
+        assert max(abs(a - b) for a, b in zip(changed, lps)) > 1.0  # the MLPs are off: not the file's blocks
+        llm.update_weights(bundled_path)
+        assert _prompt_lps(llm, ids) == lps

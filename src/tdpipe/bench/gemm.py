@@ -12,11 +12,13 @@ M (decode micro-batches and a prefill chunk), the best of `--iters` timed calls 
                  (model/int8_linear.py, csrc/int8.cpp)
   w8a8-head      one activation scale per call in oneDNN's prepacked int8 linear writing bf16 (Int8Head):
                  fast at the lm_head's shape, but not what the engine runs there (its perplexity cost:
-                 docs/quantization.md); under --quantization w8a8 the lm_head stays bf16-packed
-  w4a8-block     the engine's `--quantization gguf` linear on 4-bit weights (a Q4_0 / Q4_1 / Q4_K file):
+                 docs/quantization.md); under --quantization w8a8 the lm_head runs as w8a8-block
+  w4a8-block     the engine's `--quantization gguf` / `awq` linear on 4-bit weights (a Q4_0 / Q4_1 / Q4_K
+                 file, an AWQ folder):
                  int8 activations per block of 32 + tdpipe's VNNI GEMM on the packed nibbles, unpacked in
                  registers, writing bf16 (model/block_linear.py, csrc/qgemm.cpp)
-  w8a8-block     the same on 8-bit blocks (a Q8_0 / Q5_0 tensor, the GGUF's embedding as the tied lm_head)
+  w8a8-block     the same on 8-bit blocks (a Q8_0 / Q5_0 tensor, the GGUF's embedding as the tied lm_head,
+                 W8A8's lm_head)
 
 GOP/s = 2 M N K / seconds (multiply-adds count two operations, int8 or bf16 alike), same run, same threads.
 The quantisation paths for W8A8 were chosen by this measurement: see docs/quantization.md.

@@ -97,8 +97,8 @@ class Int8Head(nn.Module):
     prepacked int8 linear, which applies both scales and writes bf16 itself: 1.7x the packed bf16 GEMM at
     256 x 49152 x 576, where torch._int_mm's int32 output makes the per-token path slower than bf16.
     Measured, not used by the engine: on SmolLM2 it alone cost +2.5% perplexity (one scale for rows whose
-    ranges differ after the norm weight), so `--quantization w8a8` keeps the head in bf16
-    (docs/quantization.md). `tdpipe bench gemm` times it (path w8a8-head)."""
+    ranges differ after the norm weight), so `--quantization w8a8` runs the head as 8-bit blocks
+    instead (model/quantization.block_head, docs/quantization.md). `tdpipe bench gemm` times it (path w8a8-head)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -75,8 +75,8 @@ def resolve_quantization(method: str, model: str | None, device: str, bf16: bool
 
 def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: str = "") -> int:
     """Replace the linears for `method` after the weights are loaded and cast; returns how many were
-    quantised (0 for none). `gguf` without a file, `awq` without the folder (the step-cost profile's random
-    layer): 4-bit blocks of the float weights, the same GEMMs."""
+    quantised (0 for none). `gguf` without a file, `awq` without an AWQ folder (the step-cost profile's
+    random layer; new float weights from update_weights): 4-bit blocks of the float weights, the same GEMMs."""
     if method == "w8a8":
         n = quantize_linears(model, skip=KEEP_FLOAT)
         block_head(model)
@@ -85,10 +85,10 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
 
         n = keep_gguf_blocks(model, gguf_file) if gguf_file else quantize_blocks_from_float(model)
     elif method == "awq":
-        from tdpipe.model.awq import keep_awq_blocks
+        from tdpipe.model.awq import awq_spec, keep_awq_blocks
         from tdpipe.model.gguf_quantized import quantize_blocks_from_float
 
-        n = keep_awq_blocks(model, folder) if folder else quantize_blocks_from_float(model)
+        n = keep_awq_blocks(model, folder) if awq_spec(folder) else quantize_blocks_from_float(model)
     else:
         n = 0
     pack_linears(model)  # whatever stays bf16 on CPU

@@ -159,6 +159,7 @@ class ModelRunner:
             in_background(cpu_ops.kernel, load_kernel)
         self.block_size = block_size
         self.model_path = model_path
+        self._start_path = model_path  # a GGUF's blocks belong to the folder converted from it, no other
         self._slice = (start_layer, end_layer, tp, head_range)
         self.num_global_blocks = num_blocks
         self.num_window_blocks = num_window_blocks
@@ -190,8 +191,10 @@ class ModelRunner:
         model.load_weights(read_checkpoint(source, names=model.wants, slicer=model.shard_of)
                            if isinstance(source, str) else source)
         model = model.to(self.dtype).eval()
-        prepare_linears(model, self.cfg.quantization, self.cfg.gguf_file,  # w8a8, gguf, awq, or bf16 packed
-                        source if isinstance(source, str) else "")
+        # w8a8, gguf, awq, or bf16 packed; new weights (update_weights) in another folder or in memory are
+        # quantised from their floats: the GGUF file's blocks are the old weights
+        gguf = self.cfg.gguf_file if source == self._start_path else ""
+        prepare_linears(model, self.cfg.quantization, gguf, source if isinstance(source, str) else "")
         model.init_rotary(self.device)  # float32 rope tables, built on the device (they were on meta)
         return model
 

@@ -112,3 +112,39 @@ def test_bad_quantization_names_the_field():
     with pytest.raises(ValueError, match="CPU only"):
         check_quantization("w8a8", "cuda")
     check_quantization("none", "cuda")
+
+
+@pytest.mark.parametrize("rows", [1, 33, 256])
+def test_the_fused_swiglu_gives_the_unfused_layers_numbers(kernel, rows):
+    """W8A8's one-pass SwiGLU middle (int32 -> int8 for down) against dequantise, silu_and_mul, quantise."""
+    g = torch.Generator().manual_seed(rows)
+    gate_up, down = torch.nn.Linear(64, 2 * 96, bias=False), torch.nn.Linear(96, 64, bias=False)
+    with torch.no_grad():
+        gate_up.weight.copy_(torch.randn(192, 64, generator=g) * 0.2)
+        down.weight.copy_(torch.randn(64, 96, generator=g) * 0.2)
+    a, b = il.Int8Linear(gate_up), il.Int8Linear(down)
+    x = (torch.randn(rows, 64, generator=g) * 2).to(torch.bfloat16)
+    hq, sh = kernel.swiglu_quant(torch._int_mm(il.quantize_rows(x)[0], a.qweight_t), il.quantize_rows(x)[1],
+                                 a.weight_scale)
+    mid = cpu_ops.silu_and_mul(a(x))
+    q, s = il.quantize_rows(mid)
+    torch.testing.assert_close(sh, s, rtol=1e-6, atol=0)  # fast-math: amax / 127 may be a multiply by 1 / 127
+    assert (hq.int() - q.int()).abs().max() <= 1 and (hq != q).float().mean() < 1e-3  # a rare half-way rounding
+    fused, unfused = il.swiglu_w8a8(a, b, x), b(mid)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 64)
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=0.02 * float(unfused.abs().max()), rtol=0)
+
+
+def test_w8a8_gives_swiglu_mlps_the_fused_middle_and_leaves_geglu_alone():
+    from types import SimpleNamespace
+
+    from tdpipe.model.llama import MLP
+
+    swiglu, geglu = torch.nn.Module(), torch.nn.Module()
+    swiglu.mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu"))
+    geglu.mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh"))
+    assert prepare_linears(swiglu, "w8a8") == 2 and prepare_linears(geglu, "w8a8") == 2
+    assert swiglu.mlp.fused is not None and geglu.mlp.fused is None
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    ref = swiglu.mlp.down_proj(cpu_ops.silu_and_mul(swiglu.mlp.gate_up_proj(x)))
+    torch.testing.assert_close(swiglu.mlp(x).float(), ref.float(), atol=0.02 * float(ref.abs().max()), rtol=0)

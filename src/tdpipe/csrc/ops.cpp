@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 namespace {
 
@@ -105,6 +106,43 @@ void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t inter) {
   }
 }
 
+// W8A8's SwiGLU middle in one pass (model/int8_linear.swiglu_w8a8): gate_up's int32 GEMM output scaled
+// (acc * sx[r] * sw[n], rounded to bf16 as dequant_rows writes it), silu(gate) * up rounded as silu_mul_impl
+// rounds it, then quantised per row for down as quantize_rows does. The unfused path writes [rows, 2 inter]
+// bf16, reads it back, writes [rows, inter] bf16 and reads it twice more; this reads the int32 once and
+// writes int8.
+void swiglu_quant_impl(const int32_t* acc, const float* sx, const float* sw, int8_t* q, float* scale, int64_t rows,
+                       int64_t inter) {
+#pragma omp parallel
+  {
+    float* buf = new float[inter];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* g = acc + r * 2 * inter;
+      const int32_t* u = g + inter;
+      const float s = sx[r];
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t i = 0; i < inter; ++i) {
+        float a = rnd<uint16_t>(static_cast<float>(g[i]) * s * sw[i]);
+        float b = rnd<uint16_t>(static_cast<float>(u[i]) * s * sw[inter + i]);
+        float h = rnd<uint16_t>(rnd<uint16_t>(silu<uint16_t>(a)) * b);
+        buf[i] = h;
+        amax = std::fmax(amax, std::fabs(h));
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      scale[r] = amax / 127.f;
+      int8_t* qr = q + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        float v = std::nearbyint(buf[i] * inv);  // round half to even, as quantize_rows
+        qr[i] = static_cast<int8_t>(std::fmin(127.f, std::fmax(-127.f, v)));
+      }
+    }
+    delete[] buf;
+  }
+}
+
 // In-place rotary embedding, rotate_half convention: for i < d/2,
 // x[i] <- x[i]*cos[i] - x[i+d/2]*sin[i];  x[i+d/2] <- x[i+d/2]*cos[i] + x[i]*sin[i]  (cos/sin rounded to T, like HF)
 template <typename T>
@@ -169,6 +207,19 @@ torch::Tensor silu_and_mul(torch::Tensor gu) {
   return y;
 }
 
+std::tuple<torch::Tensor, torch::Tensor> swiglu_quant(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.dtype() == torch::kInt32 && acc.size(1) % 2 == 0,
+              "swiglu_quant: contiguous int32 [M, 2 * inter]");
+  const int64_t rows = acc.size(0), inter = acc.size(1) / 2;
+  TORCH_CHECK(sx.dtype() == torch::kFloat32 && sx.is_contiguous() && sx.numel() == rows, "swiglu_quant: fp32 sx [M]");
+  TORCH_CHECK(sw.dtype() == torch::kFloat32 && sw.is_contiguous() && sw.numel() == 2 * inter, "swiglu_quant: fp32 sw [2 * inter]");
+  auto q = torch::empty({rows, inter}, acc.options().dtype(torch::kInt8));
+  auto scale = torch::empty({rows}, acc.options().dtype(torch::kFloat32));
+  swiglu_quant_impl(acc.data_ptr<int32_t>(), sx.data_ptr<float>(), sw.data_ptr<float>(), q.data_ptr<int8_t>(),
+                    scale.data_ptr<float>(), rows, inter);
+  return {q, scale};
+}
+
 // x: [T, H, D] view whose rows may be strided (a slice of the fused qkv output); head and dim contiguous.
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
   check_dtype(x);
@@ -216,6 +267,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation on the fused gate_up output");
+  m.def("swiglu_quant", &swiglu_quant, "W8A8 SwiGLU: gate_up's int32 output -> int8 rows for down, and their scales");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of bf16 logits");
   m.def("rope_", &rope_, "in-place rotary embedding (rotate_half convention)");
   m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantisation: (q, scale)");

@@ -78,6 +78,21 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
 
 
+def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) of a W8A8 SwiGLU MLP (before TP's all-reduce), with the middle in one pass
+    (csrc/ops.cpp swiglu_quant): gate_up's int32 output goes straight to down's int8 input, where the
+    unfused layers dequantise it to bf16, apply SwiGLU and quantise again, three passes over memory. The
+    same roundings, so the same numbers; bf16 activations on CPU with the kernel built, else unfused."""
+    k = cpu_ops.kernel()
+    if k is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or gate_up.bias is not None:
+        return down(cpu_ops.silu_and_mul(gate_up(x)))
+    shape = x.shape
+    q, sx = quantize_rows(x.reshape(-1, gate_up.in_features).contiguous())
+    hq, sh = k.swiglu_quant(torch._int_mm(q, gate_up.qweight_t), sx, gate_up.weight_scale)
+    y = dequant_rows(torch._int_mm(hq, down.qweight_t), sh, down.weight_scale, down.bias, x.dtype)
+    return y.view(*shape[:-1], down.out_features)
+
+
 @functools.cache
 def onednn_qlinear_available() -> bool:
     """oneDNN's prepacked int8 linear exists in this torch build and computes what it should."""
@@ -122,6 +137,18 @@ class Int8Head(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 (per-tensor activations)"
 
 
+def fuse_swiglu(model: nn.Module) -> int:
+    """Give every SwiGLU MLP whose gate_up and down are Int8Linear the one-pass middle (swiglu_w8a8), as its
+    `fused` forward; returns how many."""
+    n = 0
+    for m in model.modules():
+        if (getattr(m, "act", None) is cpu_ops.silu_and_mul and isinstance(getattr(m, "gate_up_proj", None), Int8Linear)
+                and isinstance(getattr(m, "down_proj", None), Int8Linear)):
+            m.fused = functools.partial(swiglu_w8a8, m.gate_up_proj, m.down_proj)
+            n += 1
+    return n
+
+
 def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     """Replace every nn.Linear under `module` (except children named in `skip`) by an Int8Linear; returns how
     many were replaced."""
@@ -137,4 +164,5 @@ def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return n
 
 
-__all__ = ["Int8Head", "Int8Linear", "QMAX", "onednn_qlinear_available", "dequant_rows", "quantize_linears", "quantize_rows", "quantize_weight"]
+__all__ = ["Int8Head", "Int8Linear", "QMAX", "dequant_rows", "fuse_swiglu", "onednn_qlinear_available", "quantize_linears",
+           "quantize_rows", "quantize_weight", "swiglu_w8a8"]

@@ -13,7 +13,7 @@ its heads, MLP rows and vocabulary range, read from the checkpoint alone (safete
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +97,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.act = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
+        self.fused: Callable[[torch.Tensor], torch.Tensor] | None = None  # W8A8's one-pass SwiGLU (int8_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.tp.all_reduce_(self.fused(x))
         return self.tp.all_reduce_(self.down_proj(self.act(self.gate_up_proj(x))))
 
 

@@ -3,7 +3,8 @@ layers into what executes them, for the stages and for the step-cost profile ali
 
   none   bf16 weights prepacked for oneDNN on CPU (model/packed_linear.py); float32 and CUDA as loaded; a
          quantised GGUF dequantised (its bf16 or float32 conversion)
-  w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU;
+  w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU,
+         a SwiGLU MLP's middle in one pass from gate_up's int32 output to down's int8 input (fuse_swiglu);
          the lm_head as 8-bit blocks against int8 activations per block of 32 (gguf's block GEMM,
          model/block_linear.py): 1.9x the packed bf16 GEMM at its shape and 256 rows, +0.01% perplexity.
          Per token, torch._int_mm's int32 output at that shape is slower than bf16, and Int8Head (one
@@ -22,7 +23,7 @@ from pathlib import Path
 from torch import nn
 
 from tdpipe.config import QUANTIZATIONS
-from tdpipe.model.int8_linear import quantize_linears
+from tdpipe.model.int8_linear import fuse_swiglu, quantize_linears
 from tdpipe.model.packed_linear import pack_linears
 
 KEEP_FLOAT = ("lm_head",)  # children not made Int8Linear under w8a8 (the head: block_head)
@@ -79,6 +80,7 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
     random layer; new float weights from update_weights): 4-bit blocks of the float weights, the same GEMMs."""
     if method == "w8a8":
         n = quantize_linears(model, skip=KEEP_FLOAT)
+        fuse_swiglu(model)
         block_head(model)
     elif method == "gguf":
         from tdpipe.model.gguf_quantized import keep_gguf_blocks, quantize_blocks_from_float

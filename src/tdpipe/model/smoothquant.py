@@ -155,17 +155,21 @@ def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor) -> float:
-    """Squared error of W8A8 outputs, inputs x / s and weights W s, against the float x W^T over `weights`."""
+def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor,
+               exact: list[torch.Tensor] | None = None) -> float:
+    """Squared error of W8A8 outputs, inputs x / s and weights W s, against the float x W^T over `weights`
+    (`exact`: those float outputs, when the caller has them)."""
     xq = fake_quant_rows(x / s)
-    return sum(float(((xq @ fake_quant_rows(w.float() * s).T) - x @ w.float().T).square().sum()) for w in weights)
+    exact = exact or [x @ w.float().T for w in weights]
+    return sum(float(((xq @ fake_quant_rows(w.float() * s).T) - y).square().sum()) for w, y in zip(weights, exact))
 
 
 def search_alpha(x: torch.Tensor, weights: list[torch.Tensor], x_max: torch.Tensor,
                  grid: tuple[float, ...] = ALPHA_GRID, gqa: tuple[int, int] | None = None) -> float:
     """The alpha of `grid` whose scales give the least w8a8_error on the sample x (ties: the first). With
     gqa = (group, head_dim) the scales are collapsed per kv head, as the fold into v's rows needs."""
-    errors = [w8a8_error(x, weights, _group_scales(smoothing_scales(x_max, weights, a), gqa)) for a in grid]
+    exact = [x @ w.float().T for w in weights]
+    errors = [w8a8_error(x, weights, _group_scales(smoothing_scales(x_max, weights, a), gqa), exact) for a in grid]
     return grid[min(range(len(grid)), key=errors.__getitem__)]
 
 

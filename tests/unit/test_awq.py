@@ -53,6 +53,14 @@ def test_spec_reads_the_config_and_refuses_by_field(tmp_path):
             awq.awq_spec(_config(tmp_path / f"c{i}", ok | {field: value}))
 
 
+def test_tensors_that_do_not_fit_the_group_size_are_refused():
+    qweight, qzeros, scales = awq.quantize_rtn(torch.randn(16, 64), 32)
+    with pytest.raises(ModelFileError, match="do not fit group_size 64"):
+        awq.dequantize(qweight, qzeros, scales, awq.AwqSpec(64))  # two groups stored, one expected
+    with pytest.raises(ModelFileError, match="do not fit"):
+        awq.awq_blocks(qweight.float(), qzeros, scales, awq.AwqSpec(32))
+
+
 def test_reader_dequantises_and_cuts_for_a_rank(tmp_path):
     from safetensors.torch import save_file
 

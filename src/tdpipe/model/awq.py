@@ -109,9 +109,24 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
 
 
+def check_shapes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, spec: AwqSpec) -> None:
+    """The three tensors agree with each other and with group_size (a clear error, not a shape mismatch
+    deep in the GEMM's packing)."""
+    k, n = qweight.shape[0], qweight.shape[1] * PACK
+    g = spec.group(k)
+    groups = k // g if k % g == 0 else -1
+    if (qweight.dtype != torch.int32 or qzeros.dtype != torch.int32 or k % BLOCK or groups < 0
+            or tuple(scales.shape) != (groups, n) or tuple(qzeros.shape) != (groups, -(-n // PACK))):
+        raise ModelFileError(f"AWQ tensors qweight {tuple(qweight.shape)} {qweight.dtype}, qzeros "
+                             f"{tuple(qzeros.shape)} {qzeros.dtype}, scales {tuple(scales.shape)} do not fit "
+                             f"group_size {spec.group_size} (want int32 [K, N/8], int32 [K/G, N/8], [K/G, N], "
+                             f"K a multiple of G and of {BLOCK})")
+
+
 def awq_blocks(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                spec: AwqSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 [N, K], s, m float32 [N, K / 32]) of one linear: the block form w = s q + m."""
+    check_shapes(qweight, qzeros, scales, spec)
     q = unpack(qweight).t().contiguous()
     k = q.shape[1]
     per = spec.group(k) // BLOCK  # blocks per group
@@ -124,6 +139,7 @@ def awq_blocks(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, spec: AwqSpec) -> torch.Tensor:
     """The float32 weight [N, K]: (q - z) d, AutoAWQ's own dequantisation."""
+    check_shapes(qweight, qzeros, scales, spec)
     q = unpack(qweight).float()
     g = spec.group(q.shape[0])
     z = unpack(qzeros)[:, :scales.shape[1]].float().repeat_interleave(g, dim=0)
@@ -267,5 +283,5 @@ def write_rtn_checkpoint(folder: str, output: str, group_size: int = 128) -> int
     return n
 
 
-__all__ = ["AWQ_ORDER", "AwqSpec", "awq_blocks", "awq_spec", "dequantize", "keep_awq_blocks", "pack",
+__all__ = ["AWQ_ORDER", "AwqSpec", "awq_blocks", "awq_spec", "check_shapes", "dequantize", "keep_awq_blocks", "pack",
            "quantize_rtn", "read_checkpoint", "unpack", "write_rtn_checkpoint"]

@@ -32,7 +32,7 @@ def gemm_path() -> str:
     path = k.qgemm_path() if k is not None else "pure torch (kernel unavailable: dequantise, then matmul)"
     from tdpipe.model.cache import notice
 
-    notice(f"GGUF weights kept quantised; block GEMM: {path}")
+    notice(f"quantised weights kept packed; block GEMM: {path}")
     return path
 
 

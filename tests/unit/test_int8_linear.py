@@ -124,8 +124,8 @@ def test_the_fused_swiglu_gives_the_unfused_layers_numbers(kernel, rows):
         down.weight.copy_(torch.randn(64, 96, generator=g) * 0.2)
     a, b = il.Int8Linear(gate_up), il.Int8Linear(down)
     x = (torch.randn(rows, 64, generator=g) * 2).to(torch.bfloat16)
-    hq, sh = kernel.swiglu_quant(torch._int_mm(il.quantize_rows(x)[0], a.qweight_t), il.quantize_rows(x)[1],
-                                 a.weight_scale)
+    qx, sx = il.quantize_rows(x)
+    hq, sh = kernel.swiglu_quant(torch._int_mm(qx, a.qweight_t), sx, a.weight_scale)
     mid = cpu_ops.silu_and_mul(a(x))
     q, s = il.quantize_rows(mid)
     torch.testing.assert_close(sh, s, rtol=1e-6, atol=0)  # fast-math: amax / 127 may be a multiply by 1 / 127

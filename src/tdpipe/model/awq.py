@@ -21,7 +21,6 @@ in fp16), like any linear the config names in `modules_to_not_convert`.
 """
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tdpipe.model.block_linear import BlockLinear, gemm_path, shard_blocks
+from tdpipe.model.block_linear import BlockLinear, gemm_path, replace_decoder_linears, shard_blocks
 from tdpipe.model.gguf_blocks import BLOCK
 from tdpipe.model.weights import ModelFileError, Slicer, check_weights, iter_safetensors
 
@@ -64,11 +63,7 @@ def awq_spec(folder: str | None) -> AwqSpec | None:
     variant tdpipe does not run."""
     if not folder or not (Path(folder) / "config.json").is_file():
         return None
-    return _spec(str(Path(folder).resolve()))
-
-
-@functools.cache
-def _spec(folder: str) -> AwqSpec | None:
+    folder = str(Path(folder).resolve())
     with open(Path(folder) / "config.json", encoding="utf-8") as f:
         cfg = json.load(f)
     qc = cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")
@@ -175,9 +170,9 @@ def read_checkpoint(folder: str, names: Callable[[str], bool] | None = None,
         raise ModelFileError(f"{folder}: AWQ linears without all of {', '.join(PARTS)}: {sorted(pending)[:3]}")
 
 
-@functools.cache
 def _tensor_files(folder: str) -> dict[str, Path]:
-    """checkpoint tensor name -> the safetensors file holding it."""
+    """checkpoint tensor name -> the safetensors file holding it (read at each load: update_weights may
+    rewrite a folder in place)."""
     where = {}
     for shard in check_weights(folder):
         with safe_open(str(shard), framework="pt") as f:
@@ -185,21 +180,20 @@ def _tensor_files(folder: str) -> dict[str, Path]:
     return where
 
 
-def _read(folder: str, name: str) -> torch.Tensor:
-    with safe_open(str(_tensor_files(folder)[name]), framework="pt") as f:
+def _read(files: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(str(files[name]), framework="pt") as f:
         return f.get_tensor(name)
 
 
-def _linear_from(folder: str, spec: AwqSpec, model: Any, layer: int, parts: tuple[str, ...],
+def _linear_from(files: dict[str, Path], spec: AwqSpec, model: Any, layer: int, parts: tuple[str, ...],
                  bias: torch.Tensor | None) -> BlockLinear | None:
     """One of the slice's linears from the checkpoint's parts, or None where a part is not AWQ-packed."""
-    files = _tensor_files(folder)
     prefixes = [f"model.layers.{layer}.{p}" for p in parts]
     if not all(p + ".qweight" in files for p in prefixes):
         return None
     got = []
     for part, prefix in zip(parts, prefixes):
-        q, s, m = awq_blocks(*(_read(folder, f"{prefix}.{leaf}") for leaf in PARTS), spec)
+        q, s, m = awq_blocks(*(_read(files, f"{prefix}.{leaf}") for leaf in PARTS), spec)
         proj = part.rsplit(".", 1)[1]
         if proj in ("qkv_proj", "gate_up_proj"):  # stored fused: this rank's rows of each piece
             q, s, m = (model._rank_rows(proj, t) for t in (q, s, m))
@@ -217,22 +211,13 @@ def keep_awq_blocks(model: nn.Module, folder: str) -> int:
         raise ValueError(f"quantization 'awq' needs an AWQ checkpoint folder (config.json's quantization_config "
                          f"with quant_method 'awq'), got {folder!r}")
     gemm_path()  # the one-line notice of the code path
-    n = 0
-    for local, layer in enumerate(model.layers):
-        idx = model.start_layer + local
-        for attr, layouts in LINEARS.items():
-            parent_name, leaf = attr.split(".")
-            parent = getattr(layer, parent_name)
-            old = getattr(parent, leaf)
-            if not isinstance(old, nn.Linear):
-                continue
-            for parts in layouts:
-                new = _linear_from(folder, spec, model, idx, parts, old.bias)
-                if new is not None:
-                    setattr(parent, leaf, new)
-                    n += 1
-                    break
-    return n
+    files = _tensor_files(folder)
+
+    def build(idx: int, attr: str, old: nn.Linear) -> BlockLinear | None:
+        made = (_linear_from(files, spec, model, idx, parts, old.bias) for parts in LINEARS[attr])
+        return next((lin for lin in made if lin is not None), None)  # the first layout the folder has
+
+    return replace_decoder_linears(model, LINEARS, build)
 
 
 LINEAR_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight")

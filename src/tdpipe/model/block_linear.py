@@ -13,6 +13,7 @@ pure-torch fallback (no kernel) dequantises the weight at every call and compute
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -171,6 +172,26 @@ def resident_bytes(module: nn.Module) -> int:
     return total
 
 
+def replace_decoder_linears(model: Any, attrs: Iterable[str],
+                            build: Callable[[int, str, nn.Linear], "BlockLinear | None"]) -> int:
+    """Replace each decoder layer's float linear at `attrs` ("self_attn.qkv_proj", ...) by what
+    build(layer index, attr, old linear) returns (None: keep it); returns how many were replaced."""
+    n = 0
+    for local, layer in enumerate(model.layers):
+        idx = model.start_layer + local
+        for attr in attrs:
+            parent_name, leaf = attr.split(".")
+            parent = getattr(layer, parent_name)
+            old = getattr(parent, leaf)
+            if not isinstance(old, nn.Linear):
+                continue
+            new = build(idx, attr, old)
+            if new is not None:
+                setattr(parent, leaf, new)
+                n += 1
+    return n
+
+
 def shard_blocks(model: Any, hf_name: str, q: Any, s: Any, m: Any) -> tuple:
     """This rank's part of a checkpoint weight's blocks (model.shard_of: rows, or 32-aligned columns); numpy
     arrays or tensors alike, [N, K] and [N, K / 32]."""
@@ -193,4 +214,4 @@ def as_tensors(q: np.ndarray, s: np.ndarray, m: np.ndarray) -> tuple[torch.Tenso
 
 
 __all__ = ["BlockEmbedding", "BlockLinear", "TILE", "as_tensors", "gemm_path", "pack", "quantize_blocks_torch",
-           "resident_bytes", "shard_blocks", "unpack_rows"]
+           "replace_decoder_linears", "resident_bytes", "shard_blocks", "unpack_rows"]

@@ -26,7 +26,8 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
-from tdpipe.model.block_linear import BlockEmbedding, BlockLinear, as_tensors, gemm_path, shard_blocks
+from tdpipe.model.block_linear import (BlockEmbedding, BlockLinear, as_tensors, gemm_path, replace_decoder_linears,
+                                      shard_blocks)
 from tdpipe.model.gguf import unpermute_rope_rows
 from tdpipe.model.gguf_blocks import BLOCK, blocks_of, is_block_quantized, requantize_4bit
 
@@ -154,21 +155,9 @@ def keep_gguf_blocks(model: nn.Module, gguf_file: str) -> int:
     returns how many modules were replaced."""
     gemm_path()  # the one-line notice of the code path
     table = tensor_table(gguf_file)
-    n = 0
-    for local, layer in enumerate(model.layers):
-        idx = model.start_layer + local
-        for attr, parts in PARTS.items():
-            parent_name, leaf = attr.split(".")
-            parent = getattr(layer, parent_name)
-            old = getattr(parent, leaf)
-            if not isinstance(old, nn.Linear):
-                continue
-            new = _linear_from(table, model, idx, parts, old.bias)
-            if new is not None:
-                setattr(parent, leaf, new)
-                n += 1
-    n += _keep_head(model, table)
-    return n
+    n = replace_decoder_linears(model, PARTS,
+                                lambda idx, attr, old: _linear_from(table, model, idx, PARTS[attr], old.bias))
+    return n + _keep_head(model, table)
 
 
 def _keep_head(model: Any, table: TensorTable) -> int:

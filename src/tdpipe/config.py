@@ -18,6 +18,15 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+KV_CACHE_DTYPES = ("auto", "int8")  # --kv-cache-dtype: auto = the run's dtype; int8 (model/kv_quant.py)
+KV_SCALE_BYTES = 4  # an int8 cache row ends in its float32 scale
+
+
+def int8_kv_row_width(head_dim: int) -> int:
+    """Bytes of one int8 cache row: head_dim int8 values padded to 4 bytes, then the row's float32 scale."""
+    return -(-head_dim // KV_SCALE_BYTES) * KV_SCALE_BYTES + KV_SCALE_BYTES
+
+
 @dataclass
 class ModelConfig:
     """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text)
@@ -45,6 +54,8 @@ class ModelConfig:
     # how the linears run (model/quantization.py): set by the engine from --quantization, not by config.json
     quantization: str = "none"
     gguf_file: str = ""  # quantization "gguf": the file whose quantised blocks the linears keep (resolved)
+    # how the KV cache stores keys and values (model/kv_quant.py): set by the engine from --kv-cache-dtype
+    kv_cache_dtype: str = "auto"
 
     SUPPORTED = tuple(sorted(families.FAMILIES))  # Hugging Face architectures names
 
@@ -154,8 +165,15 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return per_layer * self.num_layers + embed + h
 
+    def kv_row_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one token's key (or value) in one kv head: head_dim elements of the run's dtype, or with an
+        int8 cache head_dim bytes and the row's scale (int8_kv_row_width)."""
+        if self.kv_cache_dtype == "int8":
+            return int8_kv_row_width(self.head_dim)
+        return self.head_dim * dtype_bytes
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_row_bytes(dtype_bytes)
 
 
 @dataclass
@@ -173,8 +191,15 @@ class CacheConfig:
     # CUDA: the share of the device's total memory this engine may use, weights and KV cache included (vLLM's
     # meaning; tdpipe/platforms/cuda.py); ignored on CPU
     gpu_memory_utilization: float = 0.9
+    # auto: keys and values in the run's dtype; int8: one byte per element and a float32 scale per token and kv
+    # head (model/kv_quant.py), half the bytes attention reads and nearly twice the tokens a budget holds (CPU)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+               + (" (fp8 caches are not built; int8 is the 8-bit cache)" if str(self.kv_cache_dtype).startswith("fp8")
+                  else ""))
         _check(isinstance(self.block_size, int) and self.block_size >= 1,
                f"block_size must be an integer >= 1, got {self.block_size!r}")
         m = self.kv_cache_memory

@@ -15,8 +15,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from tdpipe.config import (DEVICES, DISAGGREGATIONS, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig, EngineConfig,
-                           ParallelConfig, SchedulerConfig)
+from tdpipe.config import (DEVICES, DISAGGREGATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig,
+                           EngineConfig, ParallelConfig, SchedulerConfig)
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
 from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
 from tdpipe.platforms import check_device
@@ -117,6 +117,12 @@ class EngineArgs:
     kv_cache_memory: int | float | None = option(
         CacheConfig.kv_cache_memory, "KV cache budget: bytes (e.g. 2GiB) or a fraction of available memory (e.g. "
                                      "0.3); default min(4 GiB, 40%%)", "--kv-cache-memory", type=parse_memory)
+    kv_cache_dtype: str = option(
+        CacheConfig.kv_cache_dtype, "how the KV cache stores keys and values: auto = the run's dtype; int8 = one byte "
+                                    "per element and a float32 scale per token and kv head, half the bytes "
+                                    "attention reads and nearly twice the tokens per --kv-cache-memory (cpu only; "
+                                    "docs/quantization.md) (default: %(default)s)",
+        "--kv-cache-dtype", choices=list(KV_CACHE_DTYPES))
     gpu_memory_utilization: float = option(
         CacheConfig.gpu_memory_utilization, "cuda: the share of the GPU's total memory the engine may use, weights "
                                             "and KV cache included (vLLM's meaning); the KV cache gets what the "
@@ -332,6 +338,7 @@ class EngineArgs:
             sampling_device=self.sampling_device,
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               num_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_dtype=self.kv_cache_dtype,
                               gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=self.scheduler_config(),
             parallel=ParallelConfig(pipeline_parallel_size=self.pipeline_parallel_size,

@@ -16,11 +16,12 @@ BS = 4
 
 
 def config(pd: bool, num_blocks: int = 64, prefill: int = 1, decode: int = 1, caching: bool = False,
-           slots: int | None = None, budget: int = 32) -> EngineConfig:
+           slots: int | None = None, budget: int = 32, kv: str = "auto") -> EngineConfig:
     par = (ParallelConfig(disaggregation="pd", prefill_workers=prefill, decode_workers=decode,
                           kv_transfer_blocks=slots) if pd else ParallelConfig())
     return EngineConfig(dtype="float32", num_threads=torch.get_num_threads(),
-                        cache=CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching),
+                        cache=CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching,
+                                          kv_cache_dtype=kv),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                                   max_model_len=num_blocks * BS),
                         parallel=par)
@@ -58,6 +59,25 @@ def test_greedy_tokens_equal_the_colocated_engine(layout):
     got = run(engine, ps)
     assert got == ref
     assert len(engine.scheduler.transfers) == len(ps)  # every request went prefill -> decode
+    check_clean(engine)
+    engine.shutdown()
+
+
+def test_int8_kv_cache_travels_with_its_scales():
+    """--kv-cache-dtype int8: the staging area holds the instances' int8 rows (values and scales), so the
+    disaggregated engine answers what the colocated int8 engine answers."""
+    ps = prompts(6, seed=8)
+    ref_engine = LLMEngine.from_config(config(False, kv="int8"), hf_config=TINY, seed=1)
+    ref = run(ref_engine, ps)
+    ref_engine.shutdown()
+    engine = LLMEngine.from_config(config(True, kv="int8"), hf_config=TINY, seed=1)
+    assert run(engine, ps) == ref
+    t = engine.scheduler.transfers[0]
+    src = engine.executor.instance_rpc(t["from"], "kv_blocks", (t["prefill_blocks"],))[0]
+    dst = engine.executor.instance_rpc(t["to"], "kv_blocks", (t["decode_blocks"],))[0]
+    assert src.dtype == torch.int8 and src.shape[-1] == TINY["hidden_size"] // TINY["num_attention_heads"] + 4
+    full = t["tokens"] // BS  # the full blocks: the decode side writes behind the prompt in the last one
+    assert src.abs().sum() > 0 and torch.equal(src[:, :, :full], dst[:, :, :full])
     check_clean(engine)
     engine.shutdown()
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from tdpipe.config import KV_CACHE_DTYPES
+from tdpipe.model import kv_quant
 from tdpipe.model import paged_attention as pa
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -56,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="q's dtype, and the cache's with "
+                   "--kv-cache-dtype auto")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                   help="int8: one byte per element and a scale per row (model/kv_quant.py)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--no-ref", action="store_true", help="skip the (slow) reference implementation")
@@ -85,8 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     blocks_per_seq = -(-ctx // bs)
     num_blocks = b * blocks_per_seq + 16
     # One big tensor like the engine's; layer 0 random, the others copies (fast to fill, same bytes read).
-    cache = torch.empty((nl, 2, num_blocks, hkv, bs, d), dtype=dtype, device=dev)
-    cache[0].copy_(torch.randn(cache[0].shape, generator=gen).to(dtype))
+    cache_dtype, width = kv_quant.cache_layout(args.kv_cache_dtype, dtype, d)
+    cache = torch.empty((nl, 2, num_blocks, hkv, bs, width), dtype=cache_dtype, device=dev)
+    rows = torch.randn((2, num_blocks, hkv, bs, d), generator=gen)
+    cache[0].copy_(kv_quant.quantize_rows(rows) if kv_quant.is_int8(cache) else rows.to(dtype))
     for layer in range(1, nl):
         cache[layer].copy_(cache[0])
     bt = _block_tables(b, blocks_per_seq, num_blocks, gen).to(dev)
@@ -95,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     q = torch.randn((b, hq, d), generator=gen).to(device=dev, dtype=dtype)
     scale = d ** -0.5
 
-    kv_bytes = b * ctx * hkv * d * 2 * cache.element_size()
-    print(f"decode: batch {b}, context {ctx}, Hq {hq}, Hkv {hkv}, D {d}, block {bs}, {args.dtype}, "
+    kv_bytes = b * ctx * hkv * width * 2 * cache.element_size()
+    kv_name = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} cache"
+    print(f"decode: batch {b}, context {ctx}, Hq {hq}, Hkv {hkv}, D {d}, block {bs}, {args.dtype}{kv_name}, "
           f"{torch.get_num_threads()} threads; K+V per layer {kv_bytes / 1e6:.1f} MB")
 
     def layer_call(layer: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ its window (the same forward passes a user's requests run: paged KV, chunked pre
 
 With more than one `--quantization`, each runs in turn on the same windows, and each one after the first is
 also compared with the first: `top1_agreement` is the share of positions whose most likely next token is the
-same (the greedy agreement of teacher-forced decoding), reported, not judged.
+same (the greedy agreement of teacher-forced decoding), reported, not judged. `--kv-cache-dtype auto,int8` runs
+each quantization with each KV cache (an int8 cache is read by the prompt's own attention too, so its loss shows
+here as it would in decoding).
 
 Default text: the recorded prompts in data/history/prompts.jsonl (chatterbot-corpus lines and templated
 instructions, see data/history/README.md); a .jsonl file gives its "text" or "prompt" fields (or its
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tdpipe.bench.machine import write_json
-from tdpipe.config import QUANTIZATIONS
+from tdpipe.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 DEFAULT_DATASET = Path(__file__).resolve().parents[3] / "data" / "history" / "prompts.jsonl"
 
@@ -75,24 +77,25 @@ def score(llm: Any, wins: list[list[int]]) -> tuple[list[float], list[int]]:
 
 
 def run(model: str | None, quantizations: list[str], dataset: Path, window: int, max_tokens: int,
-        engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+        engine_kwargs: dict[str, Any], kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+    """Every quantization with every KV cache dtype (quantization outer), the first pair the reference."""
     from tdpipe import LLM
 
     text = read_text(dataset)
     rows: list[dict[str, Any]] = []
     first_top: list[int] | None = None
     wins: list[list[int]] = []
-    for q in quantizations:
+    for q, kv in ((q, kv) for q in quantizations for kv in kv_cache_dtypes):
         t0 = time.perf_counter()
-        with LLM(model, quantization=q, **engine_kwargs) as llm:
+        with LLM(model, quantization=q, kv_cache_dtype=kv, **engine_kwargs) as llm:
             if not wins:
                 wins = windows(llm.get_tokenizer().encode(text), window, max_tokens)
                 if not wins:
                     raise ValueError(f"{dataset}: fewer than 2 tokens of text")
             lps, top = score(llm, wins)
         nll = -sum(lps) / len(lps)
-        row = {"quantization": q, "perplexity": math.exp(nll), "nll": nll, "scored_tokens": len(lps),
-               "seconds": time.perf_counter() - t0}
+        row = {"quantization": q, "kv_cache_dtype": kv, "perplexity": math.exp(nll), "nll": nll,
+               "scored_tokens": len(lps), "seconds": time.perf_counter() - t0}
         if first_top is None:
             first_top = top
         else:
@@ -105,12 +108,17 @@ def run(model: str | None, quantizations: list[str], dataset: Path, window: int,
             "windows": len(wins), "rows": rows}
 
 
+def _label(row: dict[str, Any]) -> str:
+    kv = row.get("kv_cache_dtype", "auto")
+    return row["quantization"] + ("" if kv == "auto" else f", {kv} KV")
+
+
 def table(r: dict[str, Any]) -> str:
-    lines = ["| quantization | perplexity | vs " + r["rows"][0]["quantization"] + " | top-1 agreement | tokens |",
+    lines = ["| quantization | perplexity | vs " + _label(r["rows"][0]) + " | top-1 agreement | tokens |",
              "| --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
         agree = f"{x['top1_agreement']:.1%}" if "top1_agreement" in x else "-"
-        lines.append(f"| {x['quantization']} | {x['perplexity']:.4f} | {x['vs_first'] - 1:+.2%} | {agree} | "
+        lines.append(f"| {_label(x)} | {x['perplexity']:.4f} | {x['vs_first'] - 1:+.2%} | {agree} | "
                      f"{x['scored_tokens']} |")
     return "\n".join(lines)
 
@@ -120,6 +128,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="none,w8a8",
                    help=f"comma-separated, each of {list(QUANTIZATIONS)}; the first is the reference of the "
                         "others (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help=f"comma-separated, each of {list(KV_CACHE_DTYPES)}; every --quantization runs with each, "
+                        "the first pair the reference (default: %(default)s)")
     p.add_argument("--dataset", type=Path, default=DEFAULT_DATASET,
                    help="text file (.jsonl: its 'text' or 'prompt' fields) (default: data/history/prompts.jsonl)")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (default: %(default)s)")
@@ -139,12 +150,17 @@ def cmd(a: argparse.Namespace) -> int:
     if not qs or bad:
         raise SystemExit(f"tdpipe bench perplexity: --quantization: {bad or 'none given'}; each must be one of "
                          f"{list(QUANTIZATIONS)}")
+    kvs = [k for k in a.kv_cache_dtype.split(",") if k]
+    bad = [k for k in kvs if k not in KV_CACHE_DTYPES]
+    if not kvs or bad:
+        raise SystemExit(f"tdpipe bench perplexity: --kv-cache-dtype: {bad or 'none given'}; each must be one of "
+                         f"{list(KV_CACHE_DTYPES)}")
     if a.window < 2:
         raise SystemExit("tdpipe bench perplexity: --window must be at least 2")
     if not a.dataset.is_file():
         raise SystemExit(f"tdpipe bench perplexity: --dataset: no file {a.dataset}")
     r = run(a.model, qs, a.dataset, a.window, a.max_tokens,
-            {"dtype": a.dtype, "kv_cache_memory": parse_memory(a.kv_cache_memory)})
+            {"dtype": a.dtype, "kv_cache_memory": parse_memory(a.kv_cache_memory)}, tuple(kvs))
     print(f"perplexity of {r['model']} over {r['windows']} windows of up to {r['window']} tokens of {r['dataset']}")
     print(table(r))
     if a.json:

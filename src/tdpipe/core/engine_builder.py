@@ -143,7 +143,8 @@ class EngineBuilder:
 
     # -- the model ---------------------------------------------------------------------------------------
     def _with_quantization(self, mc: ModelConfig) -> ModelConfig:
-        """The model config carries --quantization to every stage (model/quantization.py)."""
+        """The model config carries --quantization (model/quantization.py) and --kv-cache-dtype
+        (model/kv_quant.py) to every stage."""
         from tdpipe.model.quantization import check_quantization, resolve_quantization
 
         method = self.config.quantization
@@ -151,7 +152,10 @@ class EngineBuilder:
             check_quantization(method, self.platform.name)
         model = self.config.model if self.hf_config is None else ""  # an in-memory config has no file
         method, gguf_file = resolve_quantization(method, model, self.platform.name, self.dtype == torch.bfloat16)
-        return dataclasses.replace(mc, quantization=method, gguf_file=gguf_file)
+        from tdpipe.model.kv_quant import check_kv_cache_dtype
+
+        kv = check_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.platform.name)
+        return dataclasses.replace(mc, quantization=method, gguf_file=gguf_file, kv_cache_dtype=kv)
 
     def _load_model(self) -> dict[str, Any] | None:
         """The model's config and tokenizer; returns the in-memory config dict, or None for a folder."""

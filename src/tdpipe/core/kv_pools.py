@@ -29,7 +29,7 @@ class KVPools:
 
 def layer_block_bytes(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
     """Bytes of one block in one layer (K and V)."""
-    return 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * block_size
+    return 2 * cfg.num_kv_heads * cfg.kv_row_bytes(dtype_bytes) * block_size
 
 
 def size_kv_pools(cfg: ModelConfig, budget: int, block_size: int, dtype_bytes: int, max_model_len: int,

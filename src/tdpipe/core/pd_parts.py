@@ -16,6 +16,7 @@ from tdpipe.core.kv_staging import StagingSlots
 from tdpipe.core.scheduler.pd import PDScheduler
 from tdpipe.executor.base import Executor
 from tdpipe.executor.pd import PDExecutor
+from tdpipe.model.kv_quant import cache_layout
 from tdpipe.worker.kv_transfer import create_staging_file, staging_shape
 
 log = logging.getLogger("tdpipe")
@@ -62,10 +63,11 @@ def make_pd_executor(builder: Any, num_blocks: int, weights: Callable[[], Any] |
     n = par.prefill_workers + par.decode_workers
     sched = builder.config.scheduler
     builder.pd_num_slots = par.kv_transfer_blocks or max(-(-sched.max_model_len // cache.block_size), num_blocks // 4)
-    shape = staging_shape(builder.pd_num_slots, mc.num_layers, mc.num_kv_heads, cache.block_size, mc.head_dim)
+    kv_dtype, width = cache_layout(mc.kv_cache_dtype, builder.dtype, mc.head_dim)  # the instances' cache rows
+    shape = staging_shape(builder.pd_num_slots, mc.num_layers, mc.num_kv_heads, cache.block_size, width)
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(folder, f"tdpipe-kv-{os.getpid()}-{next(_files)}")
-    create_staging_file(path, shape, builder.dtype)
+    create_staging_file(path, shape, kv_dtype)
     builder.partition, builder.lm_head_split = [(0, mc.num_layers)], 0.0
     instances: list[Executor] = []
     try:

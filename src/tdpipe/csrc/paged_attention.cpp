@@ -1,7 +1,10 @@
 // CPU attention over tdpipe's block-paged KV cache.
 //
-// Cache layout, per layer: cache[num_blocks, num_kv_heads, block_size, head_dim] (bf16 or fp32,
-// contiguous), so the keys of one (block, kv head) pair are block_size * head_dim contiguous elements.
+// Cache layout, per layer: cache[num_blocks, num_kv_heads, block_size, row] (bf16 or fp32 with row =
+// head_dim, contiguous), so the keys of one (block, kv head) pair are block_size * row contiguous elements.
+// An int8 cache (tdpipe/model/kv_quant.py) has row = head_dim padded to 4 bytes + 4: the int8 values, then
+// the row's float32 scale s (x ~= s * q). A key's scale multiplies its row as it is converted to fp32; a
+// value's multiplies its softmax weight in the P.V pass.
 //
 // paged_attention splits the batch into work items (sequence, kv head, tile of query rows). An item
 // holds every query head of its GQA group and, for prefill chunks, several query positions, so each
@@ -144,6 +147,13 @@ inline void load_chunk(const bf16* p, int n, vf& lo, vf& hi) {
   lo = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
   hi = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
+// int8 -> fp32 in natural order (lo: elements 0-15, hi: 16-31); the row's scale is applied by the caller.
+inline void load_chunk(const int8_t* p, int n, vf& lo, vf& hi) {
+  const __m256i raw = n >= kChunk ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                  : _mm256_maskz_loadu_epi8(mask32(n), p);
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1)));
+}
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), TDPIPE_PF_HINT); }
 constexpr const char* kIsa = "avx512";
 
@@ -201,6 +211,12 @@ inline void load_chunk(const bf16* p, int n, vf& lo, vf& hi) {
   for (int i = 0; i < kLanes; ++i) {
     lo.x[i] = 2 * i < n ? static_cast<float>(p[2 * i]) : 0.f;
     hi.x[i] = 2 * i + 1 < n ? static_cast<float>(p[2 * i + 1]) : 0.f;
+  }
+}
+inline void load_chunk(const int8_t* p, int n, vf& lo, vf& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo.x[i] = i < n ? float(p[i]) : 0.f;
+    hi.x[i] = i + 16 < n ? float(p[i + 16]) : 0.f;
   }
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
@@ -264,6 +280,21 @@ inline int chunk_pos(int e) {
   }
 }
 
+// An int8 row's scale (after its values, padded to 4 bytes); 1 for float rows.
+constexpr int kScaleBytes = 4;
+inline int int8_row(int D) { return (D + kScaleBytes - 1) / kScaleBytes * kScaleBytes + kScaleBytes; }
+template <typename T>
+inline float row_scale(const T* row, int row_len) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    float s;
+    std::memcpy(&s, row + row_len - kScaleBytes, sizeof(float));
+    return s;
+  } else {
+    (void)row; (void)row_len;
+    return 1.0f;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Micro-kernels
 // ---------------------------------------------------------------------------------------------
@@ -302,9 +333,10 @@ constexpr QkFn kQkFns[kMaxChunks] = {qk_tile<1>, qk_tile<2>, qk_tile<3>, qk_tile
 // used straight from the cache (no conversion, no scratch copy). q stays unscaled (scaling it would
 // round it), the scale is applied to the 16 scores instead. krow has round_up(nt, 16) entries (the
 // padding ones repeat a real row; their lanes are masked).
+// ksc (int8 cache): the tile's key scales, round_up(nt, 16) of them; null for a float cache.
 template <int NC>
 void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, int nt, __mmask32 tail,
-                  const int* lo, const int* lim, int t0, float scale, float* sc, PfQueue& pf) {
+                  const int* lo, const int* lim, int t0, float scale, const float* ksc, float* sc, PfQueue& pf) {
   const vf vscale = vset1(scale);
   for (int r = 0; r < R; ++r) {
     __m512bh q[NC];
@@ -322,12 +354,33 @@ void qk_tile_bf16(const uint16_t* qb, int Dp, int R, const bf16* const* krow, in
       }
       pf.step();
       const int nvalid = std::min(nt - g0, lim[r] - (t0 + g0) + 1);
-      vstore(sc + r * kTokTile + g0, vkeep_range(vmul(vhsum16(a), vscale), lo[r] - (t0 + g0), nvalid));
+      const vf s = ksc ? vmul(vload(ksc + g0), vscale) : vscale;
+      vstore(sc + r * kTokTile + g0, vkeep_range(vmul(vhsum16(a), s), lo[r] - (t0 + g0), nvalid));
     }
   }
 }
 using QkBf16Fn = void (*)(const uint16_t*, int, int, const bf16* const*, int, __mmask32, const int*,
-                          const int*, int, float, float*, PfQueue&);
+                          const int*, int, float, const float*, float*, PfQueue&);
+
+// An int8 cache's key tile as bf16 rows Dp apart (int8 values are exact in bf16, so q . k stays the bf16
+// dot product of the float path; each row's scale goes to ksc and multiplies its score).
+inline void int8_tile_to_bf16(const int8_t* const* krow, int nt, int ntp, int D, int Dp, int row, uint16_t* dst,
+                              float* ksc, const bf16** out) {
+  for (int i = 0; i < nt; ++i) {
+    uint16_t* d = dst + size_t(i) * Dp;
+    for (int c = 0; c < Dp / kChunk; ++c) {
+      vf lo, hi;
+      load_chunk(krow[i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
+      _mm512_storeu_si512(d + c * kChunk, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    ksc[i] = row_scale(krow[i], row);
+    out[i] = reinterpret_cast<const bf16*>(d);
+  }
+  for (int i = nt; i < ntp; ++i) {  // padding lanes: a real row, masked out of the scores
+    ksc[i] = 0.f;
+    out[i] = out[nt - 1];
+  }
+}
 constexpr QkBf16Fn kQkBf16Fns[kMaxChunks] = {qk_tile_bf16<1>, qk_tile_bf16<2>, qk_tile_bf16<3>,
                                              qk_tile_bf16<4>, qk_tile_bf16<5>, qk_tile_bf16<6>,
                                              qk_tile_bf16<7>, qk_tile_bf16<8>};
@@ -341,8 +394,8 @@ constexpr bool kHaveDot = false;
 // Each V row is converted once and reused by all NR rows; with NCB == NC the rows are read front to
 // back (sequential for the prefetchers), else NC / NCB strided passes. 2 * NR * NCB accumulators.
 template <typename T, int NR, int NCB>
-void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
-             int Dp, PfQueue& pf) {
+void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc, int Dp,
+             PfQueue& pf) {
   for (int c0 = 0; c0 < NC; c0 += NCB) {
     vf lo[NR][NCB], hi[NR][NCB];
     for (int r = 0; r < NR; ++r) {
@@ -374,9 +427,10 @@ void pv_tile(const T* const* vrow, int nt, int D, int NC, const float* p, const 
   }
 }
 
+// p: the softmax weights, with an int8 cache already times each value row's scale.
 template <typename T>
-void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc,
-             int Dp, int R, PfQueue& pf) {
+void pv_rows(const T* const* vrow, int nt, int D, int NC, const float* p, const float* corr, float* acc, int Dp,
+             int R, PfQueue& pf) {
   for (int r0 = 0; r0 < R;) {
     // Widest chunk block whose accumulators fit in registers (<= 24 of 32).
     const int nr = std::min(kRowGroup, R - r0);
@@ -433,6 +487,7 @@ struct Args {
   const T* kc;
   const T* vc;
   int64_t block_stride, head_stride;  // elements
+  int row;                            // elements per cache row: D, or int8_row(D) for an int8 cache
   int bs, D, Dp, NC, G, Hq;
   const int32_t* bt;
   int64_t bt_stride;
@@ -497,10 +552,10 @@ void queue_item_tile(const Args<T>& a, const Item& it, int t0, PfQueue& pf) {
   const int32_t* bt = a.bt + int64_t(it.s) * a.bt_stride;
   const T* kbase = a.kc + int64_t(it.kvh) * a.head_stride;
   const T* vbase = a.vc + int64_t(it.kvh) * a.head_stride;
-  const int row_bytes = a.D * int(sizeof(T));
+  const int row_bytes = a.row * int(sizeof(T));
   for (int t = t0; t < t1;) {
     const int b = t / a.bs, o = t - b * a.bs, n = std::min(a.bs - o, t1 - t);
-    const int64_t off = int64_t(bt[b]) * a.block_stride + int64_t(o) * a.D;
+    const int64_t off = int64_t(bt[b]) * a.block_stride + int64_t(o) * a.row;
     pf.k.add(kbase + off, n * row_bytes);
     pf.v.add(vbase + off, n * row_bytes);
     t += n;
@@ -554,8 +609,8 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
     int b = t0 / bs, o = t0 - b * bs;
     int64_t base = int64_t(bt[b]) * a.block_stride;
     for (int i = 0; i < nt; ++i) {
-      kr[i] = kbase + base + int64_t(o) * D;
-      vr[i] = vbase + base + int64_t(o) * D;
+      kr[i] = kbase + base + int64_t(o) * a.row;
+      vr[i] = vbase + base + int64_t(o) * a.row;
       if (++o == bs && i + 1 < nt) {
         o = 0;
         base = int64_t(bt[++b]) * a.block_stride;
@@ -583,26 +638,45 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
 
   const T* krow[kTokTile];
   const T* vrow[kTokTile];
+  alignas(64) float vscale[kTokTile];  // int8 cache: the tile's value scales (0 past its keys)
+  alignas(64) float kscale[kTokTile];  // int8 cache, dot path: the tile's key scales
   for (int t0 = kv_start; t0 < kv_end; t0 += kTokTile) {
     const int nt = fill_rows(t0, krow, vrow);
     const int ntp = round_up(nt, kLanes);
     for (int i = nt; i < ntp; ++i) krow[i] = krow[nt - 1];  // padding lanes: valid memory, masked
+    if constexpr (std::is_same_v<T, int8_t>) {
+      for (int i = 0; i < nt; ++i) vscale[i] = row_scale(vrow[i], a.row);
+      for (int i = nt; i < ntp; ++i) vscale[i] = 0.f;
+    }
     queue_tile((t0 - kv_start) / kTokTile + kPrefetchTiles);
 
     if constexpr (kDot) {
 #ifdef TDPIPE_BF16_DOT
-      kQkBf16Fns[NC - 1](qb, Dp, R, reinterpret_cast<const bf16* const*>(krow), nt,
-                         mask32(D - (NC - 1) * kChunk), w.lo, w.lim, t0, a.qscale, w.sc, pf);
+      if constexpr (std::is_same_v<T, int8_t>) {
+        const bf16* k16[kTokTile];
+        int8_tile_to_bf16(krow, nt, ntp, D, Dp, a.row, reinterpret_cast<uint16_t*>(w.ks), kscale, k16);
+        kQkBf16Fns[NC - 1](qb, Dp, R, k16, nt, mask32(D - (NC - 1) * kChunk), w.lo, w.lim, t0, a.qscale,
+                           kscale, w.sc, pf);
+      } else {
+        kQkBf16Fns[NC - 1](qb, Dp, R, reinterpret_cast<const bf16* const*>(krow), nt,
+                           mask32(D - (NC - 1) * kChunk), w.lo, w.lim, t0, a.qscale, nullptr, w.sc, pf);
+      }
 #endif
     } else {
-      // Keys of the tile -> fp32 scratch (converted once, reused by all R rows).
-      for (int i = 0; i < nt; ++i)
+      // Keys of the tile -> fp32 scratch (converted once, reused by all R rows; int8 rows times their scale).
+      for (int i = 0; i < nt; ++i) {
+        const vf ksc = vset1(row_scale(krow[i], a.row));
         for (int c = 0; c < NC; ++c) {
           vf lo, hi;
           load_chunk(krow[i] + c * kChunk, std::min(kChunk, D - c * kChunk), lo, hi);
+          if constexpr (std::is_same_v<T, int8_t>) {
+            lo = vmul(lo, ksc);
+            hi = vmul(hi, ksc);
+          }
           vstore(w.ks + i * Dp + c * kChunk, lo);
           vstore(w.ks + i * Dp + c * kChunk + kLanes, hi);
         }
+      }
       if (ntp != nt) std::fill(w.ks + size_t(nt) * Dp, w.ks + size_t(ntp) * Dp, 0.f);
       kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lo, w.lim, t0, w.sc, pf);
     }
@@ -624,8 +698,9 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
       if (corr != 1.0f) lsum = vmul(lsum, vset1(corr));
       for (int g = 0; g < ntp; g += kLanes) {
         const vf e = vexp2(vsub(vload(sr + g), mv));
-        vstore(sr + g, e);
         lsum = vadd(lsum, e);
+        // int8 cache: P.V reads the weight times the value row's scale (the sum above keeps the weight)
+        vstore(sr + g, std::is_same_v<T, int8_t> ? vmul(e, vload(vscale + g)) : e);
       }
       vstore(w.l + r * kLanes, lsum);
     }
@@ -657,8 +732,8 @@ void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
   TORCH_CHECK(kc.dim() == 4, "cache must be [num_blocks, num_kv_heads, block_size, head_dim]");
   TORCH_CHECK(kc.sizes() == vc.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache dtypes differ");
-  TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16,
-              "cache dtype must be float32 or bfloat16");
+  TORCH_CHECK(kc.scalar_type() == at::kFloat || kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kChar,
+              "cache dtype must be float32, bfloat16 or int8 (rows with their scales)");
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous(), "KV cache must be contiguous");
 }
 
@@ -675,7 +750,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t nblocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and cache");
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const int64_t row = int8_cache ? int8_row(int(D)) : D;
+  TORCH_CHECK(k_cache.size(3) == row, int8_cache ? "an int8 cache row must be head_dim padded to 4 bytes + 4 (its scale)"
+                                                 : "head_dim mismatch between q and cache");
   TORCH_CHECK(D >= 1 && D <= kChunk * kMaxChunks, "head_dim must be in [1, 256]");
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads");
   for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &seq_lens})
@@ -731,8 +809,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     Args<T> a;
     a.kc = k_cache.data_ptr<T>();
     a.vc = v_cache.data_ptr<T>();
-    a.block_stride = Hkv * bs * D;
-    a.head_stride = bs * D;
+    a.block_stride = Hkv * bs * row;
+    a.head_stride = bs * row;
+    a.row = int(row);
     a.bs = int(bs); a.D = int(D); a.Dp = Dp; a.NC = Dp / kChunk; a.G = G; a.Hq = int(Hq);
     a.bt = bt; a.bt_stride = max_blocks; a.cu = cu; a.lens = lens;
     a.q = static_cast<const char*>(q.data_ptr());
@@ -743,7 +822,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     a.qscale = float(scale) * kLog2e;
     a.window = window;
     const int64_t n = int64_t(items.size());
-    const bool dot = kHaveDot && std::is_same_v<T, bf16> && a.qdt == at::kBFloat16;
+    // bf16 q: vdpbf16ps on the keys as stored (bf16) or converted to bf16 per tile (int8, exact)
+    const bool dot = kHaveDot && !std::is_same_v<T, float> && a.qdt == at::kBFloat16;
     // Dynamic schedule with one item of lookahead: a thread claims its next item before running the
     // current one, so run_item can prefetch the next item's first tiles (omp for hides the next index).
     std::atomic<int64_t> counter{0};
@@ -756,7 +836,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t nxt = counter.fetch_add(1);
         const Item* next = nxt < n ? &items[nxt] : nullptr;
 #ifdef TDPIPE_BF16_DOT
-        if constexpr (std::is_same_v<T, bf16>) {
+        if constexpr (!std::is_same_v<T, float>) {
           if (dot) run_item<T, true>(a, items[cur], next, first, w);
         }
 #endif
@@ -767,8 +847,58 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   };
   if (k_cache.scalar_type() == at::kBFloat16) launch(bf16{});
+  else if (int8_cache) launch(int8_t{});
   else launch(float{});
   return out;
+}
+
+// One row of D floats (or bf16) -> D int8 values round(x * 127 / max|x|), zero padding, float32 scale
+// max|x| / 127 (tdpipe/model/kv_quant.py's quantize_rows; an all-zero row gets zeros and scale 0).
+template <typename S>
+void quantize_row(const S* x, int D, int row, int8_t* dst) {
+  float amax = 0.f;
+  for (int e = 0; e < D; ++e) amax = std::max(amax, std::fabs(static_cast<float>(x[e])));
+  const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+  for (int e = 0; e < D; ++e) {
+    const float q = std::nearbyint(static_cast<float>(x[e]) * inv);
+    dst[e] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  std::memset(dst + D, 0, size_t(row - kScaleBytes - D));
+  const float scale = amax / 127.0f;
+  std::memcpy(dst + row - kScaleBytes, &scale, sizeof(float));
+}
+
+// store_kv into an int8 cache: every (token, kv head) row of k and v quantised on its own.
+void store_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const int64_t* slots) {
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2), bs = k_cache.size(2);
+  const int row = int8_row(int(D));
+  TORCH_CHECK(k_cache.size(3) == row, "an int8 cache row must be head_dim padded to 4 bytes + 4 (its scale)");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "k / v for an int8 cache must both be float32 or bfloat16");
+  int8_t* kc = k_cache.data_ptr<int8_t>();
+  int8_t* vc = v_cache.data_ptr<int8_t>();
+  const int nthreads = T * Hkv * D >= (1 << 14) ? at::get_num_threads() : 1;
+  auto run = [&](auto tag) {
+    using S = decltype(tag);
+    const S* kp = static_cast<const S*>(k.data_ptr());
+    const S* vp = static_cast<const S*>(v.data_ptr());
+    const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t dst = ((blk * Hkv + h) * bs + off) * row;
+        quantize_row(kp + t * ks0 + h * ks1, int(D), row, kc + dst);
+        quantize_row(vp + t * vs0 + h * vs1, int(D), row, vc + dst);
+      }
+    }
+  };
+  if (k.scalar_type() == at::kBFloat16) run(bf16{});
+  else run(float{});
 }
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -776,7 +906,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   check_cache(k_cache, v_cache);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must both be [T, Hkv, D]");
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "k / v must be on CPU");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8_cache || (k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type()),
               "k / v dtype must match the cache dtype");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k / v last dimension must be contiguous");
   TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
@@ -785,10 +916,14 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
   TORCH_CHECK(slot_mapping.size(0) == T, "slot_mapping length must equal the token count");
   const int64_t nblocks = k_cache.size(0), bs = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(1) == Hkv && k_cache.size(3) == D, "k / v shape does not match the cache");
+  TORCH_CHECK(k_cache.size(1) == Hkv && (int8_cache || k_cache.size(3) == D), "k / v shape does not match the cache");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(slots[t] >= -1 && slots[t] < nblocks * bs, "slot ", slots[t], " out of range");
+  if (int8_cache) {
+    store_kv_int8(k, v, k_cache, v_cache, slots);
+    return;
+  }
 
   const int64_t esz = k.element_size();
   const size_t row = size_t(D * esz);

@@ -1,6 +1,7 @@
 """Attention over the paged KV cache: C++/OpenMP kernel on CPU, Triton kernels on CUDA, pure-torch reference.
 
-Cache layout (per layer): ``k_cache`` / ``v_cache`` of shape [num_blocks, num_kv_heads, block_size, head_dim].
+Cache layout (per layer): ``k_cache`` / ``v_cache`` of shape [num_blocks, num_kv_heads, block_size, head_dim]
+(int8 caches: [..., width], each row head_dim int8 values and its float32 scale, model/kv_quant.py).
 Token ``t`` of a sequence lives in block ``block_tables[s, t // block_size]`` at offset ``t % block_size``.
 A batch is described varlen-style: sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
 (the last ``n_s`` of its ``seq_lens[s]`` tokens, whose K/V are already stored) and attends causally.
@@ -28,11 +29,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from tdpipe.model import kv_quant
 from tdpipe.model.jit import build
 
 logger = logging.getLogger(__name__)
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)  # int8: rows with scales (model/kv_quant.py)
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 IntSeq = torch.Tensor | Sequence[int]
@@ -98,6 +100,8 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     if not bool(keep.all()):
         slots, k, v = slots[keep], k[keep], v[keep]
     blk, off = slots // bs, slots % bs
+    if kv_quant.is_int8(k_cache):  # int8 rows and their scales (model/kv_quant.py)
+        k, v = kv_quant.quantize_rows(k), kv_quant.quantize_rows(v)
     # Advanced indices around a slice put the indexed dim first: k_cache[blk, :, off] is [N, Hkv, D].
     k_cache[blk, :, off] = k.to(k_cache.dtype)
     v_cache[blk, :, off] = v.to(v_cache.dtype)
@@ -107,13 +111,19 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Scatter the new tokens' K/V into the paged cache (in place)."""
     if use_triton(k_cache):
+        _no_int8_triton(k_cache)
         _triton().store_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     kern = load_kernel()
     if kern is None or k_cache.dtype not in _KERNEL_DTYPES or k.device.type != "cpu":
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
         return
-    if k.dtype != k_cache.dtype:
+    if kv_quant.is_int8(k_cache):  # the kernel quantises bf16 / fp32 rows as it stores them
+        if k.dtype not in (torch.float32, torch.bfloat16):
+            k, v = k.float(), v.float()
+        if v.dtype != k.dtype:
+            v = v.to(k.dtype)
+    elif k.dtype != k_cache.dtype:
         k, v = k.to(k_cache.dtype), v.to(k_cache.dtype)
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -152,8 +162,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         b0 = max(0, seq_len - n - sliding_window + 1) // bs if sliding_window else 0
         blocks = bt[s, b0:nb]
         # [nb - b0, Hkv, bs, D] -> [Hkv, (nb - b0) * bs, D] -> tokens b0 * bs .. seq_len - 1
-        k = k_cache[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs].float()
-        v = v_cache[blocks].transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs].float()
+        k, v = (_rows(c[blocks], d).transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs] for c in (k_cache, v_cache))
         qs = q[q0:q1].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
         qpos = torch.arange(seq_len - n, seq_len, device=q.device)
@@ -165,6 +174,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(1))  # [Hkv, G, n, D]
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
     return out
+
+
+def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """float32 keys or values [..., head_dim] of cache rows (int8 rows dequantised with their scales)."""
+    if kv_quant.is_int8(cache_rows):
+        return kv_quant.dequantize_rows(cache_rows, head_dim)
+    return cache_rows.float()
+
+
+def _no_int8_triton(cache: torch.Tensor) -> None:
+    if kv_quant.is_int8(cache):
+        raise ValueError("an int8 KV cache (kv_cache_dtype 'int8') runs through the CPU kernel only; the Triton "
+                         "kernels read bf16 / fp16 / fp32 caches")
 
 
 def _attention_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> ModuleType | None:
@@ -185,6 +207,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     before a sequence's first query's window are not read (module docstring).
     """
     if use_triton(q):
+        _no_int8_triton(k_cache)
         return _triton().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                          sliding_window=sliding_window)
     window = int(sliding_window or 0)
@@ -243,10 +266,14 @@ def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int |
     """Should fresh prompts (no cached prefix) attend through the paged kernel rather than SDPA? Yes for
     bf16 on CPU: their K/V are already stored, and the kernel runs 2-2.4x faster than torch's CPU flash
     SDPA (2048 prompt tokens over 8 prompts, one layer: 10 ms vs 25 ms), about a tenth of a prefill
-    layer. float32 keeps SDPA, the path that matches transformers bit for bit. A sliding window does not
+    layer. float32 keeps SDPA, the path that matches transformers bit for bit. An int8 cache always takes
+    the kernel (or the reference): a prompt then sees the quantised keys and values every later step reads,
+    and perplexity measures the cache's loss. A sliding window does not
     change the choice: both paths take it (the kernel then reads only each query's window, SDPA masks a
     dense [n, n] band), so the caller passes the same `sliding_window` to whichever runs."""
     del sliding_window  # same answer with or without a window (see above)
+    if kv_quant.is_int8(k_cache):  # the quantised cache, as every later step reads it (model/kv_quant.py)
+        return True
     if use_triton(q):  # Triton: one launch for the whole batch; float32 keeps SDPA as on CPU
         return q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)
     return q.dtype == k_cache.dtype == torch.bfloat16 and _attention_kernel(q, k_cache) is not None

@@ -17,13 +17,14 @@ import torch
 
 
 def staging_shape(num_slots: int, num_layers: int, num_kv_heads: int, block_size: int,
-                  head_dim: int) -> tuple[int, ...]:
-    return (num_slots, num_layers, 2, num_kv_heads, block_size, head_dim)
+                  row: int) -> tuple[int, ...]:
+    """`row`: the cache's last dimension (head_dim, or an int8 cache's row width, model/kv_quant.py)."""
+    return (num_slots, num_layers, 2, num_kv_heads, block_size, row)
 
 
 def create_staging_file(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Create (zeroed) the shared file; the engine does this once, before the workers map it."""
-    nbytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     with open(path, "wb") as f:
         f.truncate(nbytes)
 

@@ -18,6 +18,7 @@ from tdpipe.config import ModelConfig
 from tdpipe.model import cpu_ops
 from tdpipe.model.jit import in_background
 from tdpipe.model.llama import AttentionMetadata, LlamaForCausalLM
+from tdpipe.model.kv_quant import cache_layout
 from tdpipe.model.paged_attention import load_kernel
 from tdpipe.model.quantization import prepare_linears
 from tdpipe.model.tensor_parallel import SINGLE, TPGroup
@@ -202,17 +203,18 @@ class ModelRunner:
         """The slice's KV cache, zeroed: one tensor, or the global and sliding-window pools."""
         model, cfg = self.model, self.cfg
         n_layers = model.end_layer - model.start_layer
-        block = (model.heads.kv_count, self.block_size, cfg.head_dim)
+        dtype, width = cache_layout(cfg.kv_cache_dtype, self.dtype, cfg.head_dim)  # int8: rows and their scales
+        block = (model.heads.kv_count, self.block_size, width)
         self.local_cache: torch.Tensor | None = None
         if self.num_window_blocks and any(self.is_local):
             n_loc = sum(self.is_local)
-            glob = torch.zeros((n_layers - n_loc, 2, self.num_global_blocks, *block), dtype=self.dtype,
+            glob = torch.zeros((n_layers - n_loc, 2, self.num_global_blocks, *block), dtype=dtype,
                                device=self.device)
-            self.local_cache = torch.zeros((n_loc, 2, self.num_window_blocks, *block), dtype=self.dtype,
+            self.local_cache = torch.zeros((n_loc, 2, self.num_window_blocks, *block), dtype=dtype,
                                            device=self.device)
             self.kv_cache: torch.Tensor | LayerCaches | None = LayerCaches(glob, self.local_cache, self.is_local)
         else:
-            self.kv_cache = torch.zeros((n_layers, 2, self.num_global_blocks, *block), dtype=self.dtype,
+            self.kv_cache = torch.zeros((n_layers, 2, self.num_global_blocks, *block), dtype=dtype,
                                         device=self.device)
 
     # -- weights and memory between steps (collective_rpc; core/weight_sync.py) ------------------------------
@@ -287,7 +289,7 @@ class ModelRunner:
         """Map the shared KV staging area the engine created (collective_rpc, before the first step)."""
         if not isinstance(self.kv_cache, torch.Tensor):
             raise ValueError("KV transfer needs one KV tensor (no sliding-window pool)")
-        self.kv_staging = map_staging(path, shape, self.dtype)
+        self.kv_staging = map_staging(path, shape, self.kv_cache.dtype)
 
     def _staging(self) -> torch.Tensor:
         if self.kv_staging is None:

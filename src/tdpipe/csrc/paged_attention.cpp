@@ -752,8 +752,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t nblocks = k_cache.size(0), Hkv = k_cache.size(1), bs = k_cache.size(2);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
   const int64_t row = int8_cache ? int8_row(int(D)) : D;
-  TORCH_CHECK(k_cache.size(3) == row, int8_cache ? "an int8 cache row must be head_dim padded to 4 bytes + 4 (its scale)"
-                                                 : "head_dim mismatch between q and cache");
+  TORCH_CHECK(k_cache.size(3) == row,
+              int8_cache ? "an int8 cache row must be head_dim padded to 4 bytes + 4 (its scale)"
+                         : "head_dim mismatch between q and cache");
   TORCH_CHECK(D >= 1 && D <= kChunk * kMaxChunks, "head_dim must be in [1, 256]");
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "num_q_heads must be a multiple of num_kv_heads");
   for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &seq_lens})

@@ -162,7 +162,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         b0 = max(0, seq_len - n - sliding_window + 1) // bs if sliding_window else 0
         blocks = bt[s, b0:nb]
         # [nb - b0, Hkv, bs, D] -> [Hkv, (nb - b0) * bs, D] -> tokens b0 * bs .. seq_len - 1
-        k, v = (_rows(c[blocks], d).transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs] for c in (k_cache, v_cache))
+        k, v = (_rows(c[blocks], d).transpose(0, 1).reshape(hkv, -1, d)[:, :seq_len - b0 * bs]
+                for c in (k_cache, v_cache))
         qs = q[q0:q1].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
         qpos = torch.arange(seq_len - n, seq_len, device=q.device)

@@ -855,8 +855,34 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 // One row of D floats (or bf16) -> D int8 values round(x * 127 / max|x|), zero padding, float32 scale
 // max|x| / 127 (tdpipe/model/kv_quant.py's quantize_rows; an all-zero row gets zeros and scale 0).
+#ifdef TDPIPE_AVX512
+inline vf load16(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
 template <typename S>
 void quantize_row(const S* x, int D, int row, int8_t* dst) {
+#ifdef TDPIPE_AVX512
+  if (D % kLanes == 0 && D <= kChunk * kMaxChunks) {  // the same arithmetic, 16 lanes at a time
+    vf xs[kChunk * kMaxChunks / kLanes];
+    const int n = D / kLanes;
+    vf m = vzero();
+    for (int j = 0; j < n; ++j) {
+      xs[j] = load16(x + j * kLanes);
+      m = vmax(m, _mm512_abs_ps(xs[j]));
+    }
+    const float amax = vhmax(m);
+    const vf inv = vset1(amax > 0.f ? 127.0f / amax : 0.f);
+    for (int j = 0; j < n; ++j)  // cvtps rounds half to even, as nearbyint; |x * inv| <= 127
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * kLanes),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(vmul(xs[j], inv))));
+    std::memset(dst + D, 0, size_t(row - kScaleBytes - D));
+    const float scale = amax / 127.0f;
+    std::memcpy(dst + row - kScaleBytes, &scale, sizeof(float));
+    return;
+  }
+#endif
   float amax = 0.f;
   for (int e = 0; e < D; ++e) amax = std::max(amax, std::fabs(static_cast<float>(x[e])));
   const float inv = amax > 0.f ? 127.0f / amax : 0.f;

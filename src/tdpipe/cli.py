@@ -346,11 +346,17 @@ def _failed_pipeline(e: BaseException) -> None:
 
 
 def run() -> None:
-    """The `tdpipe` command. After a pipeline failure (a stage died) everything is reported and written by
-    the time main() returns; the process then ends with os._exit, skipping interpreter teardown, where
-    torch.distributed's objects with a dead peer have been seen to abort the process (exit -6 instead of 1)."""
+    """The `tdpipe` command. After a pipeline failure (a stage died) or a Ctrl-C everything is reported and
+    written by the time main() returns; the process then ends with os._exit, skipping interpreter teardown:
+    there torch.distributed's objects with a dead peer have been seen to abort the process (exit -6 instead of
+    1), and teardown puts SIGINT's default action back, so a Ctrl-C landing in it (a second press) ended the
+    process by the signal (exit -2) instead of 130 (seen once in the fault tests)."""
     code = main()
-    if _PIPELINE_FAILED:
+    if code == 130:  # a Ctrl-C: the exit functions (the pipelines' shutdown) run here, SIGINT still handled
+        import atexit
+
+        atexit._run_exitfuncs()
+    if _PIPELINE_FAILED or code == 130:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

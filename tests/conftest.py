@@ -59,6 +59,16 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     return greedy(model, [prompt_ids], n)[0]
 
 
+def prompt_lps(llm, ids: list[int]) -> list[float]:
+    """The engine's log-probability of each prompt token after the first (prompt_logprobs): the whole forward
+    pass compared position by position, where greedy tokens would compare argmaxes only."""
+    from tdpipe import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -10,7 +10,7 @@ from tdpipe import LLM, SamplingParams
 from tdpipe.model import awq
 from tdpipe.model.block_linear import BlockLinear
 
-from conftest import hf_greedy
+from conftest import hf_greedy, prompt_lps
 
 TEXT = ("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes. "
         "Water boils at 100 degrees Celsius at sea level, and freezes at zero.")
@@ -23,12 +23,6 @@ def awq_folder(tmp_path_factory, bundled_path):
     d = tmp_path_factory.mktemp("smollm2_awq")
     assert awq.write_rtn_checkpoint(bundled_path, str(d), GROUP) == 30 * 7
     return str(d)
-
-
-def _prompt_lps(llm: LLM, ids: list[int]) -> list[float]:
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
 
 def test_dequantised_folder_is_transformers_on_the_dequantised_weights(awq_folder, bundled_path):
@@ -51,16 +45,16 @@ def test_dequantised_folder_is_transformers_on_the_dequantised_weights(awq_folde
 def test_packed_blocks_track_the_dequantised_folder_at_pp1_and_pp2(awq_folder):
     with LLM(model=awq_folder, quantization="none", kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)
-        ref = _prompt_lps(llm, ids)
+        ref = prompt_lps(llm, ids)
     with LLM(model=awq_folder, kv_cache_memory=KV) as llm:  # auto: awq on a bf16 CPU run
         assert llm.engine.model_config.quantization == "awq"
-        one = _prompt_lps(llm, ids)
+        one = prompt_lps(llm, ids)
         sp = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs
         assert len(outs) == 2 and all(len(c.token_ids) == 6 and len(c.logprobs) == 6 for c in outs)
-        assert llm.engine.block_manager.enable_prefix_caching and _prompt_lps(llm, ids) == one
+        assert llm.engine.block_manager.enable_prefix_caching and prompt_lps(llm, ids) == one
     with LLM(model=awq_folder, quantization="awq", pipeline_parallel_size=2, kv_cache_memory=KV) as llm:
-        two = _prompt_lps(llm, ids)
+        two = prompt_lps(llm, ids)
     # the weights are the folder's exactly; only the int8 activations (one scale per 32 values) differ
     spread = sum(abs(x - y) for x, y in zip(one, ref)) / len(ref)
     cost = sum(y - x for x, y in zip(one, ref)) / len(ref)

@@ -8,16 +8,12 @@ import torch
 from tdpipe import LLM, SamplingParams
 from tdpipe.model.block_linear import BlockEmbedding, BlockLinear
 
+from conftest import prompt_lps
+
 TEXT = ("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes. "
         "Water boils at 100 degrees Celsius at sea level, and freezes at zero.")
 KV = 256 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def _prompt_lps(llm: LLM, ids: list[int]) -> list[float]:
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
 
 def _greedy(llm: LLM, ids: list[int]) -> list[int]:
@@ -28,19 +24,19 @@ def _greedy(llm: LLM, ids: list[int]) -> list[int]:
 def dequantised(bundled_path):
     with LLM(quantization="none", kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)
-        return ids, _prompt_lps(llm, ids), _greedy(llm, ids[:12])
+        return ids, prompt_lps(llm, ids), _greedy(llm, ids[:12])
 
 
 def test_gguf_blocks_track_the_dequantised_file_at_pp1_and_pp2(dequantised):
     ids, ref, ref_greedy = dequantised
     with LLM(quantization="gguf", kv_cache_memory=KV) as llm:
-        one, greedy_one = _prompt_lps(llm, ids), _greedy(llm, ids[:12])
+        one, greedy_one = prompt_lps(llm, ids), _greedy(llm, ids[:12])
         sp = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs
         assert len(outs) == 2 and all(len(c.token_ids) == 6 and len(c.logprobs) == 6 for c in outs)
-        assert llm.engine.block_manager.enable_prefix_caching and _prompt_lps(llm, ids) == one
+        assert llm.engine.block_manager.enable_prefix_caching and prompt_lps(llm, ids) == one
     with LLM(quantization="gguf", pipeline_parallel_size=2, kv_cache_memory=KV) as llm:
-        two, greedy_two = _prompt_lps(llm, ids), _greedy(llm, ids[:12])
+        two, greedy_two = prompt_lps(llm, ids), _greedy(llm, ids[:12])
     # the weights are the file's exactly; only the int8 activations (one scale per 32 values) differ
     spread = sum(abs(x - y) for x, y in zip(one, ref)) / len(ref)
     cost = sum(y - x for x, y in zip(one, ref)) / len(ref)
@@ -97,10 +93,10 @@ def test_new_weights_replace_the_files_blocks(bundled_path):
 
     with LLM(quantization="gguf", kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)[:16]
-        lps = _prompt_lps(llm, ids)
+        lps = prompt_lps(llm, ids)
         silenced = [(n, t * 0 if "mlp.down_proj" in n else t) for n, t in iter_safetensors(bundled_path)]
         llm.update_weights(silenced)
-        changed = _prompt_lps(llm, ids)
+        changed = prompt_lps(llm, ids)
         assert max(abs(a - b) for a, b in zip(changed, lps)) > 1.0  # the MLPs are off: not the file's blocks
         llm.update_weights(bundled_path)
-        assert _prompt_lps(llm, ids) == lps
+        assert prompt_lps(llm, ids) == lps

@@ -4,25 +4,21 @@ budget holds nearly twice the blocks, pp = 2 computes what pp = 1 computes, and 
 caching keep working; with W8A8 linears too."""
 from tdpipe import LLM, SamplingParams
 
+from conftest import prompt_lps
+
 TEXT = ("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes. "
         "Water boils at 100 degrees Celsius at sea level, and freezes at zero. The tallest mountain on Earth is "
         "Mount Everest, and the longest river is the Nile.")
 KV = 64 << 20
 
 
-def _prompt_lps(llm: LLM, ids: list[int]) -> list[float]:
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
-
-
 def test_int8_cache_tracks_the_bf16_cache_and_holds_more(bundled_path):
     with LLM(bundled_path, kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)
-        ref = _prompt_lps(llm, ids)
+        ref = prompt_lps(llm, ids)
         blocks = llm.engine.block_manager.num_blocks
     with LLM(bundled_path, kv_cache_memory=KV, kv_cache_dtype="int8") as llm:
-        one = _prompt_lps(llm, ids)
+        one = prompt_lps(llm, ids)
         # 64 bf16 values (128 bytes) against 64 int8 values and a float32 scale (68 bytes) per row
         assert 1.85 < llm.engine.block_manager.num_blocks / blocks < 1.9
         sp = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, logprobs=2, ignore_eos=True)
@@ -41,8 +37,8 @@ def test_int8_cache_tracks_the_bf16_cache_and_holds_more(bundled_path):
 def test_int8_cache_at_pp2_with_w8a8(bundled_path):
     ids = list(range(100, 160))
     with LLM(bundled_path, kv_cache_memory=KV, kv_cache_dtype="int8", quantization="w8a8", dtype="float32") as llm:
-        one = _prompt_lps(llm, ids)
+        one = prompt_lps(llm, ids)
     with LLM(bundled_path, kv_cache_memory=KV, kv_cache_dtype="int8", quantization="w8a8", dtype="float32",
              pipeline_parallel_size=2) as llm:
-        two = _prompt_lps(llm, ids)
+        two = prompt_lps(llm, ids)
     assert max(abs(x - y) for x, y in zip(one, two)) < 0.02

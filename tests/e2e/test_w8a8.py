@@ -6,15 +6,11 @@ import pytest
 
 from tdpipe import LLM, SamplingParams
 
+from conftest import prompt_lps
+
 TEXT = ("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes. "
         "Water boils at 100 degrees Celsius at sea level, and freezes at zero.")
 KV = 256 << 20
-
-
-def _prompt_lps(llm: LLM, ids: list[int]) -> list[float]:
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                       use_tqdm=False)[0]
-    return [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
@@ -26,20 +22,20 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 def ids_and_float(bundled_path):
     with LLM(bundled_path, dtype="float32", kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)
-        return ids, _prompt_lps(llm, ids)
+        return ids, prompt_lps(llm, ids)
 
 
 def test_w8a8_tracks_the_float_model_and_pp2_computes_what_pp1_does(bundled_path, ids_and_float):
     ids, ref = ids_and_float
     with LLM(bundled_path, dtype="float32", quantization="w8a8", kv_cache_memory=KV) as llm:
-        one = _prompt_lps(llm, ids)
+        one = prompt_lps(llm, ids)
         # the rest of the engine on the quantized model: n > 1 with logprobs, then a cached prefix
         sp = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs
         assert len(outs) == 2 and all(len(c.token_ids) == 6 and len(c.logprobs) == 6 for c in outs)
-        assert llm.engine.block_manager.enable_prefix_caching and _prompt_lps(llm, ids) == one
+        assert llm.engine.block_manager.enable_prefix_caching and prompt_lps(llm, ids) == one
     with LLM(bundled_path, dtype="float32", quantization="w8a8", pipeline_parallel_size=2, kv_cache_memory=KV) as llm:
-        two = _prompt_lps(llm, ids)
+        two = prompt_lps(llm, ids)
     # per token the int8 rounding moves a logprob by ~0.2 nats either way; on average (the log of the
     # perplexity ratio) it costs a few hundredths (docs/quantization.md: +2% perplexity on a long text)
     spread = sum(abs(x - y) for x, y in zip(one, ref)) / len(ref)
@@ -57,7 +53,7 @@ def test_w8a8_under_tensor_parallelism(qwen2_tiny):
     folder, _ = qwen2_tiny
     ids = list(range(5, 45))
     with LLM(folder, dtype="float32", quantization="w8a8", kv_cache_memory=KV) as llm:
-        one = _prompt_lps(llm, ids)
+        one = prompt_lps(llm, ids)
     with LLM(folder, dtype="float32", quantization="w8a8", tensor_parallel_size=2, kv_cache_memory=KV) as llm:
-        two = _prompt_lps(llm, ids)
+        two = prompt_lps(llm, ids)
     assert _max_diff(one, two) < 0.05

@@ -3,8 +3,6 @@ pure-torch reference, and the configuration around it. The truth for attention i
 the dequantised keys and values (the cache's loss is measured by perplexity, docs/quantization.md)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,18 +11,7 @@ from tdpipe.engine_args import EngineArgs
 from tdpipe.model import kv_quant
 from tdpipe.model import paged_attention as pa
 
-TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1.6e-2, "rtol": 1.6e-2}}
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    k = pa.load_kernel()
-    if k is None:
-        if os.environ.get("TDPIPE_NO_KERNEL") == "1":
-            pytest.skip("TDPIPE_NO_KERNEL=1")
-        pytest.fail("paged-attention kernel failed to build (set TDPIPE_NO_KERNEL=1 to skip kernel tests)")
-    return k
-
+from attention_oracle import DECODE, MIXED, TOL, dense_causal, kernel  # noqa: F401 - kernel: a fixture
 
 # -- the row format ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("d", [64, 30, 256])
@@ -122,25 +109,6 @@ def make_int8_batch(qdtype, bs, hkv, g, d, lens, nqs, seed=0):
     return q, kc, vc, bt, cu, deq[:len(lens)], deq[len(lens):]
 
 
-def dense(q, ks, vs, cu, lens, scale, window=0):
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for s, (k, v) in enumerate(zip(ks, vs)):
-        qs = q[cu[s]:cu[s + 1]].double()
-        n, L = qs.shape[0], lens[s]
-        g = q.shape[1] // k.shape[1]
-        kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
-        sc = torch.einsum("qhd,khd->hqk", qs, kk) * scale
-        mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
-        if window:
-            mask |= torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None] - window
-        out[cu[s]:cu[s + 1]] = torch.einsum("hqk,khd->qhd", sc.masked_fill(mask, float("-inf")).softmax(-1), vv)
-    return out
-
-
-DECODE = ([1, 37, 100, 16, 129], [1, 1, 1, 1, 1])
-MIXED = ([1, 40, 77, 23, 64], [1, 1, 20, 23, 5])
-
-
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("g,d", [(1, 64), (3, 64), (4, 256), (2, 30)])
 @pytest.mark.parametrize("shape", [DECODE, MIXED], ids=["decode", "mixed"])
@@ -150,7 +118,7 @@ def test_kernel_on_int8_cache_matches_dense_on_dequantised(kernel, qdtype, g, d,
     q, kc, vc, bt, cu, ks, vs = make_int8_batch(qdtype, 16, 2, g, d, lens, nqs, seed=d + g)
     scale = d ** -0.5
     out = pa.paged_attention(q, kc, vc, bt, cu, lens, scale, sliding_window=window)
-    truth = dense(q, ks, vs, cu, lens, scale, window)
+    truth = dense_causal(q, ks, vs, cu, lens, scale, window)
     torch.testing.assert_close(out.double(), truth, **TOL[qdtype])
     ref = pa.paged_attention_ref(q, kc, vc, bt, cu, lens, scale, sliding_window=window)
     torch.testing.assert_close(ref.double(), truth, **TOL[qdtype])
@@ -172,7 +140,7 @@ def test_reference_path_without_the_kernel(monkeypatch):
     lens, nqs = MIXED
     q, kc, vc, bt, cu, ks, vs = make_int8_batch(torch.float32, 8, 1, 3, 64, lens, nqs, seed=5)
     out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
-    torch.testing.assert_close(out.double(), dense(q, ks, vs, cu, lens, 0.125), **TOL[torch.float32])
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.float32])
 
 
 def test_triton_backend_refuses_an_int8_cache(monkeypatch):

@@ -17,7 +17,8 @@ import sys
 import pytest
 import torch
 
-from test_paged_attention import TOL, make_batch
+from attention_oracle import TOL, dense_causal
+from test_paged_attention import make_batch
 from tdpipe.model import paged_attention as pa
 
 pytestmark = pytest.mark.triton
@@ -35,25 +36,6 @@ def ta():
     return triton_attention
 
 
-def dense(q, ks, vs, cu, lens, scale, window=None):
-    """float64 truth from contiguous K/V; query j of sequence s sits at position len - n + j."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    hq = q.shape[1]
-    for s, (k, v) in enumerate(zip(ks, vs)):
-        qs = q[cu[s]:cu[s + 1]].double()
-        n, L = qs.shape[0], lens[s]
-        g = hq // k.shape[1]
-        kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, kk) * scale
-        qpos, kpos = torch.arange(L - n, L)[:, None], torch.arange(L)[None, :]
-        mask = kpos > qpos
-        if window:
-            mask |= qpos - kpos >= window
-        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-        out[cu[s]:cu[s + 1]] = torch.einsum("hqk,khd->qhd", probs, vv)
-    return out
-
-
 def check(ta, dtype, bs, hkv, g, d, lens, nqs, seed, window=None, partition_size=None):
     q, kc, vc, bt, cu, ks, vs = make_batch(dtype, bs, hkv, g, d, lens, nqs, seed=seed)
     scale = d ** -0.5
@@ -61,7 +43,7 @@ def check(ta, dtype, bs, hkv, g, d, lens, nqs, seed, window=None, partition_size
                              torch.tensor(lens, dtype=torch.int32), scale, sliding_window=window,
                              partition_size=partition_size)
     assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.double(), dense(q, ks, vs, cu, lens, scale, window), **TOL16[dtype])
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, scale, window or 0), **TOL16[dtype])
     return q, kc, vc, bt, cu, out
 
 
@@ -122,7 +104,7 @@ def test_mixed_dtypes_and_strided_inputs(ta):
     assert not qv.is_contiguous()
     out = ta.paged_attention(qv, kc, vc, bt.long(), cu, lens, 0.125)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), dense(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -168,7 +150,7 @@ def test_forced_backend_routes_cpu_tensors_through_triton(ta, monkeypatch, backe
     backend("triton")
     assert pa.use_triton(q) and pa.kernel_prefill(q, kc) and not pa.kernel_prefill(q.float(), kc.float())
     out = pa.paged_attention(q, kc, vc, bt, cu, lens, 0.125)
-    torch.testing.assert_close(out.double(), dense(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, lens, 0.125), **TOL[torch.bfloat16])
     kc2 = kc.clone()
     pa.store_kv(k_new, k_new, kc2, vc.clone(), slots)
     assert torch.equal(kc2[0, :, 3], k_new[1]) and calls == ["paged_attention", "store_kv"]
@@ -243,6 +225,8 @@ for nqs in ([4, 9], [1, 1]):
 from tdpipe.model import triton_attention
 assert triton_attention.interpreted()
 """
-    env = {**os.environ, "TDPIPE_ATTENTION_BACKEND": "triton", "PYTHONPATH": os.path.dirname(__file__)}
+    here = os.path.dirname(__file__)  # test_paged_attention, and tests/ for its attention_oracle
+    env = {**os.environ, "TDPIPE_ATTENTION_BACKEND": "triton",
+           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}
     env.pop("TRITON_INTERPRET", None)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)

@@ -895,6 +895,19 @@ void quantize_row(const S* x, int D, int row, int8_t* dst) {
   std::memcpy(dst + row - kScaleBytes, &scale, sizeof(float));
 }
 
+// Calls write(t, h, r) for every token t with a slot (slot -1: padding, skipped) and kv head h, r being the
+// index of the cache row [block, h, offset] it goes to: the scatter of store_kv, whatever a row holds.
+template <typename F>
+void for_each_slot_row(int64_t T, int64_t Hkv, int64_t bs, const int64_t* slots, int nthreads, F write) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t blk = slot / bs, off = slot % bs;
+    for (int64_t h = 0; h < Hkv; ++h) write(t, h, (blk * Hkv + h) * bs + off);
+  }
+}
+
 // store_kv into an int8 cache: every (token, kv head) row of k and v quantised on its own.
 void store_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                    const int64_t* slots) {
@@ -912,17 +925,10 @@ void store_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
     const S* kp = static_cast<const S*>(k.data_ptr());
     const S* vp = static_cast<const S*>(v.data_ptr());
     const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      const int64_t blk = slot / bs, off = slot % bs;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t dst = ((blk * Hkv + h) * bs + off) * row;
-        quantize_row(kp + t * ks0 + h * ks1, int(D), row, kc + dst);
-        quantize_row(vp + t * vs0 + h * vs1, int(D), row, vc + dst);
-      }
-    }
+    for_each_slot_row(T, Hkv, bs, slots, nthreads, [&](int64_t t, int64_t h, int64_t r) {
+      quantize_row(kp + t * ks0 + h * ks1, int(D), row, kc + r * row);
+      quantize_row(vp + t * vs0 + h * vs1, int(D), row, vc + r * row);
+    });
   };
   if (k.scalar_type() == at::kBFloat16) run(bf16{});
   else run(float{});
@@ -962,17 +968,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t vs0 = v.stride(0) * esz, vs1 = v.stride(1) * esz;
   // Small copies: threads only pay off for large prefills.
   const int nthreads = T * Hkv * D >= (1 << 16) ? at::get_num_threads() : 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t blk = slot / bs, off = slot % bs;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t dst = ((blk * Hkv + h) * bs + off) * D * esz;
-      std::memcpy(kc + dst, kp + t * ks0 + h * ks1, row);
-      std::memcpy(vc + dst, vp + t * vs0 + h * vs1, row);
-    }
-  }
+  for_each_slot_row(T, Hkv, bs, slots, nthreads, [&](int64_t t, int64_t h, int64_t r) {
+    std::memcpy(kc + r * int64_t(row), kp + t * ks0 + h * ks1, row);
+    std::memcpy(vc + r * int64_t(row), vp + t * vs0 + h * vs1, row);
+  });
 }
 
 std::string kernel_info() {

@@ -5,6 +5,7 @@ No GPU here: the CUDA platform's arithmetic runs with injected probes, NCCL only
 host staging over gloo with CPU tensors standing in for device ones.
 """
 import os
+import re
 import threading
 
 import pytest
@@ -68,6 +69,47 @@ def test_cpu_configure_process_sets_threads_and_pins_malloc(monkeypatch):
         assert torch.get_num_threads() == 1 and pinned == [1, 1]
     finally:
         torch.set_num_threads(own)
+
+
+def test_cpu_kv_cache_is_a_zeroed_mapping():
+    """The CPU KV cache: one contiguous tensor of the asked shape and dtype, zeros, writable, whose pages a
+    thread faults in (tdpipe/malloc.py) while start-up goes on."""
+    plat = get_platform("cpu")
+    kv = plat.kv_zeros((8, 2, 64, 4, 16, 64), torch.bfloat16, torch.device("cpu"))
+    assert kv.shape == (8, 2, 64, 4, 16, 64) and kv.dtype == torch.bfloat16 and kv.is_contiguous()
+    kv[3, 1, 7] = 1.5
+    assert kv[3, 1, 7].eq(1.5).all() and kv[3, 1, 6].eq(0).all() and kv[7].eq(0).all()
+    assert kv.sum().item() == 1.5 * 4 * 16 * 64
+    assert plat.kv_zeros((0, 3), torch.int8, torch.device("cpu")).shape == (0, 3)
+    q = plat.kv_zeros((5, 68), torch.int8, torch.device("cpu"))
+    assert q.dtype == torch.int8 and q.eq(0).all()
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _kernel_version() -> tuple[int, ...]:
+    m = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return tuple(int(x) for x in m.groups()) if m else (0, 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or _kernel_version() < (5, 14),
+                    reason="MADV_POPULATE_WRITE is Linux 5.14+")
+def test_zeroed_mapping_is_faulted_in_behind_the_caller():
+    """tdpipe/malloc.zeroed_mapping returns at once and a thread brings its pages in, so the first steps
+    writing the KV cache do not fault page by page."""
+    from tdpipe.malloc import zeroed_mapping
+
+    before = _resident_kib()
+    buf = zeroed_mapping(256 << 20)
+    for t in threading.enumerate():
+        if t.name == "tdpipe-populate":
+            t.join(timeout=60)
+    assert _resident_kib() - before > 200 << 10  # KiB: the mapping is in memory, nobody wrote it
+    assert buf[:4096] == bytes(4096) and buf[-1] == 0
+    buf.close()
 
 
 def test_cpu_kv_budget(monkeypatch):

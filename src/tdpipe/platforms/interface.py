@@ -48,6 +48,10 @@ class Platform(ABC):
         """Bytes for the KV cache. `requested`: --kv-cache-memory (bytes, a fraction, or None);
         `weights_bytes`: what the model's weights will take on the device (not loaded yet)."""
 
+    def kv_zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed KV cache tensor (one per slice or pool: gigabytes, allocated once per runner)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (timing); a no-op where work is synchronous."""
 

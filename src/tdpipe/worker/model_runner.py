@@ -208,14 +208,14 @@ class ModelRunner:
         self.local_cache: torch.Tensor | None = None
         if self.num_window_blocks and any(self.is_local):
             n_loc = sum(self.is_local)
-            glob = torch.zeros((n_layers - n_loc, 2, self.num_global_blocks, *block), dtype=dtype,
-                               device=self.device)
-            self.local_cache = torch.zeros((n_loc, 2, self.num_window_blocks, *block), dtype=dtype,
-                                           device=self.device)
+            glob = self.platform.kv_zeros((n_layers - n_loc, 2, self.num_global_blocks, *block), dtype,
+                                          self.device)
+            self.local_cache = self.platform.kv_zeros((n_loc, 2, self.num_window_blocks, *block), dtype,
+                                                      self.device)
             self.kv_cache: torch.Tensor | LayerCaches | None = LayerCaches(glob, self.local_cache, self.is_local)
         else:
-            self.kv_cache = torch.zeros((n_layers, 2, self.num_global_blocks, *block), dtype=dtype,
-                                        device=self.device)
+            self.kv_cache = self.platform.kv_zeros((n_layers, 2, self.num_global_blocks, *block), dtype,
+                                                   self.device)
 
     # -- weights and memory between steps (collective_rpc; core/weight_sync.py) ------------------------------
     def update_weights(self, source: str | Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,5 +1,4 @@
-"""Host memory below torch: glibc's mmap threshold pinned so that big, short-lived tensors go back to the OS
-when freed, the heap trimmed on request, and zeroed mappings for the KV cache (zeroed_mapping).
+"""Pin glibc's mmap threshold so that big, short-lived tensors go back to the OS when freed.
 
 Sampling allocates [batch, vocab] tensors of a different size every step (logits, their float copy, the
 sort for top-p). glibc raises its mmap threshold each time it frees an mmapped chunk, after which such
@@ -10,14 +9,10 @@ threshold pinned at 1 MiB it stayed at 0.5 GiB. Setting the threshold once turns
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import sys
-import threading
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
-MADV_POPULATE_WRITE = 23  # madvise advice (Linux 5.14+): fault a range in, writable, without writing it
-POPULATE_CHUNK = 16 << 20
 DEFAULT_THRESHOLD = 1 << 20
 
 
@@ -45,30 +40,3 @@ def trim_heap() -> bool:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(ctypes.c_size_t(0)))
     except (OSError, AttributeError):
         return False
-
-
-def zeroed_mapping(nbytes: int) -> mmap.mmap:
-    """`nbytes` of zeros as an anonymous mapping, returned at once: a thread faults the pages in behind the
-    caller's back (the kernel zeroes them; madvise(MADV_POPULATE_WRITE) through ctypes, which lets go of the
-    GIL), so start-up goes on while the memory is prepared instead of waiting for torch.zeros to write it
-    (1 s for 4 GiB here), and the first steps that write the cache do not pay a page fault per 4 KiB either.
-    Where the kernel lacks the advice, pages fault in on first write."""
-    buf = mmap.mmap(-1, nbytes)
-    if sys.platform.startswith("linux"):
-        threading.Thread(target=_populate, args=(buf, nbytes), name="tdpipe-populate", daemon=True).start()
-    return buf
-
-
-def _populate(buf: mmap.mmap, nbytes: int) -> None:
-    """Holds `buf` until the pages are in, so the mapping cannot be unmapped (and reused) under it. At the
-    lowest priority (Linux nices threads one by one): start-up work on a busy core goes first."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        for start in range(0, nbytes, POPULATE_CHUNK):  # in pieces: the address space's lock is let go between
-            n = min(POPULATE_CHUNK, nbytes - start)
-            if libc.madvise(ctypes.c_void_p(addr + start), ctypes.c_size_t(n), MADV_POPULATE_WRITE) != 0:
-                return
-    except (OSError, AttributeError, ValueError, TypeError):
-        pass

@@ -100,6 +100,20 @@ def test_cpu_kv_cache_is_resident_only_where_written():
     assert kv[3, 1, 7:9].eq(1).all()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_cpu_kv_cache_is_not_shared_with_a_forked_child():
+    """Private memory: a forked child's writes never reach the parent's cache (Python's mmap shares by default)."""
+    import ctypes
+
+    kv = get_platform("cpu").kv_zeros((4, 1024), torch.float32, torch.device("cpu"))
+    pid = os.fork()
+    if pid == 0:  # the child writes through the raw pointer (no torch threads after fork)
+        ctypes.memset(kv.data_ptr(), 0x7F, kv.numel() * 4)
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert kv.eq(0).all()
+
+
 def test_cpu_kv_budget(monkeypatch):
     assert cpu_platform.kv_budget(None, 20 * GiB) == 4 * GiB  # min(4 GiB, 40%)
     assert cpu_platform.kv_budget(None, 5 * GiB) == 2 * GiB

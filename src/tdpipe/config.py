@@ -233,7 +233,7 @@ class SchedulerConfig:
     # output lengths for policies that ask for them (PolicySpec.needs_predictor; TD-Pipe's Algorithm 1):
     # auto | oracle | constant[:N] | a file (tdpipe/predictor/factory.py)
     predictor: str = "auto"
-    # reuse the start-up step-cost profile, for policies that use one (PolicySpec.needs_step_costs)
+    # reuse start-up measurements: the step-cost profile (PolicySpec.needs_step_costs), pp > 1's stage costs
     profile_cache: bool = True
     knobs: Any = None  # the policy's knob object; None or a dict: PolicySpec.configure makes it
 

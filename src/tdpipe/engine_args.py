@@ -147,9 +147,10 @@ class EngineArgs:
                                    "shipped for the model if there is one, else constant (default: %(default)s)",
         "--predictor", group="scheduler")
     profile_cache: bool = option(
-        SchedulerConfig.profile_cache, "td-pipe: measure the step costs for the intensity switch (Eq. 1-2) at "
-                                       "start-up even if a cached profile exists (cached in $TDPIPE_CACHE/profiles, "
-                                       "default ~/.cache/tdpipe/profiles)", "--no-profile-cache", action="negate",
+        SchedulerConfig.profile_cache, "measure at start-up even where a cached measurement exists: td-pipe's step "
+                                       "costs for the intensity switch (Eq. 1-2) and, at pp > 1, the stage costs the "
+                                       "layer partition balances (cached in $TDPIPE_CACHE/profiles, default "
+                                       "~/.cache/tdpipe/profiles)", "--no-profile-cache", action="negate",
         group="scheduler")
     num_threads: int | None = option(EngineConfig.num_threads, "torch threads of the engine process (default: all "
                                                                "cores with --pp 1, else 1)", "--threads", type=int)

@@ -286,7 +286,8 @@ class EngineBuilder:
     def _choose_partition(self) -> None:
         """Layers per stage and the lm_head split, balanced by measured time (a decode micro-batch and a
         prefill), not by layer count or FLOPs."""
-        from tdpipe.worker.partition import StageCosts, choose_head_split, resolve_partition
+        from tdpipe.worker.partition import choose_head_split, resolve_partition
+        from tdpipe.worker.partition_cache import measured_costs
 
         par, mc = self.config.parallel, self.model_config
         split = par.lm_head_split  # None: auto (pp > 1, tp = 1 only)
@@ -295,7 +296,8 @@ class EngineBuilder:
         costs = None
         if self.pp > 1 and (counts is None or auto):
             batch = max(8, min(128, self.config.scheduler.max_num_seqs // self.pp))
-            costs = StageCosts.measure(mc, self.dtype, par.stage_threads(), batch=batch, platform=self.platform)
+            costs = measured_costs(mc, self.dtype, par.stage_threads(), batch, self.platform,
+                                   self.config.scheduler.profile_cache)
             if auto:
                 split, counts = choose_head_split(mc, self.pp, costs, counts)
             costs = costs.with_split(split or 0.0)  # the costs the partition and the log below go by

@@ -1,7 +1,8 @@
 """tdpipe's cache folder ($TDPIPE_CACHE, or ~/.cache/tdpipe) and the model folders kept in it.
 
 Everything derived from a model once and reused is kept here: GGUF conversions and random-weight models
-(model/bundled.py, model/random_model.py), compiled kernels (model/jit.py), step profiles and calibrations,
+(model/bundled.py, model/random_model.py), compiled kernels (model/jit.py), step profiles, the partition's
+stage costs (worker/partition_cache.py) and calibrations,
 keyed by model_identity. A model entry is built in a temporary folder beside it and renamed into place
 with a manifest (file names and sizes, written last), so a kill mid-build never leaves a folder that looks
 complete; check_entry reads the manifest (a few stats) on every load and says what is wrong with a damaged

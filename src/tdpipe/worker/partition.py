@@ -4,9 +4,10 @@ The embedding sits on the first stage and the final norm + lm_head on the last, 
 lm_head is heavy: SmolLM2's tied 49152 x 576 head costs five to seven decoder layers per decode token.
 But a prefill samples one row per prompt, so there the head is almost free. No single split balances
 both phases: balancing decode overloads the first stage in prefill, and the reverse. So the engine times
-both at start-up (StageCosts.measure) and minimises the time of the phases one after the other,
-DECODE_TIME_SHARE x (slowest stage in decode) + the rest x (slowest stage in prefill) (PhaseCosts), not
-the slowest stage of a blended cost, which hides an imbalance that flips between the phases.
+both at start-up (StageCosts.measure, kept on disk by worker/partition_cache.py) and minimises the time of
+the phases one after the other, DECODE_TIME_SHARE x (slowest stage in decode) + the rest x (slowest stage
+in prefill) (PhaseCosts), not the slowest stage of a blended cost, which hides an imbalance that flips
+between the phases.
 
 The lm_head split (--lm-head-split) is the second knob: a share of the head's vocabulary computed on the
 first stage moves decode work only (prefill samples few rows), so layers can balance prefill and the split

@@ -71,8 +71,8 @@ def test_cpu_configure_process_sets_threads_and_pins_malloc(monkeypatch):
 
 
 def test_cpu_kv_cache_is_a_zeroed_mapping():
-    """The CPU KV cache: one contiguous tensor of the asked shape and dtype, zeros, writable, whose pages a
-    thread faults in (tdpipe/malloc.py) while start-up goes on."""
+    """The CPU KV cache: one contiguous tensor of the asked shape and dtype, zeros, writable (an anonymous
+    mapping whose pages the kernel zeroes on first write)."""
     plat = get_platform("cpu")
     kv = plat.kv_zeros((8, 2, 64, 4, 16, 64), torch.bfloat16, torch.device("cpu"))
     assert kv.shape == (8, 2, 64, 4, 16, 64) and kv.dtype == torch.bfloat16 and kv.is_contiguous()

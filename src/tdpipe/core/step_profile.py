@@ -93,9 +93,9 @@ class Plan:
 
 def cache_dir() -> Path:
     """$TDPIPE_CACHE/profiles (default ~/.cache/tdpipe/profiles), beside the converted models and kernels."""
-    from tdpipe.model.cache import cache_dir as root
+    from tdpipe.model.cache import profiles_dir
 
-    return root() / "profiles"
+    return profiles_dir()
 
 
 def kv_batch(bm: BlockManager) -> int:
@@ -293,13 +293,11 @@ def _load(path: Path, key: dict, then: str = "measuring it again and overwriting
 
 def _save(path: Path, model: StepCostModel, key: dict) -> None:
     """Write via a private temporary file and rename, so a reader never sees half a profile."""
+    from tdpipe.model.cache import write_json
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"d0": model.d0, "d1": model.d1, "p0": model.p0, "p1": model.p1,
-                "peak_batch": model.peak_batch, "points": model.points, "key": key}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json(path, {"d0": model.d0, "d1": model.d1, "p0": model.p0, "p1": model.p1,
+                          "peak_batch": model.peak_batch, "points": model.points, "key": key})
     except OSError as e:
         log.warning("could not cache the step profile at %s: %s", path, e)
 

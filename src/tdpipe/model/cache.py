@@ -54,6 +54,20 @@ def cache_dir() -> Path:
 
 
 # -- model entries ------------------------------------------------------------------------------------
+def profiles_dir() -> Path:
+    """$TDPIPE_CACHE/profiles: start-up measurements (step profiles, the partition's stage costs)."""
+    return cache_dir() / "profiles"
+
+
+def write_json(path: Path, data: Any, indent: int | None = 1) -> None:
+    """`data` as JSON at `path` (its folder created), written to a private temporary file and renamed into
+    place, so a reader never sees half a file. OSError propagates: the caller says what was not cached."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)
+
+
 def _safetensors_ok(path: Path) -> str | None:
     """Truncation check from the header alone: the data must end exactly at the file's end."""
     try:

@@ -114,11 +114,11 @@ def _clear(build_dir: Path) -> None:
 
 
 def _record(build_dir: Path, name: str) -> None:
+    from tdpipe.model.cache import write_json
+
     so = build_dir / f"{name}.so"
     try:
-        tmp = build_dir / f".{MANIFEST}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"so": so.name, "size": so.stat().st_size}))
-        os.replace(tmp, build_dir / MANIFEST)
+        write_json(build_dir / MANIFEST, {"so": so.name, "size": so.stat().st_size}, indent=None)
     except OSError:
         pass  # the next load checks the headers instead
 

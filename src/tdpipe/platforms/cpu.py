@@ -61,7 +61,7 @@ class CpuPlatform(Platform):
         of every engine start here with the default 4 GiB). The first write of each page pays a fault
         instead (about 0.3 s per GiB written here, once per process). The mapping goes back to the OS when
         the tensor dies."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.zeros(shape, dtype=dtype, device=device)
         # private: a forked child must not share the parent's cache, and shared anonymous memory is tmpfs (its

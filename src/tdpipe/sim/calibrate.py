@@ -313,12 +313,11 @@ def cpu_hardware(threads: int | None = None, model: str | None = None, recalibra
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("tdpipe: calibration %s is damaged (%s: %s); calibrating again", path,
                         type(e).__name__, e)
+    from tdpipe.model.cache import write_json
+
     doc = calibrate(counts, model) | {"key": key}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # renamed into place: never half a file
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(path)
+        write_json(path, doc)  # renamed into place: never half a file
         log.info("CPU calibration cached at %s", path)
     except OSError as e:
         log.warning("could not cache the CPU calibration at %s: %s", path, e)

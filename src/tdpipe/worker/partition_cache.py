@@ -75,22 +75,19 @@ def parse_costs(data: Any, key: dict) -> PhaseCosts:
 
 
 def _path(key: dict) -> Path:
-    from tdpipe.model.cache import cache_dir
+    from tdpipe.model.cache import profiles_dir
 
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "profiles" / f"partition-{digest}.json"
+    return profiles_dir() / f"partition-{digest}.json"
 
 
 def _save(path: Path, costs: PhaseCosts, key: dict) -> None:
-    """Via a private temporary file and a rename: a reader never sees half a file. A cache that cannot be
-    written costs the next start a measurement, nothing more."""
+    """A cache that cannot be written costs the next start a measurement, nothing more."""
+    from tdpipe.model.cache import write_json
+
     data = {p: {f: getattr(getattr(costs, p), f) for f in _FIELDS} for p in ("decode", "prefill")}
-    data["key"] = key
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json(path, data | {"key": key})
     except OSError:
         pass
 

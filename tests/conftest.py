@@ -6,7 +6,7 @@ import pytest
 import torch
 
 # tests/gpu/ assumes a CUDA device: collected only where torch sees one, so the CPU suite neither runs nor skips
-# it (`tdpipe gpu-check run` runs it on a GPU machine; none of it has run on a GPU yet, docs/gpu.md). Declared
+# it (`tdpipe gpu-check run` runs it on a GPU machine, docs/gpu.md). Declared
 # here, not in a conftest.py of that folder: a second module named conftest would shadow this one's helpers.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 

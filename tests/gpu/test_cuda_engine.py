@@ -10,26 +10,15 @@ from tdpipe import LLM, SamplingParams
 from tdpipe.bench.gpu_check import TINY_LLAMA
 from tdpipe.bench.parity import hf_greedy
 
+from gpu_models import decisive_model
+
 LENGTHS = (5, 15, 16, 17, 33, 40)  # around the 16-token KV blocks
 N = 16
 
 
 @pytest.fixture(scope="module")
 def decisive(tmp_path_factory):
-    """(folder, transformers model on cuda): a 2-layer Llama whose weights are large enough (std 0.3) that
-    greedy argmaxes are never near-ties, saved with the random-model tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tdpipe.model.random_model import random_model_folder
-
-    root = tmp_path_factory.mktemp("decisive")
-    folder = random_model_folder({k: v for k, v in TINY_LLAMA.items() if k != "_source"}, root=root)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if not k.startswith("_") and k != "architectures"},
-                      initializer_range=0.3)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(folder)  # replaces the random weights; the tokenizer files stay
-    return folder, model.to("cuda")
+    return decisive_model(tmp_path_factory.mktemp("decisive"), seed=0)
 
 
 def _prompts() -> list[list[int]]:

@@ -1,9 +1,14 @@
-"""Fused element-wise ops (csrc/ops.cpp) with pure-torch equivalents, used where the kernel is unavailable.
+"""Fused element-wise ops: the C++ kernel (csrc/ops.cpp) for bf16 CPU tensors, Triton kernels
+(model/triton_ops.py) for bf16 / fp16 CUDA tensors, and the pure-torch equivalents for everything else
+(float32 everywhere: bit-comparable with transformers).
 
-Unfused, the norms, rotary embedding and SwiGLU cost more than the GEMMs of a prefill batch on this CPU:
-each torch op makes its own pass over memory and bf16 reductions are slow.
+Unfused, the norms, rotary embedding and SwiGLU cost more than the GEMMs of a prefill batch on a CPU (each
+torch op makes its own pass over memory and bf16 reductions are slow), and on a GPU their dozens of tiny
+kernels per layer bound a small model's decode step.
 """
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +17,8 @@ from tdpipe.model.jit import build
 
 _ops = None
 _tried = False
+_triton_ops: ModuleType | None = None
+_triton_tried = False
 
 
 def kernel():
@@ -20,6 +27,28 @@ def kernel():
         # fast-math lets gcc vectorise the bf16 conversions and exp; float32 keeps torch's exact path
         _ops, _tried = build("tdpipe_ops", "ops.cpp", ["-ffast-math"]), True
     return _ops
+
+
+def _gpu(x: torch.Tensor) -> ModuleType | None:
+    """The Triton ops' module where x is a CUDA tensor they take (None: use torch); imported on first use."""
+    global _triton_ops, _triton_tried
+    if not x.is_cuda:
+        return None
+    if not _triton_tried:
+        _triton_tried = True
+        try:
+            from tdpipe.model import triton_ops
+
+            _triton_ops = triton_ops
+        except ImportError:  # no triton: torch ops, slower
+            _triton_ops = None
+    return _triton_ops if _triton_ops is not None and _triton_ops.supports(x) else None
+
+
+def _rows(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """2-D rows (and a residual of x's shape and dtype) that the Triton norm reads by row stride."""
+    return x.dim() == 2 and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                                  and residual.stride(-1) == 1))
 
 
 def _use(x: torch.Tensor) -> bool:
@@ -31,6 +60,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """norm(x + residual); `residual` (when given) is updated in place to x + residual."""
     if _use(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         return kernel().add_rms_norm(x, residual, weight, eps)
+    if (gpu := _gpu(x)) is not None and weight.dtype == x.dtype and _rows(x, residual):
+        return gpu.add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -42,7 +73,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def add_gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float) -> torch.Tensor:
     """Gemma's norm(x + residual) = normed * (1 + w), the product in float32 and then cast (transformers'
-    Gemma3RMSNorm); `residual` (when given) is updated in place to x + residual. Torch ops only."""
+    Gemma3RMSNorm); `residual` (when given) is updated in place to x + residual."""
+    if (gpu := _gpu(x)) is not None and _rows(x, residual):
+        return gpu.add_rms_norm(x, residual, weight, eps, gemma=True)
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -60,6 +93,8 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _use(gate_up) and gate_up.is_contiguous():
         return kernel().silu_and_mul(gate_up)
+    if (gpu := _gpu(gate_up)) is not None and gate_up.dim() == 2:
+        return gpu.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -70,6 +105,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> to
     if _use(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         kernel().rope_(x, positions, cos_sin)
         return x
+    if (gpu := _gpu(x)) is not None and x.dim() == 3 and cos_sin.dtype == torch.float32:
+        return gpu.rope_(x, positions, cos_sin)
     d = x.shape[-1]
     half = d // 2
     cs = cos_sin[positions].to(x.dtype)

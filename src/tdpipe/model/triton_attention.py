@@ -1,8 +1,7 @@
 """Paged attention in Triton, for CUDA tensors (and CPU tensors through Triton's interpreter).
 
-NOT YET RUN ON A GPU: every kernel here has only been checked by Triton's CPU interpreter against the dense
-reference (tests/unit/test_triton_attention.py). Compiled-mode numerics and speed are unmeasured, and the
-block sizes / warps are untuned guesses.
+Run on an H200 and an H100 (tests/gpu, docs/gpu.md) and checked on CPUs by Triton's interpreter against the
+dense reference (tests/unit/test_triton_attention.py); the block sizes and warps are not tuned yet.
 
 Same cache layout and batch description as model/paged_attention.py: per layer k_cache / v_cache
 [num_blocks, num_kv_heads, block_size, head_dim]; sequence s owns query rows
@@ -22,25 +21,20 @@ attends causally. Three kernels:
 Both attention kernels take an optional sliding window W: query position p sees keys p-W+1 .. p (Mistral /
 Gemma convention, HF's `kv_idx > q_idx - sliding_window`).
 
-Why kernels are wrapped lazily: Triton fixes interpreted or compiled mode when it is first imported
-(TRITON_INTERPRET=1 then: its own library, tl.zeros, tl.max..., is jitted at import), and `triton.jit` reads
-the variable when it decorates. So the kernel bodies below are plain functions, wrapped on first use by
-`_kernels(interpret)`; they call no other jitted function of ours, so wrapping them one by one is enough.
-CUDA tensors run in the mode triton was imported in (TRITON_INTERPRET=1 set before that is honoured; tdpipe
-itself imports triton only when a Triton kernel is first needed). CPU tensors always run interpreted, also
-when triton was imported for compiling (torch._dynamo imports it whenever a model is built on the meta
-device): `_launching` then runs triton's library functions interpreted during the launch.
+Kernels are wrapped lazily, for whichever mode triton runs in: model/triton_jit.py says why.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
+
+# interpreted() stays importable from here (tests, callers that ask which mode ran)
+from tdpipe.model.triton_jit import interpret_for, interpreted, kernel_set, launching, pow2  # noqa: F401
 
 IntSeq = torch.Tensor | Sequence[int]
 
@@ -245,61 +239,16 @@ def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr,
              mask=d < tl.where(is_decode, head_dim, 0))
 
 
-def interpreted() -> bool:
-    """Is triton running under its interpreter? Decided when triton is first imported: its own library
-    (tl.zeros, tl.max, ...) is jitted then, in the mode TRITON_INTERPRET selects."""
-    return not isinstance(tl.zeros, triton.runtime.JITFunction)
-
-
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
-    """The four kernels, wrapped for triton's mode on first use (not at import: see the module docstring)."""
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        wrap: Callable = InterpretedFunction
-    else:
-        wrap = triton.runtime.JITFunction
-    return SimpleNamespace(interpreted=interpret, store_kv=wrap(_store_kv_body), prefill=wrap(_prefill_body),
-                           decode=wrap(_decode_body), reduce=wrap(_reduce_body))
+    """The four kernels, wrapped for triton's mode on first use (not at import: see model/triton_jit.py)."""
+    return kernel_set(interpret, store_kv=_store_kv_body, prefill=_prefill_body, decode=_decode_body,
+                      reduce=_reduce_body)
 
 
 def _kernels_for(t: torch.Tensor) -> SimpleNamespace:
     """Kernels that can run on t's device: CPU tensors only interpreted, CUDA tensors in triton's mode."""
-    return _kernels(t.device.type == "cpu" or interpreted())
-
-
-@functools.cache
-def _interpreted_twin(fn: Callable) -> Callable:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(fn)
-
-
-def _call_interpreted(self: triton.runtime.JITFunction, *args, **kwargs):
-    return _interpreted_twin(self.fn)(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _launching(kern: SimpleNamespace) -> Iterator[None]:
-    """Around a launch. Interpreting while triton's own library was jitted for compiling (triton imported
-    without TRITON_INTERPRET=1, as torch._dynamo does whenever a model is built on the meta device): its
-    functions (tl.zeros, tl.max, ...) would raise when called, so during the launch they run interpreted,
-    as they would under TRITON_INTERPRET=1."""
-    if not kern.interpreted or interpreted():
-        yield
-        return
-    jit_fn = triton.runtime.JITFunction
-    saved = jit_fn.__call__  # outside a kernel it only raises, so nothing else depends on it meanwhile
-    jit_fn.__call__ = _call_interpreted
-    try:
-        yield
-    finally:
-        jit_fn.__call__ = saved
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return _kernels(interpret_for(t))
 
 
 def _int_tensor(x: IntSeq, device: torch.device) -> torch.Tensor:
@@ -333,10 +282,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v.contiguous()
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64).contiguous()
     kern = _kernels_for(k_cache)
-    with _launching(kern):
+    with launching(kern):
         kern.store_kv[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), hkv, d, k_cache.shape[2],
-                            BLOCK_H=_pow2(hkv), BLOCK_D=_pow2(d))
+                            BLOCK_H=pow2(hkv), BLOCK_D=pow2(d))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
@@ -373,14 +322,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # their raw bits (triton 3.9), so there they are widened to float32 after the same rounding.
     fp32_dot = k_cache.dtype == torch.float32 or (kern.interpreted and k_cache.dtype == torch.bfloat16)
     qk_scale = float(scale) * _LOG2E
-    block_d = max(16, _pow2(d))  # tl.dot wants every dimension >= 16 when compiled
+    block_d = max(16, pow2(d))  # tl.dot wants every dimension >= 16 when compiled
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0))
     num_warps = 4 if d <= 128 else 8
     if t == num_seqs:  # decode rows only
         part = partition_size or PARTITION_SIZE
         num_parts = triton.cdiv(bt.shape[1] * bs, part)
-        block_n = max(16, min(64 if d <= 128 else 32, _pow2(part)))
+        block_n = max(16, min(64 if d <= 128 else 32, pow2(part)))
         split = num_parts > 1
         if split:
             part_m = torch.empty((num_seqs, hq, num_parts), dtype=torch.float32, device=dev)
@@ -388,22 +337,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             part_o = torch.empty((num_seqs, hq, num_parts, d), dtype=torch.float32, device=dev)
         else:
             part_m = part_l = part_o = out  # unused
-        with _launching(kern):
+        with launching(kern):
             kern.decode[(num_seqs, hkv, num_parts)](
                 q, k_cache, v_cache, out, part_m, part_l, part_o, bt, cu, lens, *strides,
                 hq, num_parts, d, bs, qk_scale, window, part,
-                G=g, BLOCK_G=max(16, _pow2(g)), BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=use_window,
+                G=g, BLOCK_G=max(16, pow2(g)), BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=use_window,
                 SPLIT=split, FP32_DOT=fp32_dot, num_warps=num_warps)
             if split:
                 kern.reduce[(num_seqs, hq)](out, part_m, part_l, part_o, cu, out.stride(0), out.stride(1), hq,
-                                            num_parts, d, BLOCK_P=_pow2(num_parts), BLOCK_D=block_d)
+                                            num_parts, d, BLOCK_P=pow2(num_parts), BLOCK_D=block_d)
         return out
     # Rows per program: small when most sequences decode (each tile then holds one query position's G heads).
-    block_m = max(16 if t < 4 * num_seqs else (64 if d <= 128 else 32), _pow2(g))
+    block_m = max(16 if t < 4 * num_seqs else (64 if d <= 128 else 32), pow2(g))
     block_q = block_m // g
     block_n = 64 if d <= 64 else 32
     grid = (t // block_q + num_seqs, hkv)
-    with _launching(kern):
+    with launching(kern):
         kern.prefill[grid](q, k_cache, v_cache, out, bt, cu, lens, *strides, num_seqs, d, bs, qk_scale,
                            window, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                            USE_WINDOW=use_window, FP32_DOT=fp32_dot, num_warps=num_warps)

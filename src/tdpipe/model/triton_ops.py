@@ -25,9 +25,9 @@ from tdpipe.model.triton_jit import interpret_for, kernel_set, launching, pow2
 
 
 # kernel bodies (wrapped by _kernels; see model/triton_jit.py). Every rounding to bf16 is written out as
-# integer arithmetic on the float32 bits (round to nearest, ties to even, as torch rounds): compiled Triton
-# folded a plain `.to(bf16).to(float32)` between two float ops away (checked on an H200: rotary then
-# differed from torch in cancelling sums), and the interpreter truncates instead of rounding. Each
+# integer arithmetic on the float32 bits (round to nearest, ties to even, as torch rounds): with a plain
+# `.to(bf16).to(float32)` between two float ops, rotary differed from torch on an H200 where its products
+# cancel, as if the pair had been folded away, and the interpreter truncates instead of rounding. Each
 # `u = v.to(uint32, bitcast) ; v = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(float32, bitcast)` below is
 # that rounding, inline because these bodies call no other jitted function.
 def _add_rms_norm_body(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,

@@ -78,6 +78,22 @@ def test_decode(ta, dtype, partition_size):
     check(ta, dtype, 16, 2, 3, 64, DECODE, [1] * len(DECODE), seed=3, partition_size=partition_size)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_with_a_table_wider_than_every_sequence(ta, monkeypatch, window):
+    """As under a CUDA graph, whose static block table is max_model_len wide: most split-K partitions lie
+    past every sequence's end. They write nothing and the reduce reads none of them (the scratch starts as
+    NaN, which any read would carry into the output)."""
+    monkeypatch.setattr(ta, "_scratch", lambda shape, device: torch.full(shape, float("nan"), device=device))
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.bfloat16, 16, 2, 3, 64, DECODE, [1] * len(DECODE), seed=6)
+    wide = torch.cat([bt, torch.full((bt.shape[0], 40), -1, dtype=torch.int32)], dim=1)  # 20+ partitions
+    out = ta.paged_attention(q, kc, vc, wide, torch.tensor(cu, dtype=torch.int32),
+                             torch.tensor(DECODE, dtype=torch.int32), 0.125, sliding_window=window,
+                             partition_size=32)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), dense_causal(q, ks, vs, cu, DECODE, 0.125, window or 0),
+                               **TOL16[torch.bfloat16])
+
+
 @pytest.mark.parametrize("d,g,bs", [(256, 2, 16), (128, 4, 5)])
 def test_decode_shapes(ta, d, g, bs):
     check(ta, torch.bfloat16, bs, 1, g, d, [7, 33, 80], [1, 1, 1], seed=4, partition_size=32)

@@ -207,25 +207,30 @@ def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty partition: l = 0, o = 0, weight 0 below
     if SPLIT:
+        # Partitions past the sequence's end store nothing, and _reduce_body reads only those before it: the
+        # grid is sized by the block table's width, which under a CUDA graph is max_model_len's (8,192 tokens:
+        # 16 partitions of which a 200-token context uses one).
+        live = r < tl.where(is_decode & (part * partition_size < seq_len), G, 0)
         idx = (s * num_heads + head).to(tl.int64) * num_parts + part  # [S, Hq, P]
-        tl.store(part_m_ptr + idx, m_i, mask=row_ok)
-        tl.store(part_l_ptr + idx, l_i, mask=row_ok)
-        tl.store(part_o_ptr + idx[:, None] * head_dim + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(part_m_ptr + idx, m_i, mask=live)
+        tl.store(part_l_ptr + idx, l_i, mask=live)
+        tl.store(part_o_ptr + idx[:, None] * head_dim + d[None, :], o, mask=live[:, None] & d_ok[None, :])
     else:
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr,
-                 stride_ot, stride_oh, num_heads, num_parts, head_dim,
+def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr, lens_ptr,
+                 stride_ot, stride_oh, num_heads, num_parts, head_dim, partition_size,
                  BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (sequence, query head): out = sum_p w_p o_p / sum_p w_p with w_p = l_p * 2^(m_p - max m)."""
+    """Program (sequence, query head): out = sum_p w_p o_p / sum_p w_p with w_p = l_p * 2^(m_p - max m), over
+    the partitions that start before the sequence's end (the only ones _decode_body wrote)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     q_row = tl.load(cu_ptr + s)
     is_decode = tl.load(cu_ptr + s + 1) - q_row == 1
     p = tl.arange(0, BLOCK_P)
-    p_ok = p < num_parts
+    p_ok = p < tl.minimum(num_parts, (tl.load(lens_ptr + s) + partition_size - 1) // partition_size)
     base = (s * num_heads + h).to(tl.int64) * num_parts
     m = tl.load(part_m_ptr + base + p, mask=p_ok, other=-1.0e30)
     l = tl.load(part_l_ptr + base + p, mask=p_ok, other=0.0)
@@ -255,6 +260,12 @@ def _int_tensor(x: IntSeq, device: torch.device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(device=device, dtype=torch.int32).contiguous()
     return torch.tensor(list(x), dtype=torch.int32, device=device)
+
+
+def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Split-K partials: float32, uninitialised (each partition the reduce reads is written first; the tests
+    fill it with NaN to prove that)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -332,9 +343,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_n = max(16, min(64 if d <= 128 else 32, pow2(part)))
         split = num_parts > 1
         if split:
-            part_m = torch.empty((num_seqs, hq, num_parts), dtype=torch.float32, device=dev)
-            part_l = torch.empty_like(part_m)
-            part_o = torch.empty((num_seqs, hq, num_parts, d), dtype=torch.float32, device=dev)
+            part_m = _scratch((num_seqs, hq, num_parts), dev)
+            part_l = _scratch((num_seqs, hq, num_parts), dev)
+            part_o = _scratch((num_seqs, hq, num_parts, d), dev)
         else:
             part_m = part_l = part_o = out  # unused
         with launching(kern):
@@ -344,8 +355,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 G=g, BLOCK_G=max(16, pow2(g)), BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=use_window,
                 SPLIT=split, FP32_DOT=fp32_dot, num_warps=num_warps)
             if split:
-                kern.reduce[(num_seqs, hq)](out, part_m, part_l, part_o, cu, out.stride(0), out.stride(1), hq,
-                                            num_parts, d, BLOCK_P=pow2(num_parts), BLOCK_D=block_d)
+                kern.reduce[(num_seqs, hq)](out, part_m, part_l, part_o, cu, lens, out.stride(0), out.stride(1),
+                                            hq, num_parts, d, part, BLOCK_P=pow2(num_parts), BLOCK_D=block_d)
         return out
     # Rows per program: small when most sequences decode (each tile then holds one query position's G heads).
     block_m = max(16 if t < 4 * num_seqs else (64 if d <= 128 else 32), pow2(g))

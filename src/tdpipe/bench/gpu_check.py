@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -403,6 +404,10 @@ def summary(doc: dict[str, Any]) -> str:
                      f"{env['copy_bytes_per_s'] / 1e9:.3g} GB/s (read + write)")
     for name, s in doc["steps"].items():
         extra = f" ratio vs transformers {s['ratio_vs_transformers']:.2f}x" if "ratio_vs_transformers" in s else ""
+        points = (s.get("engine") or {}).get("decode_points") or []
+        if points:  # the figure an A/B of two trees compares (scripts/gpu_ab.sh prints the same)
+            extra += (f", median decode step {1e3 * statistics.median(p[2] for p in points):.2f} ms"
+                      f" at batch {points[0][0]}")
         lines.append(f"  {name:<20} {s['status']:<8} {s.get('seconds', 0):6.1f} s{extra}"
                      + (f"  {s['error']}" if s.get("error") else ""))
     for k, t in doc["targets"].items():

@@ -207,14 +207,19 @@ def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty partition: l = 0, o = 0, weight 0 below
     if SPLIT:
-        # Partitions past the sequence's end store nothing, and _reduce_body reads only those before it: the
-        # grid is sized by the block table's width, which under a CUDA graph is max_model_len's (8,192 tokens:
-        # 16 partitions of which a 200-token context uses one).
-        live = r < tl.where(is_decode & (part * partition_size < seq_len), G, 0)
+        # The grid is sized by the block table's width, which under a CUDA graph is max_model_len's (8,192
+        # tokens: 16 partitions, of which a 200-token context uses one). A sequence that fits one partition
+        # has its output written here by partition 0, and _reduce_body skips it; a longer one stores a
+        # partial per partition that starts before its end, the only ones _reduce_body reads.
+        multi = seq_len > partition_size
+        live = r < tl.where(is_decode & multi & (part * partition_size < seq_len), G, 0)
         idx = (s * num_heads + head).to(tl.int64) * num_parts + part  # [S, Hq, P]
         tl.store(part_m_ptr + idx, m_i, mask=live)
         tl.store(part_l_ptr + idx, l_i, mask=live)
         tl.store(part_o_ptr + idx[:, None] * head_dim + d[None, :], o, mask=live[:, None] & d_ok[None, :])
+        whole = r < tl.where(is_decode & (seq_len <= partition_size) & (part == 0), G, 0)
+        tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=whole[:, None] & d_ok[None, :])
     else:
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -224,13 +229,15 @@ def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr, lens_ptr,
                  stride_ot, stride_oh, num_heads, num_parts, head_dim, partition_size,
                  BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (sequence, query head): out = sum_p w_p o_p / sum_p w_p with w_p = l_p * 2^(m_p - max m), over
-    the partitions that start before the sequence's end (the only ones _decode_body wrote)."""
+    the partitions that start before the sequence's end (the only ones _decode_body wrote); nothing for a
+    sequence that fits one partition (_decode_body wrote its output)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     q_row = tl.load(cu_ptr + s)
-    is_decode = tl.load(cu_ptr + s + 1) - q_row == 1
+    seq_len = tl.load(lens_ptr + s)
+    is_decode = (tl.load(cu_ptr + s + 1) - q_row == 1) & (seq_len > partition_size)
     p = tl.arange(0, BLOCK_P)
-    p_ok = p < tl.minimum(num_parts, (tl.load(lens_ptr + s) + partition_size - 1) // partition_size)
+    p_ok = p < tl.where(is_decode, tl.minimum(num_parts, (seq_len + partition_size - 1) // partition_size), 0)
     base = (s * num_heads + h).to(tl.int64) * num_parts
     m = tl.load(part_m_ptr + base + p, mask=p_ok, other=-1.0e30)
     l = tl.load(part_l_ptr + base + p, mask=p_ok, other=0.0)

@@ -95,3 +95,24 @@ def test_random_workload_never_leaks():
     for s in live:
         bm.free(s)
     bm.check_no_leaks()
+
+
+def test_writes_in_place_is_the_case_where_appending_changes_nothing():
+    """The scheduler's fast path: True exactly when append_slot and prepare_append would leave the table and
+    the counts as they are (a private, uncached block with room); a new block, a shared block (after a fork)
+    and an empty sequence take the general path."""
+    bm = BlockManager(10, 4)
+    s = seq(0, 6)
+    bm.allocate(s)  # 6 tokens in 2 blocks: the next decode writes position 5, block 1, alone
+    assert bm.writes_in_place(s)
+    before = (list(s.block_table), list(bm.ref_counts), bm.num_free_blocks)
+    assert bm.append_slot(s) == [] and bm.prepare_append(s) is None
+    assert (list(s.block_table), list(bm.ref_counts), bm.num_free_blocks) == before
+    s.output_token_ids += [7, 8, 9]  # 9 tokens: position 8 needs a third block
+    assert not bm.writes_in_place(s)
+    bm.append_slot(s)
+    assert bm.writes_in_place(s)
+    twin = seq(1, 9)
+    twin.block_table = bm.fork(s.block_table)  # the block it writes is now shared: copy-on-write
+    assert not bm.writes_in_place(s) and not bm.writes_in_place(twin)
+    assert not bm.writes_in_place(Sequence(2, "2", [], SamplingParams()))

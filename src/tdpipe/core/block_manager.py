@@ -185,6 +185,17 @@ class BlockManager:
     def append_slot(self, seq: Sequence) -> list[int]:
         return self.allocate(seq, seq.num_tokens)
 
+    def writes_in_place(self, seq: Sequence) -> bool:
+        """Whether seq's next decode token (position num_tokens - 1) lands in a block it already holds alone
+        and uncached, with no sliding-window pool: then `append_slot` and `prepare_append` would change
+        nothing, and the scheduler skips them (15 of 16 decode steps with 16-token blocks)."""
+        n = seq.num_tokens
+        if n == 0 or self.window_pool is not None:
+            return False
+        i = (n - 1) // self.block_size
+        table = seq.block_table
+        return i < len(table) and self.ref_counts[table[i]] == 1 and self.cache.hash_of(table[i]) is None
+
     def fork(self, block_ids: list[int]) -> list[int]:
         """Share blocks with another table (copy-free): bump their reference counts."""
         for b in block_ids:

@@ -229,6 +229,10 @@ class Scheduler:
         for seq in seqs:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            if self.bm.writes_in_place(seq):  # the common case: nothing to allocate or copy
+                chosen.append(seq)
+                taken.add(seq.seq_id)
+                continue
             while not self.bm.can_append(seq):
                 victim = next((s for s in reversed(self.running)
                                if not s.in_flight and s is not seq and s.seq_id not in taken), None)

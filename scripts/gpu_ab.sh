@@ -18,9 +18,10 @@ OUTDIR=${OUT:-.}
 SITE=/tmp/site
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/small/*.whl
 SUMMARY=$(cat <<'PY'
-import json, statistics, sys
+import json, sys
+from tdpipe.bench.gpu_check import median_decode_ms
 d = json.load(open(sys.argv[1]))
-ms = 1e3 * statistics.median(p[2] for p in d["decode_points"])
+ms = median_decode_ms(d["decode_points"])
 print(f"{sys.argv[2]:6} {sys.argv[3]} {sys.argv[4]:4} {d['output_tokens_per_s']:9.0f} tok/s  "
       f"median decode step {ms:6.2f} ms  ({d['status']})")
 PY
@@ -40,7 +41,7 @@ for model in ${MODELS//,/ }; do
           >"$out.log" 2>&1; then
         echo "$model $n $tree: failed"; tail -3 "$out.log"; continue
       fi
-      "$PY" -c "$SUMMARY" "$out" "$model" "$n" "$tree"
+      PYTHONPATH="$SITE:$PWD/src" "$PY" -c "$SUMMARY" "$out" "$model" "$n" "$tree"
     done
   done
 done

@@ -394,6 +394,11 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def median_decode_ms(points: list[list[float]]) -> float:
+    """The median step time, in ms, of an engine job's `decode_points` ([sequences, context tokens, s])."""
+    return 1e3 * statistics.median(p[2] for p in points)
+
+
 def summary(doc: dict[str, Any]) -> str:
     env = doc["environment"]
     lines = [f"gpu-check ({doc['mode']}) on {env.get('gpu') or env.get('cpu')}: driver {env.get('driver', '-')}, "
@@ -406,8 +411,7 @@ def summary(doc: dict[str, Any]) -> str:
         extra = f" ratio vs transformers {s['ratio_vs_transformers']:.2f}x" if "ratio_vs_transformers" in s else ""
         points = (s.get("engine") or {}).get("decode_points") or []
         if points:  # the figure an A/B of two trees compares (scripts/gpu_ab.sh prints the same)
-            extra += (f", median decode step {1e3 * statistics.median(p[2] for p in points):.2f} ms"
-                      f" at batch {points[0][0]}")
+            extra += f", median decode step {median_decode_ms(points):.2f} ms at batch {points[0][0]}"
         lines.append(f"  {name:<20} {s['status']:<8} {s.get('seconds', 0):6.1f} s{extra}"
                      + (f"  {s['error']}" if s.get("error") else ""))
     for k, t in doc["targets"].items():

@@ -1,6 +1,6 @@
 """Fused element-wise ops: the C++ kernel (csrc/ops.cpp) for bf16 CPU tensors, Triton kernels
-(model/triton_ops.py) for bf16 / fp16 CUDA tensors, and the pure-torch equivalents for everything else
-(float32 everywhere: bit-comparable with transformers).
+(model/triton_ops.py) for bf16 CUDA tensors, and the pure-torch equivalents for everything else (float32
+everywhere: bit-comparable with transformers).
 
 Unfused, the norms, rotary embedding and SwiGLU cost more than the GEMMs of a prefill batch on a CPU (each
 torch op makes its own pass over memory and bf16 reductions are slow), and on a GPU their dozens of tiny

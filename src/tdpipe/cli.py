@@ -360,6 +360,9 @@ def run() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    from tdpipe.quick_exit import freeze_before_exit
+
+    freeze_before_exit()
     sys.exit(code)
 
 

@@ -1,7 +1,8 @@
 """Tokenizer access and detokenisation; Hugging Face tokenizers do the work."""
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 
 def load_tokenizer(path: str) -> Any:
@@ -17,6 +18,30 @@ def load_tokenizer(path: str) -> Any:
     except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types for a bad file
         msg = (" ".join(str(e).split()) or type(e).__name__)[:300]
         raise ModelFileError(f"cannot load the tokenizer in {path} (damaged tokenizer files?): {msg}") from None
+
+
+def load_tokenizer_in_background(path: str) -> Callable[[], Any]:
+    """Start load_tokenizer(path) on a thread; the returned function waits for it and returns the tokenizer
+    (or raises what loading raised). Importing transformers is most of a tokenizer's 1.4 s here; the engine
+    builds its model or starts its stage processes meanwhile, and joins before it needs the eos ids."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["tok"] = load_tokenizer(path)
+        except BaseException as e:  # noqa: BLE001 - handed to the joining thread, raised there
+            box["err"] = e
+
+    t = threading.Thread(target=work, name="tdpipe-tokenizer", daemon=True)
+    t.start()
+
+    def join() -> Any:
+        t.join()
+        if "err" in box:
+            raise box["err"]
+        return box["tok"]
+
+    return join
 
 
 def _light_config(path: str) -> Any:

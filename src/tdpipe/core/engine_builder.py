@@ -38,7 +38,7 @@ from tdpipe.platforms import get_platform, resolve_device
 from tdpipe.platforms.interface import Platform
 from tdpipe.predictor.base import Predictor
 from tdpipe.predictor.factory import make_predictor
-from tdpipe.tokenizer import load_tokenizer
+from tdpipe.tokenizer import load_tokenizer_in_background
 
 log = logging.getLogger("tdpipe")
 
@@ -107,7 +107,6 @@ class EngineBuilder:
         self.platform.configure_process(config.num_threads or (1 if workers else default_threads()))
         self.dtype = resolve_dtype(config.dtype, self.platform)  # before the model: a GGUF converts to it
         hf = self._load_model()
-        self.eos_token_ids = self._eos_ids()
         num_blocks = self._size_kv_cache()
         sched.pipeline_depth = sched.pipeline_depth or self.pp  # one micro-batch per stage unless asked
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
@@ -123,6 +122,12 @@ class EngineBuilder:
                                              lambda: random_weights(hf, self.weights_seed))
         else:
             self.executor = self._make_executor(num_blocks, hf)
+        try:
+            self.tokenizer = self._tokenizer() if self._tokenizer is not None else None
+        except BaseException:
+            self.executor.shutdown()  # its stages started while the tokenizer loaded
+            raise
+        self.eos_token_ids = self._eos_ids()
         stats = EngineStats(started=self.executor.now())
         # a learned predictor encodes prompts in batches as they arrive, for the policies that ask for lengths
         batched = BatchedPredictor(self.predictor, stats) if policy.needs_predictor and self.predictor.batched else None
@@ -161,7 +166,7 @@ class EngineBuilder:
         """The model's config and tokenizer; returns the in-memory config dict, or None for a folder."""
         from tdpipe.model.bundled import resolve_model
 
-        self.tokenizer = None
+        self.tokenizer = self._tokenizer = None
         if self.hf_config is not None:
             if self.executor_factory is None and (self.pp != 1 or self.tp != 1):
                 raise ValueError("an engine from an in-memory model config runs at pipeline_parallel_size = "
@@ -176,8 +181,8 @@ class EngineBuilder:
         # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
         hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path)
         self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
-        if not simulated:
-            self.tokenizer = load_tokenizer(self.model_path)
+        if not simulated:  # loads while the executor starts; joined in build()
+            self._tokenizer = load_tokenizer_in_background(self.model_path)
         return None
 
     def _eos_ids(self) -> set[int]:

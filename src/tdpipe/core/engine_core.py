@@ -223,4 +223,9 @@ if __name__ == "__main__":  # started by AsyncLLM: python -m tdpipe.core.engine_
         cfg = pickle.load(f)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s tdpipe-core: %(message)s")
     from tdpipe.core.engine_core import run_engine_core as run  # the module's classes, not __main__'s: they
-    run(cfg, sys.argv[2], sys.argv[3], int(sys.argv[4]))  # are unpickled by the frontend
+    try:
+        run(cfg, sys.argv[2], sys.argv[3], int(sys.argv[4]))  # are unpickled by the frontend
+    finally:
+        from tdpipe.quick_exit import freeze_before_exit
+
+        freeze_before_exit()

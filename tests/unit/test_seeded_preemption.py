@@ -142,7 +142,7 @@ def _run(dtype: str, num_kv_blocks: int | None, keep: dict | None = None,
     from tdpipe import LLM
 
     kw = {"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {"kv_cache_memory": 256 << 20}
-    llm = LLM(dtype=dtype, num_threads=1, **kw)
+    llm = LLM(dtype=dtype, **kw)
     engine = llm.engine
     seen: dict[tuple[str, int], tuple[str, int]] = {}
     inner = engine._sample

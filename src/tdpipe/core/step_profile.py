@@ -152,7 +152,7 @@ def profile_key(target: ProfileTarget, plan: Plan | None = None) -> dict:
     import torch
 
     from tdpipe.model.cache import model_identity
-    from tdpipe.model.packed_linear import packing_available
+    from tdpipe.model.packed_linear import packed_dtypes
 
     plan = plan or make_plan(target)
     return {"version": PROFILE_VERSION, "model": os.path.abspath(target.model_path),
@@ -161,7 +161,7 @@ def profile_key(target: ProfileTarget, plan: Plan | None = None) -> dict:
             "block_size": target.block_manager.block_size,
             "plan": dataclasses.asdict(plan) if plan else None,
             "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1", "cpu": cpu_name(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "packed_linear": packing_available()}
+            "torch": torch.__version__, "packed_linear": packed_dtypes()}
 
 
 def _run(target: ProfileTarget, seqs: list[Sequence], lens: list[int], prefill: bool) -> float:

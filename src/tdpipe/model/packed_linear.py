@@ -1,10 +1,15 @@
-"""Linear layers whose bf16 weight is packed for oneDNN once, at load, instead of on every call.
+"""Linear layers whose bf16 or float32 weight is packed for oneDNN once, at load, instead of on every call.
 
 torch's bf16 `F.linear` on CPU passes oneDNN the plain [out, in] weight, and the GEMM reorders it into its
 blocked layout call after call. A decode step reads every weight once for a few rows, so that extra pass
 over the weights is a large share of the step: the 15-layer slice of SmolLM2 at 16 decode rows takes
 30 ms plain and 20 ms packed, with bit-identical outputs; 2048-token prefill GEMMs gain 2-5%.
-`TDPIPE_PACKED_LINEAR=0` turns it off (for A/B runs). float32 and non-CPU devices keep `nn.Linear`.
+
+float32 `F.linear` goes to MKL's sgemm instead, which on the AMD EPYC development VM runs SmolLM2's decode
+shapes at a quarter to two thirds of oneDNN's packed float32 GEMM (4 rows: 3072 x 576 in 367 against 94 us,
+the 49152 x 576 head in 17.9 against 6.1 ms; 2048-row prefill 1.15-1.24x), so float32 is packed too. Its
+numbers then differ from sgemm's by float32 rounding (a few 1e-6 at these sizes), as any other GEMM order
+would. `TDPIPE_PACKED_LINEAR=0` turns both off (for A/B runs); other dtypes and non-CPU devices keep `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -15,19 +20,28 @@ import torch
 from torch import nn
 
 
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 @functools.cache
-def packing_available() -> bool:
-    """The oneDNN ops exist in this torch build, work, and are not switched off by the environment."""
-    if os.environ.get("TDPIPE_PACKED_LINEAR", "1") == "0":
+def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The oneDNN ops exist in this torch build, work for `dtype`, and are not switched off by the environment."""
+    if os.environ.get("TDPIPE_PACKED_LINEAR", "1") == "0" or dtype not in PACKED_DTYPES:
         return False
     try:
-        w = torch.randn(8, 16, dtype=torch.bfloat16)
-        x = torch.randn(3, 16, dtype=torch.bfloat16)
+        w = torch.randn(8, 16).to(dtype)
+        x = torch.randn(3, 16).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        return bool(torch.equal(y, torch.nn.functional.linear(x, w)))
+        ref = torch.nn.functional.linear(x, w)
+        return bool(torch.equal(y, ref) if dtype == torch.bfloat16 else torch.allclose(y, ref, rtol=1e-5, atol=1e-6))
     except (AttributeError, RuntimeError):
         return False
+
+
+def packed_dtypes() -> list[str]:
+    """The dtypes whose linears run packed here: part of every cache key whose timings depend on it."""
+    return [str(d).removeprefix("torch.") for d in PACKED_DTYPES if packing_available(d)]
 
 
 class PackedLinear(nn.Module):
@@ -48,13 +62,12 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every bf16 CPU nn.Linear under `module` by a PackedLinear; returns how many were packed.
-    A no-op where packing is unavailable, so callers need not check."""
-    if not packing_available():
-        return 0
+    """Replace every bf16 or float32 CPU nn.Linear under `module` by a PackedLinear; returns how many were
+    packed. A no-op where packing is unavailable, so callers need not check."""
     n = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+        if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+                and packing_available(child.weight.dtype)):
             setattr(module, name, PackedLinear(child))
             n += 1
         else:
@@ -62,4 +75,4 @@ def pack_linears(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["PackedLinear", "pack_linears", "packing_available"]
+__all__ = ["PACKED_DTYPES", "PackedLinear", "pack_linears", "packed_dtypes", "packing_available"]

@@ -93,7 +93,7 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
         n = keep_awq_blocks(model, folder) if awq_spec(folder) else quantize_blocks_from_float(model)
     else:
         n = 0
-    pack_linears(model)  # whatever stays bf16 on CPU
+    pack_linears(model)  # whatever stays bf16 or float32 on CPU
     return n
 
 

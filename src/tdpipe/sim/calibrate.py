@@ -53,12 +53,12 @@ def cache_key(model_path: str, threads: list[int]) -> dict:
 
     from tdpipe.config import cpu_name
     from tdpipe.model.cache import model_identity
-    from tdpipe.model.packed_linear import packing_available
+    from tdpipe.model.packed_linear import packed_dtypes
 
     return {"v": CALIBRATION_VERSION, "model": os.path.abspath(model_path), "threads": sorted(threads),
             "model_files": model_identity(model_path), "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1",
             "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "packed_linear": packing_available()}
+            "packed_linear": packed_dtypes()}
 
 
 def cache_path(model_path: str, threads: list[int]) -> Path:

@@ -47,13 +47,14 @@ def costs_key(cfg: ModelConfig, dtype: Any, threads: int, batch: int, platform: 
     """Everything the timed layer depends on: one layer's config, dtype, threads, batch and what runs it."""
     import torch
 
+    from tdpipe.model.packed_linear import packed_dtypes
     from tdpipe.version import __version__
 
     one = dataclasses.replace(cfg, num_layers=1, layer_windows=cfg.layer_windows[:1], gguf_file="")
     key = {"version": COSTS_VERSION, "model": dataclasses.asdict(one), "dtype": str(dtype), "threads": threads,
            "batch": batch, "device": platform.name, "cpu": cpu_name(), "cores": os.cpu_count(),
            "torch": torch.__version__, "tdpipe": __version__,
-           "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1"}
+           "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1", "packed_linear": packed_dtypes()}
     return json.loads(json.dumps(key, default=str))  # as JSON gives it back: tuples are lists
 
 

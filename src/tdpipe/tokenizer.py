@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from concurrent.futures import Future
+from typing import Any
 
 
 def load_tokenizer(path: str) -> Any:
@@ -20,28 +21,20 @@ def load_tokenizer(path: str) -> Any:
         raise ModelFileError(f"cannot load the tokenizer in {path} (damaged tokenizer files?): {msg}") from None
 
 
-def load_tokenizer_in_background(path: str) -> Callable[[], Any]:
-    """Start load_tokenizer(path) on a thread; the returned function waits for it and returns the tokenizer
-    (or raises what loading raised). Importing transformers is most of a tokenizer's 1.4 s here; the engine
-    builds its model or starts its stage processes meanwhile, and joins before it needs the eos ids."""
-    box: dict[str, Any] = {}
+def load_tokenizer_in_background(path: str) -> Future:
+    """load_tokenizer(path) on a daemon thread (exit never waits for it), as a future whose result() is the
+    tokenizer or raises what loading raised. Importing transformers is most of a tokenizer's 1.4 s here; the
+    engine builds its model or starts its stage processes meanwhile, and joins before it needs the eos ids."""
+    fut: Future = Future()
 
     def work() -> None:
         try:
-            box["tok"] = load_tokenizer(path)
+            fut.set_result(load_tokenizer(path))
         except BaseException as e:  # noqa: BLE001 - handed to the joining thread, raised there
-            box["err"] = e
+            fut.set_exception(e)
 
-    t = threading.Thread(target=work, name="tdpipe-tokenizer", daemon=True)
-    t.start()
-
-    def join() -> Any:
-        t.join()
-        if "err" in box:
-            raise box["err"]
-        return box["tok"]
-
-    return join
+    threading.Thread(target=work, name="tdpipe-tokenizer", daemon=True).start()
+    return fut
 
 
 def _light_config(path: str) -> Any:

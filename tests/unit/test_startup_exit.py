@@ -18,24 +18,24 @@ from tdpipe.model.weights import MissingModelFile, ModelFileError
 def test_background_tokenizer_is_the_one_load_tokenizer_gives(bundled_path):
     from tdpipe.tokenizer import load_tokenizer, load_tokenizer_in_background
 
-    join = load_tokenizer_in_background(bundled_path)
-    tok = join()
+    pending = load_tokenizer_in_background(bundled_path)
+    tok = pending.result()
     ref = load_tokenizer(bundled_path)
     assert type(tok) is type(ref) and tok.eos_token_id == ref.eos_token_id
     assert tok.encode("The capital of France is") == ref.encode("The capital of France is")
-    assert join() is tok  # joining again returns the same object
+    assert pending.result() is tok  # joining again returns the same object
 
 
 def test_background_tokenizer_raises_its_error_on_join(tmp_path, bundled_path):
     from tdpipe.tokenizer import load_tokenizer_in_background
 
-    join = load_tokenizer_in_background(str(tmp_path))  # no tokenizer files at all
+    pending = load_tokenizer_in_background(str(tmp_path))  # no tokenizer files at all
     with pytest.raises(MissingModelFile, match="has no tokenizer files"):
-        join()
+        pending.result()
     good = (Path(bundled_path) / "tokenizer.json").read_bytes()
     (tmp_path / "tokenizer.json").write_bytes(good[: len(good) // 2])
     with pytest.raises(ModelFileError, match=f"cannot load the tokenizer in {tmp_path}"):
-        load_tokenizer_in_background(str(tmp_path))()
+        load_tokenizer_in_background(str(tmp_path)).result()
 
 
 @pytest.mark.slow

@@ -123,7 +123,7 @@ class EngineBuilder:
         else:
             self.executor = self._make_executor(num_blocks, hf)
         try:
-            self.tokenizer = self._tokenizer() if self._tokenizer is not None else None
+            self.tokenizer = self._pending_tokenizer.result() if self._pending_tokenizer is not None else None
         except BaseException:
             self.executor.shutdown()  # its stages started while the tokenizer loaded
             raise
@@ -166,7 +166,7 @@ class EngineBuilder:
         """The model's config and tokenizer; returns the in-memory config dict, or None for a folder."""
         from tdpipe.model.bundled import resolve_model
 
-        self.tokenizer = self._tokenizer = None
+        self.tokenizer = self._pending_tokenizer = None
         if self.hf_config is not None:
             if self.executor_factory is None and (self.pp != 1 or self.tp != 1):
                 raise ValueError("an engine from an in-memory model config runs at pipeline_parallel_size = "
@@ -182,7 +182,7 @@ class EngineBuilder:
         hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path)
         self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
         if not simulated:  # loads while the executor starts; joined in build()
-            self._tokenizer = load_tokenizer_in_background(self.model_path)
+            self._pending_tokenizer = load_tokenizer_in_background(self.model_path)
         return None
 
     def _eos_ids(self) -> set[int]:

@@ -3,7 +3,7 @@ the tolerances and the compiled kernel as a fixture.
 
 Tolerances: float32 paths agree to 2e-5 (both accumulate in fp32; the truth is computed in float64).
 bfloat16 outputs are rounded once from fp32, so they may differ by one bf16 ulp: atol/rtol 1.6e-2
-(one ulp is 2^-7 relative; |out| <= ~3 here). The first run JIT-builds the kernel (~30-60 s, cached in
+(one ulp is 2^-7 relative; |out| <= ~3 here). The first run JIT-builds the kernel (~20-60 s, cached in
 $TDPIPE_CACHE/kernels).
 """
 import os

@@ -1,5 +1,5 @@
 """Paged attention: C++ kernel vs pure-torch reference vs dense causal attention on contiguous tensors (the
-truth, shapes and tolerances: tests/attention_oracle.py). The first run JIT-builds the kernel (~30-60 s);
+truth, shapes and tolerances: tests/attention_oracle.py). The first run JIT-builds the kernel (~20-60 s);
 after that the file runs in a few seconds.
 """
 from __future__ import annotations

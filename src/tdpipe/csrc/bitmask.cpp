@@ -7,7 +7,7 @@
 // register, select 16 lanes at a time and split the rows over the threads.
 //
 // Compiled inside ops.cpp's extension without its fast-math: -inf must stay -inf and comparisons exact.
-#include <torch/extension.h>
+#include "torch_bind.h"
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
@@ -20,9 +20,9 @@
 
 namespace bitmask_detail {
 
-inline void check(const torch::Tensor& x, const torch::Tensor& mask) {
+inline void check(const at::Tensor& x, const at::Tensor& mask) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "bitmask kernels: contiguous logits [R, V]");
-  TORCH_CHECK(mask.dtype() == torch::kInt32 && mask.dim() == 2 && mask.is_contiguous() && mask.size(0) == x.size(0) &&
+  TORCH_CHECK(mask.dtype() == at::kInt && mask.dim() == 2 && mask.is_contiguous() && mask.size(0) == x.size(0) &&
               mask.size(1) * 32 >= x.size(1), "bitmask kernels: contiguous int32 bitmask [R, >= V / 32]");
 }
 
@@ -53,27 +53,27 @@ void argmax_impl(const T* x, const int32_t* mask, const int64_t* rows, int64_t* 
 
 }  // namespace bitmask_detail
 
-torch::Tensor masked_argmax_rows(torch::Tensor x, torch::Tensor mask, torch::Tensor rows) {
+at::Tensor masked_argmax_rows(at::Tensor x, at::Tensor mask, at::Tensor rows) {
   bitmask_detail::check(x, mask);
-  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous(), "masked_argmax_rows: int64 rows");
+  TORCH_CHECK(rows.dtype() == at::kLong && rows.dim() == 1 && rows.is_contiguous(), "masked_argmax_rows: int64 rows");
   const int64_t n = rows.size(0), v = x.size(1), words = mask.size(1);
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t k = 0; k < n; ++k) TORCH_CHECK(r[k] >= 0 && r[k] < x.size(0), "masked_argmax_rows: row out of range");
-  auto out = torch::empty({n}, torch::kInt64);
-  if (x.dtype() == torch::kFloat32) {
+  auto out = at::empty({n}, at::kLong);
+  if (x.dtype() == at::kFloat) {
     bitmask_detail::argmax_impl<float>(x.data_ptr<float>(), mask.data_ptr<int32_t>(), r, out.data_ptr<int64_t>(), n, v,
                                        words);
   } else {
-    TORCH_CHECK(x.dtype() == torch::kBFloat16, "masked_argmax_rows: fp32 or bf16 logits");
+    TORCH_CHECK(x.dtype() == at::kBFloat16, "masked_argmax_rows: fp32 or bf16 logits");
     bitmask_detail::argmax_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), mask.data_ptr<int32_t>(), r,
                                           out.data_ptr<int64_t>(), n, v, words);
   }
   return out;
 }
 
-void apply_bitmask_(torch::Tensor x, torch::Tensor mask) {
+void apply_bitmask_(at::Tensor x, at::Tensor mask) {
   bitmask_detail::check(x, mask);
-  TORCH_CHECK(x.dtype() == torch::kFloat32, "apply_bitmask_: fp32 logits");
+  TORCH_CHECK(x.dtype() == at::kFloat, "apply_bitmask_: fp32 logits");
   const int64_t rows = x.size(0), v = x.size(1), words = mask.size(1);
   float* p = x.data_ptr<float>();
   const uint32_t* mk = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());

@@ -5,10 +5,10 @@
 //                   fp32 math, stored as bf16 (round to nearest even) or fp32
 // One pass over memory each, where the torch expressions make four to six.
 //
-// Compiled inside ops.cpp's extension (one build, not two: each costs half a minute of gcc on torch's
+// Compiled inside ops.cpp's extension (one build, not two: each costs 10 s of gcc on torch's
 // headers), but without its fast-math: the results must be the torch fallback's bits, so no reassociation,
 // no reciprocal for a division, no FMA contraction.
-#include <torch/extension.h>
+#include "torch_bind.h"
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
@@ -87,13 +87,13 @@ void dequant_impl(const int32_t* acc, const float* sx, const float* sw, const B*
 
 }  // namespace int8_detail
 
-std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: contiguous [M, K]");
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32, "quantize_rows: bf16 or fp32");
+  TORCH_CHECK(x.dtype() == at::kBFloat16 || x.dtype() == at::kFloat, "quantize_rows: bf16 or fp32");
   const int64_t rows = x.size(0), k = x.size(1);
-  auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({rows}, x.options().dtype(torch::kFloat32));
-  if (x.dtype() == torch::kBFloat16) {
+  auto q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  auto scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  if (x.dtype() == at::kBFloat16) {
     int8_detail::quantize_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                             rows, k);
   } else {
@@ -102,35 +102,35 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   return {q, scale};
 }
 
-torch::Tensor dequant_rows(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw, c10::optional<torch::Tensor> bias,
-                           torch::ScalarType out_dtype) {
-  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.dtype() == torch::kInt32, "dequant_rows: contiguous int32 [M, N]");
+at::Tensor dequant_rows(at::Tensor acc, at::Tensor sx, at::Tensor sw, c10::optional<at::Tensor> bias,
+                           at::ScalarType out_dtype) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.dtype() == at::kInt, "dequant_rows: contiguous int32 [M, N]");
   const int64_t rows = acc.size(0), n = acc.size(1);
-  TORCH_CHECK(sx.dtype() == torch::kFloat32 && sx.is_contiguous() && sx.numel() == rows, "dequant_rows: fp32 sx [M]");
-  TORCH_CHECK(sw.dtype() == torch::kFloat32 && sw.is_contiguous() && sw.numel() == n, "dequant_rows: fp32 sw [N]");
-  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "dequant_rows: bf16 or fp32 out");
-  auto out = torch::empty({rows, n}, acc.options().dtype(out_dtype));
+  TORCH_CHECK(sx.dtype() == at::kFloat && sx.is_contiguous() && sx.numel() == rows, "dequant_rows: fp32 sx [M]");
+  TORCH_CHECK(sw.dtype() == at::kFloat && sw.is_contiguous() && sw.numel() == n, "dequant_rows: fp32 sw [N]");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "dequant_rows: bf16 or fp32 out");
+  auto out = at::empty({rows, n}, acc.options().dtype(out_dtype));
   const int32_t* a = acc.data_ptr<int32_t>();
   const float* px = sx.data_ptr<float>();
   const float* pw = sw.data_ptr<float>();
   const bool has_bias = bias.has_value();
-  torch::Tensor b;
+  at::Tensor b;
   if (has_bias) {
     b = bias.value();
-    TORCH_CHECK(b.is_contiguous() && b.numel() == n && (b.dtype() == torch::kBFloat16 || b.dtype() == torch::kFloat32),
+    TORCH_CHECK(b.is_contiguous() && b.numel() == n && (b.dtype() == at::kBFloat16 || b.dtype() == at::kFloat),
                 "dequant_rows: bias [N] bf16 or fp32");
   }
   auto run = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     if (!has_bias) {
       int8_detail::dequant_impl<T, float>(a, px, pw, nullptr, o, rows, n);
-    } else if (b.dtype() == torch::kBFloat16) {
+    } else if (b.dtype() == at::kBFloat16) {
       int8_detail::dequant_impl<T, uint16_t>(a, px, pw, reinterpret_cast<const uint16_t*>(b.data_ptr()), o, rows, n);
     } else {
       int8_detail::dequant_impl<T, float>(a, px, pw, b.data_ptr<float>(), o, rows, n);
     }
   };
-  if (out_dtype == torch::kBFloat16) {
+  if (out_dtype == at::kBFloat16) {
     run(reinterpret_cast<uint16_t*>(out.data_ptr()));
   } else {
     run(out.data_ptr<float>());

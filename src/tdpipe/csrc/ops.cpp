@@ -1,7 +1,7 @@
 // Fused element-wise ops for the CPU decoder: each makes one pass over memory where the unfused torch
 // expression makes five to eight (RMSNorm on a [8192, 576] bf16 tensor: ~60 ms in torch, ~2 ms here).
 // Math in fp32; bf16 in and out with round-to-nearest-even, the rounding torch uses.
-#include <torch/extension.h>
+#include "torch_bind.h"
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
@@ -168,22 +168,22 @@ void rope_impl(T* x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
   }
 }
 
-void check_dtype(const torch::Tensor& t) {
-  TORCH_CHECK(t.dtype() == torch::kBFloat16 || t.dtype() == torch::kFloat32, "tdpipe ops: bf16 or fp32 only");
+void check_dtype(const at::Tensor& t) {
+  TORCH_CHECK(t.dtype() == at::kBFloat16 || t.dtype() == at::kFloat, "tdpipe ops: bf16 or fp32 only");
 }
 
 }  // namespace
 
 // Returns the normalised output; when `residual` is given it is updated in place to x + residual.
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   check_dtype(x);
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dtype() == x.dtype(), "add_rms_norm: layout");
   const int64_t h = x.size(-1), rows = x.numel() / h;
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   bool has = residual.has_value();
-  torch::Tensor res = has ? residual.value() : x;
+  at::Tensor res = has ? residual.value() : x;
   if (has) TORCH_CHECK(res.is_contiguous() && res.dtype() == x.dtype(), "add_rms_norm: residual layout");
-  if (x.dtype() == torch::kBFloat16) {
+  if (x.dtype() == at::kBFloat16) {
     add_rms_norm_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<uint16_t*>(res.data_ptr()),
                                 reinterpret_cast<const uint16_t*>(weight.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()),
                                 rows, h, static_cast<float>(eps), has);
@@ -194,12 +194,12 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residua
   return out;
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gu) {
+at::Tensor silu_and_mul(at::Tensor gu) {
   check_dtype(gu);
   TORCH_CHECK(gu.is_contiguous() && gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_and_mul: [rows, 2*inter]");
   const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
-  auto y = torch::empty({rows, inter}, gu.options());
-  if (gu.dtype() == torch::kBFloat16) {
+  auto y = at::empty({rows, inter}, gu.options());
+  if (gu.dtype() == at::kBFloat16) {
     silu_mul_impl<uint16_t>(reinterpret_cast<const uint16_t*>(gu.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()), rows, inter);
   } else {
     silu_mul_impl<float>(gu.data_ptr<float>(), y.data_ptr<float>(), rows, inter);
@@ -207,28 +207,28 @@ torch::Tensor silu_and_mul(torch::Tensor gu) {
   return y;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> swiglu_quant(torch::Tensor acc, torch::Tensor sx, torch::Tensor sw) {
-  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.dtype() == torch::kInt32 && acc.size(1) % 2 == 0,
+std::tuple<at::Tensor, at::Tensor> swiglu_quant(at::Tensor acc, at::Tensor sx, at::Tensor sw) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.dtype() == at::kInt && acc.size(1) % 2 == 0,
               "swiglu_quant: contiguous int32 [M, 2 * inter]");
   const int64_t rows = acc.size(0), inter = acc.size(1) / 2;
-  TORCH_CHECK(sx.dtype() == torch::kFloat32 && sx.is_contiguous() && sx.numel() == rows, "swiglu_quant: fp32 sx [M]");
-  TORCH_CHECK(sw.dtype() == torch::kFloat32 && sw.is_contiguous() && sw.numel() == 2 * inter, "swiglu_quant: fp32 sw [2 * inter]");
-  auto q = torch::empty({rows, inter}, acc.options().dtype(torch::kInt8));
-  auto scale = torch::empty({rows}, acc.options().dtype(torch::kFloat32));
+  TORCH_CHECK(sx.dtype() == at::kFloat && sx.is_contiguous() && sx.numel() == rows, "swiglu_quant: fp32 sx [M]");
+  TORCH_CHECK(sw.dtype() == at::kFloat && sw.is_contiguous() && sw.numel() == 2 * inter, "swiglu_quant: fp32 sw [2 * inter]");
+  auto q = at::empty({rows, inter}, acc.options().dtype(at::kChar));
+  auto scale = at::empty({rows}, acc.options().dtype(at::kFloat));
   swiglu_quant_impl(acc.data_ptr<int32_t>(), sx.data_ptr<float>(), sw.data_ptr<float>(), q.data_ptr<int8_t>(),
                     scale.data_ptr<float>(), rows, inter);
   return {q, scale};
 }
 
 // x: [T, H, D] view whose rows may be strided (a slice of the fused qkv output); head and dim contiguous.
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos_sin) {
   check_dtype(x);
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_: [T, H, D] with contiguous heads");
-  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.is_contiguous(), "rope_: int64 positions");
-  TORCH_CHECK(cos_sin.dtype() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.size(1) == x.size(2),
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.is_contiguous(), "rope_: int64 positions");
+  TORCH_CHECK(cos_sin.dtype() == at::kFloat && cos_sin.is_contiguous() && cos_sin.size(1) == x.size(2),
               "rope_: cos_sin table [max_pos, D] float32");
   const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
-  if (x.dtype() == torch::kBFloat16) {
+  if (x.dtype() == at::kBFloat16) {
     rope_impl<uint16_t>(reinterpret_cast<uint16_t*>(x.data_ptr()), rows, heads, d, x.stride(0), positions.data_ptr<int64_t>(),
                         cos_sin.data_ptr<float>(), cos_sin.size(1));
   } else {
@@ -239,10 +239,10 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin) {
 
 // Row-wise argmax of bf16 logits [rows, vocab] (greedy sampling): torch's bf16 argmax runs at ~1 GB/s here.
 // Two vectorisable passes per row (max, then its first index: the tie rule of torch and transformers).
-torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "argmax_rows: contiguous bf16 [R, V]");
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "argmax_rows: contiguous bf16 [R, V]");
   const int64_t rows = x.size(0), v = x.size(1);
-  auto out = torch::empty({rows}, torch::kInt64);
+  auto out = at::empty({rows}, at::kLong);
   const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int64_t* o = out.data_ptr<int64_t>();
 #pragma omp parallel for schedule(static)

@@ -21,9 +21,7 @@
 // two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
 // so q and the output accumulator are kept in that same permuted order and un-permuted at the end.
 
-#include <ATen/ATen.h>
-#include <torch/python.h>
-#include <ATen/Parallel.h>
+#include "torch_bind.h"
 #include <omp.h>
 
 #include <algorithm>

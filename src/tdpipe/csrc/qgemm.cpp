@@ -16,7 +16,7 @@
 // byte [lane * 4 + j] = q[16 t + lane, 32 b + 4 g + j]; 4-bit: group g in the low nibbles of the stored
 // group g, group g + 4 in the high ones (256 bytes a block), 8-bit: 512 bytes. scales [tiles, blocks, 2, 16]:
 // s then m of the tile's 16 channels, fp32 or fp16 (fp16 where that holds them exactly).
-#include <torch/extension.h>
+#include "torch_bind.h"
 #include <omp.h>
 #include <algorithm>
 #include <cmath>
@@ -241,18 +241,18 @@ void gemm_impl(const int8_t* xq, const float* dx, const float* cx, int64_t rows,
 }  // namespace qgemm_detail
 
 // x [M, K] bf16 / fp32 -> (xq int8 [M, K], dx fp32 [M, K / 32], cx fp32 [M, K / 32])
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_blocks(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_blocks(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_blocks: contiguous [M, K]");
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 || x.dtype() == torch::kFloat32, "quantize_blocks: bf16 or fp32");
+  TORCH_CHECK(x.dtype() == at::kBFloat16 || x.dtype() == at::kFloat, "quantize_blocks: bf16 or fp32");
   const int64_t rows = x.size(0), k = x.size(1), kb = k / qgemm_detail::BK;
   TORCH_CHECK(k % qgemm_detail::BK == 0, "quantize_blocks: K must be a multiple of 32");
-  auto q = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
-  auto dx = torch::empty({rows, kb}, x.options().dtype(torch::kFloat32));
-  auto cx = torch::empty({rows, kb}, x.options().dtype(torch::kFloat32));
+  auto q = at::empty({rows, k}, x.options().dtype(at::kChar));
+  auto dx = at::empty({rows, kb}, x.options().dtype(at::kFloat));
+  auto cx = at::empty({rows, kb}, x.options().dtype(at::kFloat));
   int8_t* pq = q.data_ptr<int8_t>();
   float* pd = dx.data_ptr<float>();
   float* pc = cx.data_ptr<float>();
-  const bool bf16 = x.dtype() == torch::kBFloat16;
+  const bool bf16 = x.dtype() == at::kBFloat16;
   const void* px = x.data_ptr();
 #pragma omp parallel for schedule(static) if (rows * k > 16384)
   for (int64_t r = 0; r < rows; ++r) {
@@ -269,26 +269,26 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_blocks(torch::T
 
 // y [M, n] = the block-quantised product (header); bits 4 or 8; scales fp32 or fp16; bias fp32 [n] or none
 template <bool PORTABLE>
-torch::Tensor qgemm_run(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w, torch::Tensor scales,
-                        int64_t n, int64_t bits, c10::optional<torch::Tensor> bias, torch::ScalarType out_dtype) {
+at::Tensor qgemm_run(at::Tensor xq, at::Tensor dx, at::Tensor cx, at::Tensor w, at::Tensor scales,
+                        int64_t n, int64_t bits, c10::optional<at::Tensor> bias, at::ScalarType out_dtype) {
   using namespace qgemm_detail;
-  TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.dtype() == torch::kInt8, "qgemm: xq contiguous int8 [M, K]");
+  TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.dtype() == at::kChar, "qgemm: xq contiguous int8 [M, K]");
   const int64_t rows = xq.size(0), k = xq.size(1), kb = k / BK, tiles = (n + NT - 1) / NT;
   TORCH_CHECK(k % BK == 0, "qgemm: K must be a multiple of 32");
   TORCH_CHECK(dx.is_contiguous() && cx.is_contiguous() && dx.numel() == rows * kb && cx.numel() == rows * kb &&
-              dx.dtype() == torch::kFloat32 && cx.dtype() == torch::kFloat32, "qgemm: dx, cx fp32 [M, K / 32]");
+              dx.dtype() == at::kFloat && cx.dtype() == at::kFloat, "qgemm: dx, cx fp32 [M, K / 32]");
   TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits 4 or 8");
-  TORCH_CHECK(w.is_contiguous() && w.dtype() == torch::kUInt8 && w.numel() == tiles * kb * (bits == 4 ? 256 : 512),
+  TORCH_CHECK(w.is_contiguous() && w.dtype() == at::kByte && w.numel() == tiles * kb * (bits == 4 ? 256 : 512),
               "qgemm: packed weights uint8 [tiles, K / 32, 256 | 512]");
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == tiles * kb * 2 * NT &&
-              (scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kFloat16), "qgemm: scales [tiles, K / 32, 2, 16]");
-  TORCH_CHECK(out_dtype == torch::kBFloat16 || out_dtype == torch::kFloat32, "qgemm: bf16 or fp32 out");
+              (scales.dtype() == at::kFloat || scales.dtype() == at::kHalf), "qgemm: scales [tiles, K / 32, 2, 16]");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "qgemm: bf16 or fp32 out");
   const float* pb = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->dtype() == torch::kFloat32 && bias->numel() == n, "qgemm: fp32 bias [n]");
+    TORCH_CHECK(bias->is_contiguous() && bias->dtype() == at::kFloat && bias->numel() == n, "qgemm: fp32 bias [n]");
     pb = bias->data_ptr<float>();
   }
-  auto out = torch::empty({rows, n}, xq.options().dtype(out_dtype));
+  auto out = at::empty({rows, n}, xq.options().dtype(out_dtype));
   const int8_t* px = xq.data_ptr<int8_t>();
   const float* pd = dx.data_ptr<float>();
   const float* pc = cx.data_ptr<float>();
@@ -300,23 +300,23 @@ torch::Tensor qgemm_run(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, to
       if (bits == 4) gemm_impl<4, S, O, PORTABLE>(px, pd, pc, rows, k, pw, ps, pb, po, n);
       else gemm_impl<8, S, O, PORTABLE>(px, pd, pc, rows, k, pw, ps, pb, po, n);
     };
-    if (out_dtype == torch::kBFloat16) with_out(reinterpret_cast<uint16_t*>(out.data_ptr()));
+    if (out_dtype == at::kBFloat16) with_out(reinterpret_cast<uint16_t*>(out.data_ptr()));
     else with_out(out.data_ptr<float>());
   };
-  if (scales.dtype() == torch::kFloat32) with_scales(scales.data_ptr<float>());
+  if (scales.dtype() == at::kFloat) with_scales(scales.data_ptr<float>());
   else with_scales(scales.data_ptr<c10::Half>());
   return out;
 }
 
-torch::Tensor qgemm(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w, torch::Tensor scales,
-                    int64_t n, int64_t bits, c10::optional<torch::Tensor> bias, torch::ScalarType out_dtype) {
+at::Tensor qgemm(at::Tensor xq, at::Tensor dx, at::Tensor cx, at::Tensor w, at::Tensor scales,
+                    int64_t n, int64_t bits, c10::optional<at::Tensor> bias, at::ScalarType out_dtype) {
   return qgemm_run<false>(xq, dx, cx, w, scales, n, bits, bias, out_dtype);
 }
 
 // The portable loop whatever the CPU: the VNNI path is tested against it without a second build.
-torch::Tensor qgemm_portable(torch::Tensor xq, torch::Tensor dx, torch::Tensor cx, torch::Tensor w,
-                             torch::Tensor scales, int64_t n, int64_t bits, c10::optional<torch::Tensor> bias,
-                             torch::ScalarType out_dtype) {
+at::Tensor qgemm_portable(at::Tensor xq, at::Tensor dx, at::Tensor cx, at::Tensor w,
+                             at::Tensor scales, int64_t n, int64_t bits, c10::optional<at::Tensor> bias,
+                             at::ScalarType out_dtype) {
   return qgemm_run<true>(xq, dx, cx, w, scales, n, bits, bias, out_dtype);
 }
 

@@ -175,7 +175,7 @@ def _load(name: str, src: Path, flags: list[str], build_dir: Path) -> ModuleType
     so = build_dir / f"{name}.so"
     fresh = not so.exists()
     if fresh and not why:
-        notice(f"building the {name} C++ kernel under {build_dir} (once, about a minute)")
+        notice(f"building the {name} C++ kernel under {build_dir} (once, 20-60 s)")
     t = time.perf_counter()
     try:
         mod = compile_and_import()
@@ -229,7 +229,7 @@ def build(name: str, source: str, extra_cflags: list[str] | None = None) -> Modu
 
 def in_background(*builders: Callable[[], ModuleType | None]) -> None:
     """Start each kernel's build (or cache load) on a thread of its own and return at once: on a first run
-    the kernels compile side by side (each gcc is single-threaded; 26 s and 20 s here, one after the other
+    the kernels compile side by side (each gcc is single-threaded; 18 s and 17 s here, one after the other
     before) while the caller loads the weights. A later build() of the same kernel waits for its thread,
     and so does the interpreter's exit (not daemon threads): a build is never cut off half-written.
 

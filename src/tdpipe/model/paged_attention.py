@@ -72,7 +72,7 @@ def _triton() -> ModuleType:
 
 
 def load_kernel() -> ModuleType | None:
-    """The compiled kernel (JIT-built once per machine, 30-60 s), or None: pure-torch path."""
+    """The compiled kernel (JIT-built once per machine, 20-60 s), or None: pure-torch path."""
     return build("tdpipe_paged_attention", "paged_attention.cpp")
 
 

@@ -38,6 +38,27 @@ def test_background_tokenizer_raises_its_error_on_join(tmp_path, bundled_path):
         load_tokenizer_in_background(str(tmp_path)).result()
 
 
+def test_setuptools_is_imported_before_the_tokenizer_thread_starts(bundled_path):
+    """The kernels' loader imports setuptools, whose first import inserts a finder at the front of
+    sys.meta_path and removes it; a thread importing in that instant (the tokenizer's) can skip the path
+    finder and fail with "No module named ...". So a CPU engine imports the build tools first: in a fresh
+    process, setuptools is already loaded when the tokenizer thread is started."""
+    code = f"""
+import sys
+import tdpipe.core.engine_builder as eb
+def spy(path):
+    print("setuptools loaded:", "setuptools" in sys.modules, flush=True)
+    raise SystemExit(0)
+eb.load_tokenizer_in_background = spy
+assert "setuptools" not in sys.modules
+from tdpipe import LLM
+LLM(model={bundled_path!r}, kv_cache_memory=64 << 20)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "setuptools loaded: True", out.stdout + out.stderr
+
+
 @pytest.mark.slow
 def test_damaged_tokenizer_at_pp2_fails_once_and_stops_the_stages(tmp_path, bundled_path):
     """The stages start while the tokenizer loads; a tokenizer that then fails to load is the one error

@@ -33,6 +33,7 @@ from tdpipe.core.pd_parts import instance_blocks, make_pd_executor, make_pd_sche
 from tdpipe.core.scheduler import Scheduler, get_policy, make_scheduler
 from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
+from tdpipe.model.jit import import_build_tools
 from tdpipe.model.weights import check_model_folder, load_hf_config
 from tdpipe.platforms import get_platform, resolve_device
 from tdpipe.platforms.interface import Platform
@@ -182,6 +183,8 @@ class EngineBuilder:
         hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path)
         self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
         if not simulated:  # loads while the executor starts; joined in build()
+            if self.platform.name == "cpu":  # the kernels' loader imports setuptools: not beside the thread
+                import_build_tools()
             self._pending_tokenizer = load_tokenizer_in_background(self.model_path)
         return None
 

@@ -227,18 +227,26 @@ def build(name: str, source: str, extra_cflags: list[str] | None = None) -> Modu
         return mod
 
 
+def import_build_tools() -> None:
+    """Import torch's cpp_extension, and with it setuptools, on the calling thread, before it starts threads
+    that import. Python 3.11 finds a module by walking the live sys.meta_path list, and setuptools' first
+    import inserts its distutils finder at the front of that list and removes it again: another thread
+    walking the list in that instant skips the path finder and reports an installed module missing (seen
+    in an engine core: "No module named 'jinja2.idtracking'" from the tokenizer thread while the kernels'
+    loader imported setuptools). Later imports of setuptools change nothing."""
+    from torch.utils import cpp_extension  # noqa: F401
+
+
 def in_background(*builders: Callable[[], ModuleType | None]) -> None:
     """Start each kernel's build (or cache load) on a thread of its own and return at once: on a first run
     the kernels compile side by side (each gcc is single-threaded; 18 s and 17 s here, one after the other
     before) while the caller loads the weights. A later build() of the same kernel waits for its thread,
     and so does the interpreter's exit (not daemon threads): a build is never cut off half-written.
 
-    torch's cpp_extension is imported here, on the caller's thread, first: it imports setuptools, whose
-    distutils shim is inserted into and removed from sys.meta_path, and Python 3.11 walks that very list
-    for every import. Done on a builder thread, while the caller imported something, the walk could skip
-    the path finder and report an installed module missing (CI saw "No module named
-    'torch.utils._device'" and "'sympy.polys.domains.pythonintegerring'" from a model being built)."""
-    from torch.utils import cpp_extension  # noqa: F401  (see above: sys.meta_path is changed only here)
+    The build tools are imported here, on the caller's thread, first (import_build_tools): done on a
+    builder thread while the caller imported something, CI saw "No module named 'torch.utils._device'" and
+    "'sympy.polys.domains.pythonintegerring'" from a model being built."""
+    import_build_tools()
 
     for b in builders:
         threading.Thread(target=b, name="tdpipe-kernel-build").start()

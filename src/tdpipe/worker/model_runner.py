@@ -121,27 +121,20 @@ class LayerCaches:
         return t[k]
 
 
-def _materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Give every meta parameter and buffer uninitialised storage on `device`, floating ones in `dtype`
-    (the run's: the checkpoint's tensors are rounded to it as they are copied in, the one rounding that
-    loading in float32 and casting afterwards did, without a float32 copy of the model: twice a bf16
-    model's memory at its peak, and 0.3 s of each start of the bundled model here). Not
-    `Module.to_empty`: its meta path runs through torch._refs, which imports sympy: 0.3 s of every stage's
-    start-up."""
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device`. Not `Module.to_empty`: its
+    meta path runs through torch._refs, which imports sympy: 0.3 s of every stage's start-up."""
     made: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays shared
-
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=dtype if t.dtype.is_floating_point else t.dtype, device=device)
-
     for mod in module.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.device.type == "meta":
                 if id(p) not in made:
-                    made[id(p)] = torch.nn.Parameter(empty(p), requires_grad=p.requires_grad)
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                     requires_grad=p.requires_grad)
                 setattr(mod, name, made[id(p)])
         for name, b in list(mod.named_buffers(recurse=False)):
             if b is not None and b.device.type == "meta":
-                mod._buffers[name] = empty(b)
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 class ModelRunner:
@@ -195,7 +188,7 @@ class ModelRunner:
         torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.cfg, start, end, tp, head_range)
-        _materialize(model, self.device, self.dtype)
+        _materialize(model, self.device)
         model.load_weights(read_checkpoint(source, names=model.wants, slicer=model.shard_of)
                            if isinstance(source, str) else source)
         model = model.to(self.dtype).eval()

@@ -25,13 +25,17 @@ class FastGGUFReader(GGUFReader):
 
     _plain: np.ndarray | None = None
 
-    def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
-             override_order: None | Literal["I", "S", "<"] = None) -> npt.NDArray[Any]:
+    def _bytes(self) -> np.ndarray:
+        """The mapped file as a plain uint8 ndarray (made again if the reader's mapping was replaced)."""
         plain = self._plain
         if plain is None or plain.base is not self.data:
             plain = self._plain = self.data.view(np.ndarray)
+        return plain
+
+    def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+             override_order: None | Literal["I", "S", "<"] = None) -> npt.NDArray[Any]:
         count, dt = int(count), np.dtype(dtype)
-        arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        arr = self._bytes()[offset:offset + dt.itemsize * count].view(dt)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[npt.NDArray[Any]], list[int],
@@ -54,10 +58,7 @@ class FastGGUFReader(GGUFReader):
             return 12 + int(whole.nbytes), parts, list(range(2, 2 + n)), types
         if itype != GGUFValueType.STRING:
             return super()._get_field_parts(orig_offs, raw_type)
-        plain = self._plain if self._plain is not None and self._plain.base is self.data else None
-        if plain is None:
-            self._get(offs, np.uint8)  # sets self._plain
-            plain = self._plain
+        plain = self._bytes()
         u64 = np.dtype(np.uint64).newbyteorder("I")
         raw = memoryview(plain)
         parts = [raw_itype, alen]

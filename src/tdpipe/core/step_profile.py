@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tdpipe.config import ModelConfig, SchedulerConfig, cpu_name
+from tdpipe.config import ModelConfig, SchedulerConfig
 from tdpipe.core.batch import Batch
 from tdpipe.core.block_manager import BlockManager
 from tdpipe.core.scheduler.td_pipe import StepCostModel
@@ -149,19 +149,14 @@ def profile_key(target: ProfileTarget, plan: Plan | None = None) -> dict:
     """Everything the measured points depend on: the plan, the model files and what runs them. Not the KV
     capacity, max_num_seqs or max_model_len: they change only the plan (keyed) or Peak (applied on use);
     stage receive buffers grow to any batch, so the token limits do not change what a step costs."""
-    import torch
-
-    from tdpipe.model.cache import model_identity
-    from tdpipe.model.packed_linear import packed_dtypes
+    from tdpipe.model.cache import model_identity, runtime_key
 
     plan = plan or make_plan(target)
     return {"version": PROFILE_VERSION, "model": os.path.abspath(target.model_path),
             "model_files": model_identity(target.model_path), "dtype": str(target.dtype), "pp": target.pp,
             "partition": [list(p) for p in target.partition], "threads": list(target.stage_threads),
             "block_size": target.block_manager.block_size,
-            "plan": dataclasses.asdict(plan) if plan else None,
-            "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1", "cpu": cpu_name(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "packed_linear": packed_dtypes()}
+            "plan": dataclasses.asdict(plan) if plan else None, **runtime_key()}
 
 
 def _run(target: ProfileTarget, seqs: list[Sequence], lens: list[int], prefill: bool) -> float:

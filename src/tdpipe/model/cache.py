@@ -165,6 +165,19 @@ def check_entry(folder: Path, source: dict[str, Any] | None) -> str | None:
     return None
 
 
+def runtime_key() -> dict[str, Any]:
+    """What a timing measured here depends on besides the model and the run's settings: whether the C++
+    kernels run, the CPU and its cores, torch, and which dtypes' linears run packed. Part of the key of every
+    cache of measured timings (step profiles, partition costs, calibrations)."""
+    import torch
+
+    from tdpipe.config import cpu_name
+    from tdpipe.model.packed_linear import packed_dtypes
+
+    return {"kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1", "cpu": cpu_name(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "packed_linear": packed_dtypes()}
+
+
 def model_identity(path: str | os.PathLike[str]) -> list[list[Any]]:
     """Name, size and mtime of the files that define a model folder (or file): for the keys of caches
     derived from a model (step profiles, calibrations), so a rebuilt or edited model gets new entries."""

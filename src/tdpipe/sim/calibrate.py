@@ -49,16 +49,10 @@ CPU_LINK_BW = 2 * GB
 def cache_key(model_path: str, threads: list[int]) -> dict:
     """What the calibration's timings depend on: the model files, the thread counts, the CPU, torch and
     whether the C++ kernels and packed linears run."""
-    import torch
-
-    from tdpipe.config import cpu_name
-    from tdpipe.model.cache import model_identity
-    from tdpipe.model.packed_linear import packed_dtypes
+    from tdpipe.model.cache import model_identity, runtime_key
 
     return {"v": CALIBRATION_VERSION, "model": os.path.abspath(model_path), "threads": sorted(threads),
-            "model_files": model_identity(model_path), "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1",
-            "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "packed_linear": packed_dtypes()}
+            "model_files": model_identity(model_path), **runtime_key()}
 
 
 def cache_path(model_path: str, threads: list[int]) -> Path:

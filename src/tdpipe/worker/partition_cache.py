@@ -14,11 +14,10 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from tdpipe.config import ModelConfig, cpu_name
+from tdpipe.config import ModelConfig
 from tdpipe.platforms.interface import Platform
 from tdpipe.worker.partition import PhaseCosts, StageCosts
 
@@ -45,16 +44,12 @@ def measured_costs(cfg: ModelConfig, dtype: Any, threads: int, batch: int, platf
 
 def costs_key(cfg: ModelConfig, dtype: Any, threads: int, batch: int, platform: Platform) -> dict:
     """Everything the timed layer depends on: one layer's config, dtype, threads, batch and what runs it."""
-    import torch
-
-    from tdpipe.model.packed_linear import packed_dtypes
+    from tdpipe.model.cache import runtime_key
     from tdpipe.version import __version__
 
     one = dataclasses.replace(cfg, num_layers=1, layer_windows=cfg.layer_windows[:1], gguf_file="")
     key = {"version": COSTS_VERSION, "model": dataclasses.asdict(one), "dtype": str(dtype), "threads": threads,
-           "batch": batch, "device": platform.name, "cpu": cpu_name(), "cores": os.cpu_count(),
-           "torch": torch.__version__, "tdpipe": __version__,
-           "kernels": os.environ.get("TDPIPE_NO_KERNEL") != "1", "packed_linear": packed_dtypes()}
+           "batch": batch, "device": platform.name, "tdpipe": __version__, **runtime_key()}
     return json.loads(json.dumps(key, default=str))  # as JSON gives it back: tuples are lists
 
 

@@ -1,6 +1,6 @@
 """Start-up and exit of tdpipe's own processes: the tokenizer loaded on a thread while the executor starts
-(errors raised where the engine joins it, its stages stopped), and the heap frozen before teardown with
-the garbage collected first (its finalizers still run)."""
+(errors raised where the engine joins it, its stages stopped, setuptools imported before that thread
+starts), and the heap frozen before teardown with the garbage collected first (its finalizers still run)."""
 from __future__ import annotations
 
 import os

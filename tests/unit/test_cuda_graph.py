@@ -245,3 +245,26 @@ def test_graph_decode_over_the_triton_kernels_equals_eager():
         torch.testing.assert_close(graph.kv_cache, eager.kv_cache, rtol=1e-5, atol=1e-5)
     finally:
         pa.set_attention_backend("auto")
+
+
+@pytest.mark.parametrize("backend", ["auto", pytest.param("triton", marks=pytest.mark.triton)])
+@pytest.mark.parametrize("start,end", [(0, None), (0, 1), (1, None)], ids=["whole", "first", "last"])
+def test_warm_up_runs_every_step_kind_and_writes_nothing(backend: str, start: int, end: int | None):
+    """The start-up warm-up (run on CUDA before capture, so Triton compiles the eager variants then): a prefill,
+    a mixed step and an eager decode on every kind of slice, the KV cache left as it was, and the runner's
+    real steps afterwards unchanged."""
+    from tdpipe.model import paged_attention as pa
+
+    pa.set_attention_backend(backend)
+    try:
+        r, _ = make_runner(graphs=False, start=start, end=end)
+        fresh, _ = make_runner(graphs=False, start=start, end=end)
+        r.warm_up()
+        assert not r.kv_cache.any()
+        hidden = None if start == 0 else torch.randn(sum(len(p) for p in PROMPTS[:3]), HF["hidden_size"])
+        a = r.execute(r.prepare(prefill(3)), None if hidden is None else hidden.clone())  # (norms work in place)
+        b = fresh.execute(fresh.prepare(prefill(3)), None if hidden is None else hidden.clone())
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(r.kv_cache, fresh.kv_cache, rtol=0, atol=0)
+    finally:
+        pa.set_attention_backend("auto")

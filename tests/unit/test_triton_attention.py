@@ -246,3 +246,22 @@ assert triton_attention.interpreted()
            "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])}
     env.pop("TRITON_INTERPRET", None)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
+
+
+def test_step_varying_arguments_compile_generically(ta):
+    """A batch's sequence count and its block table's width change every step; compiled Triton would build
+    a kernel per (== 1, divisible by 16, other) combination of them, mid-run. The compiled kernels leave them
+    unspecialised (construction only: no GPU needed)."""
+    kern = ta._kernels(False)
+    names = {k: {kern_arg if isinstance(kern_arg, str) else getattr(kern, k).arg_names[kern_arg]
+                 for kern_arg in getattr(kern, k).do_not_specialize} for k in ("prefill", "decode", "reduce")}
+    assert names == {"prefill": {"num_seqs", "stride_bt"}, "decode": {"stride_bt", "num_parts"},
+                     "reduce": {"num_parts"}}
+
+
+def test_decode_tiles_follow_the_h100_tuning(ta):
+    """Head dim 128 (Llama-3-8B's) takes the tuned tiles (scripts/gpu_decode_tune.py); the others keep theirs."""
+    assert ta.decode_tiles(128, 512) == (16, 1, 1)
+    assert ta.decode_tiles(64, 512) == (64, 4, 3)
+    assert ta.decode_tiles(256, 512) == (32, 8, 3)
+    assert ta.decode_tiles(64, 24) == (32, 4, 3)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 # interpreted() stays importable from here (tests, callers that ask which mode ran)
-from tdpipe.model.triton_jit import interpret_for, interpreted, kernel_set, launching, pow2  # noqa: F401
+from tdpipe.model.triton_jit import interpret_for, interpreted, kernel_set, launching, pow2, varying  # noqa: F401
 
 IntSeq = torch.Tensor | Sequence[int]
 
@@ -69,6 +69,7 @@ def _store_kv_body(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     tl.store(vc_ptr + dst, v, mask=mask)
 
 
+@varying("num_seqs", "stride_bt")
 def _prefill_body(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_cb, stride_ch, stride_ct, stride_bt,
@@ -148,6 +149,7 @@ def _prefill_body(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@varying("stride_bt", "num_parts")
 def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, bt_ptr, cu_ptr, lens_ptr,
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_cb, stride_ch, stride_ct, stride_bt,
@@ -225,6 +227,7 @@ def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@varying("num_parts")
 def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr, lens_ptr,
                  stride_ot, stride_oh, num_heads, num_parts, head_dim, partition_size,
                  BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -249,6 +252,18 @@ def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr, lens_ptr,
     res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty),
              mask=d < tl.where(is_decode, head_dim, 0))
+
+
+def decode_tiles(head_dim: int, partition_size: int) -> tuple[int, int, int]:
+    """(BLOCK_N keys per iteration, warps, pipeline stages) of the decode kernel. Measured on an H100 at
+    batch 256, 129-256-token contexts, a CUDA graph's 8,192-token table (scripts/gpu_decode_tune.py,
+    bench_results/gpu/h100/decode_tune.json): at Llama-3-8B's shape (head dim 128, 4 query heads per KV head)
+    16 keys, one warp and no software pipelining took 131 us against 264 us for 64 keys, 4 warps, 3 stages:
+    the kernel waits on its block-table gathers, and one-warp programs keep more of them in flight per SM.
+    Head dim 64 measured within noise of each other; other head dims keep the earlier tiles."""
+    if head_dim == 128:
+        return 16, 1, 1
+    return max(16, min(64 if head_dim <= 128 else 32, pow2(partition_size))), 4 if head_dim <= 128 else 8, 3
 
 
 @functools.cache
@@ -347,7 +362,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t == num_seqs:  # decode rows only
         part = partition_size or PARTITION_SIZE
         num_parts = triton.cdiv(bt.shape[1] * bs, part)
-        block_n = max(16, min(64 if d <= 128 else 32, pow2(part)))
+        block_n, warps, stages = decode_tiles(d, part)
         split = num_parts > 1
         if split:
             part_m = _scratch((num_seqs, hq, num_parts), dev)
@@ -360,7 +375,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 q, k_cache, v_cache, out, part_m, part_l, part_o, bt, cu, lens, *strides,
                 hq, num_parts, d, bs, qk_scale, window, part,
                 G=g, BLOCK_G=max(16, pow2(g)), BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=use_window,
-                SPLIT=split, FP32_DOT=fp32_dot, num_warps=num_warps)
+                SPLIT=split, FP32_DOT=fp32_dot, num_warps=warps, num_stages=stages)
             if split:
                 kern.reduce[(num_seqs, hq)](out, part_m, part_l, part_o, cu, lens, out.stride(0), out.stride(1),
                                             hq, num_parts, d, part, BLOCK_P=pow2(num_parts), BLOCK_D=block_d)

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+import triton.runtime  # bound explicitly: `import triton` alone left it unbound in one GPU process
 
 
 def interpreted() -> bool:
@@ -26,15 +27,26 @@ def interpreted() -> bool:
     return not isinstance(tl.zeros, triton.runtime.JITFunction)
 
 
+def varying(*names: str) -> Callable[[Callable], Callable]:
+    """Mark a kernel body's integer arguments that change from step to step (a batch's sequence count, its
+    block table's width). Compiled Triton specialises each integer on == 1 and on divisibility by 16, one
+    compile per combination (about a second each) met in the middle of a run, where the first requests of a
+    server or a benchmark's timed run would wait for it; these arguments are compiled generically instead."""
+    def mark(fn: Callable) -> Callable:
+        fn.varying = names  # type: ignore[attr-defined]
+        return fn
+    return mark
+
+
 def kernel_set(interpret: bool, **bodies: Callable) -> SimpleNamespace:
     """The bodies wrapped for one mode, as attributes of their keyword names (`interpreted` says which)."""
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        wrap: Callable = InterpretedFunction
-    else:
-        wrap = triton.runtime.JITFunction
-    return SimpleNamespace(interpreted=interpret, **{name: wrap(fn) for name, fn in bodies.items()})
+        return SimpleNamespace(interpreted=True, **{name: InterpretedFunction(fn) for name, fn in bodies.items()})
+    return SimpleNamespace(interpreted=False, **{
+        name: triton.runtime.JITFunction(fn, do_not_specialize=list(getattr(fn, "varying", ())))
+        for name, fn in bodies.items()})
 
 
 def interpret_for(t: torch.Tensor) -> bool:

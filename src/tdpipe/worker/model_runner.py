@@ -175,6 +175,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graph_backend is None and graphs is not None and self.platform.supports_cuda_graphs:
             graph_backend = CudaGraphBackend()
+        if self.device.type == "cuda":
+            self.warm_up()
         if graphs is not None and graph_backend is not None:
             self.graphs = DecodeGraphs(self._layers, first=self.model.is_first, hidden_size=model_config.hidden_size,
                                        dtype=dtype, device=self.device, block_size=block_size, settings=graphs,
@@ -254,6 +256,25 @@ class ModelRunner:
             self._allocate_kv()
         if self.graphs is not None:
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Three dummy steps through the slice, writing nothing to the KV cache (every slot -1): a prefill, a
+        mixed step (a few rows each) and a short eager decode, the attention kernels' three compiled variants.
+        Compiled Triton builds a kernel on its first launch (about a second each), which the decode graphs'
+        capture does for their steps; without this the first prompts of a server or a benchmark would wait
+        for the eager ones. A slice with a sliding-window pool of its own skips it (that pool runs eagerly)."""
+        if self.local_cache is not None:
+            return
+        bs = self.block_size
+        for query, seqs, prefill in (([bs + 1, 2], [bs + 1, 2], True), ([2, 1, 1, 1], [3, 2, 2, 2], False),
+                                     ([1, 1], [2, 2], False)):
+            step = StepInput(-1, [0] * sum(query), query, seqs, [[0] * -(-n // bs) for n in seqs], prefill)
+            inp = prepare_input(step, bs, self.device)
+            inp.meta.slot_mapping.fill_(-1)
+            x = inp.input_ids if self.model.is_first else \
+                torch.zeros(sum(query), self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+            self.model(x, inp.meta, self.kv_cache)
 
     def _layers(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The slice's layers on token ids (first stage) or hidden states: what a decode graph captures."""

@@ -54,6 +54,10 @@ def test_dry_run_runs_every_step_in_order_and_writes_one_json(tmp_path, monkeypa
     fractions = [decode_step_bytes(mc, d, c) / s / env["copy_bytes_per_s"] for d, c, s in points]
     assert roof["fraction"] == pytest.approx(statistics.median(fractions)) and roof["steps"] == len(points)
     assert "target decode_roofline_fraction_8b" in capsys.readouterr().out
+    split = eng["steps"]  # the timed run's time: its steps' own (decode ones as the points say) and the rest
+    assert split["decode_s"] >= sum(s for _, _, s in points) - 1e-9 and split["prefill_s"] > 0
+    assert split["longest_step_s"] <= split["decode_s"] + split["prefill_s"]
+    assert split["prefill_s"] + split["decode_s"] + split["outside_steps_s"] == pytest.approx(eng["elapsed_s"])
 
 
 def test_parity_judgement_exact_and_near_ties():

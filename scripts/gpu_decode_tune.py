@@ -1,7 +1,8 @@
 """Tune the Triton split-K decode kernel (model/triton_attention.py) on a GPU: time one decode attention call
 at batch 256 for tiles (BLOCK_N keys), warps, pipeline stages and partition sizes, at the bundled model's and
 Llama-3-8B's attention shapes, with the block table as wide as under a CUDA graph (max_model_len 8,192) and
-contexts of the gpu-check workload (129-256 tokens). Prints a table and writes JSON (achieved KV bandwidth =
+contexts of the gpu-check workload (129-256 tokens); then the best configuration's time split into the decode
+kernel alone and the reduce alone at 1, 2 and 4 warps. Prints a table and writes JSON (achieved KV bandwidth =
 K and V bytes read / time).
 
     PYTHONPATH=src python3 scripts/gpu_decode_tune.py [OUT.json] [--shapes=bundled,llama8b] [--fine] [--quick]
@@ -47,28 +48,36 @@ def setup(hkv: int, g: int, d: int, seqs: int, max_len: int, dev: str, bs: int =
             "bs": bs}
 
 
-def launch(x: dict, kern, block_n: int, warps: int, stages: int, part: int) -> torch.Tensor:
+def launch(x: dict, kern, block_n: int, warps: int, stages: int, part: int, reduce_warps: int | None = None,
+           parts: str = "both", scratch: tuple | None = None) -> tuple[torch.Tensor, tuple]:
+    """The decode kernel and, where the table splits into partitions, the reduce (`parts`: "both", "decode"
+    or "reduce", the last over `scratch` from an earlier decode). Returns the output and the scratch."""
     q, kc, vc, bt, cu, lens = x["q"], x["kc"], x["vc"], x["bt"], x["cu"], x["lens"]
     seqs, hq, d = q.shape
-    out = torch.empty_like(q)
     num_parts = triton.cdiv(bt.shape[1] * x["bs"], part)
     split = num_parts > 1
-    pm = torch.empty((seqs, hq, num_parts), dtype=torch.float32, device=q.device) if split else out
-    pl = torch.empty((seqs, hq, num_parts), dtype=torch.float32, device=q.device) if split else out
-    po = torch.empty((seqs, hq, num_parts, d), dtype=torch.float32, device=q.device) if split else out
+    if scratch is None:
+        out = torch.empty_like(q)
+        pm = torch.empty((seqs, hq, num_parts), dtype=torch.float32, device=q.device) if split else out
+        pl = torch.empty((seqs, hq, num_parts), dtype=torch.float32, device=q.device) if split else out
+        po = torch.empty((seqs, hq, num_parts, d), dtype=torch.float32, device=q.device) if split else out
+        scratch = (out, pm, pl, po)
+    out, pm, pl, po = scratch
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
                bt.stride(0))
     scale = d ** -0.5 * 1.4426950408889634
     extra = {} if kern.interpreted else {"num_warps": warps, "num_stages": stages}
+    red = {} if kern.interpreted or reduce_warps is None else {"num_warps": reduce_warps}
     with ta.launching(kern):
-        kern.decode[(seqs, x["hkv"], num_parts)](
-            q, kc, vc, out, pm, pl, po, bt, cu, lens, *strides, hq, num_parts, d, x["bs"], scale, 0, part,
-            G=x["g"], BLOCK_G=max(16, ta.pow2(x["g"])), BLOCK_N=block_n, BLOCK_D=max(16, ta.pow2(d)),
-            USE_WINDOW=False, SPLIT=split, FP32_DOT=kern.interpreted, **extra)
-        if split:
+        if parts != "reduce":
+            kern.decode[(seqs, x["hkv"], num_parts)](
+                q, kc, vc, out, pm, pl, po, bt, cu, lens, *strides, hq, num_parts, d, x["bs"], scale, 0, part,
+                G=x["g"], BLOCK_G=max(16, ta.pow2(x["g"])), BLOCK_N=block_n, BLOCK_D=max(16, ta.pow2(d)),
+                USE_WINDOW=False, SPLIT=split, FP32_DOT=kern.interpreted, **extra)
+        if split and parts != "decode":
             kern.reduce[(seqs, hq)](out, pm, pl, po, cu, lens, out.stride(0), out.stride(1), hq, num_parts, d, part,
-                                    BLOCK_P=ta.pow2(num_parts), BLOCK_D=max(16, ta.pow2(d)))
-    return out
+                                    BLOCK_P=ta.pow2(num_parts), BLOCK_D=max(16, ta.pow2(d)), **red)
+    return out, scratch
 
 
 def timed(fn, reps: int, cuda: bool) -> float:
@@ -119,7 +128,7 @@ def main() -> None:
                 if p < bn or (cuda and p > max_len):
                     continue
                 try:
-                    o = launch(x, kern, bn, w, st, p)
+                    o, _ = launch(x, kern, bn, w, st, p)
                     err = float((o.float() - ref).abs().max())
                     sec = timed(lambda: launch(x, kern, bn, w, st, p), 50 if fine else 20, cuda)
                 except Exception as e:  # a tile that does not compile (shared memory): recorded, skipped
@@ -133,9 +142,20 @@ def main() -> None:
                       f"{r['tb_s']:.2f} TB/s err {err:.3g}", flush=True)
                 if stage == "tile" and (best is None or r["us"] < best["us"]):
                     best = r
+        win = min((r for r in rows if r["shape"] == name and "us" in r), key=lambda r: r["us"])
+        # the winner's time split: decode alone, and the reduce alone at 1, 2, 4 warps (its grid is one
+        # program per (sequence, query head), nearly all of which find a one-partition sequence and stop)
+        cfg = (win["block_n"], win["warps"], win["stages"], win["partition"])
+        _, scr = launch(x, kern, *cfg)
+        split = {"decode_us": timed(lambda: launch(x, kern, *cfg, parts="decode", scratch=scr), 50, cuda) * 1e6}
+        for rw in (1, 2, 4):
+            split[f"reduce_us_warps{rw}"] = timed(
+                lambda: launch(x, kern, *cfg, reduce_warps=rw, parts="reduce", scratch=scr), 50, cuda) * 1e6
+        rows.append({"shape": name, "stage": "split", "block_n": cfg[0], "warps": cfg[1], "stages": cfg[2],
+                     "partition": cfg[3], **split})
+        print(f"{name:8} split    {cfg}: " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
         cur = [r for r in rows if r["shape"] == name and r.get("block_n") == 64 and r.get("warps") == 4
                and r.get("stages") == 3 and r.get("partition") == 512 and "us" in r]
-        win = min((r for r in rows if r["shape"] == name and "us" in r), key=lambda r: r["us"])
         print(f"{name}: best {win} vs current {cur[0]['us'] if cur else None} us", flush=True)
     doc = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreted, tiny)",
            "torch": torch.__version__, "triton": triton.__version__, "seqs": seqs, "max_model_len": max_len,

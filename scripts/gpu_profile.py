@@ -47,9 +47,9 @@ def run(path: str, out: Path, name: str) -> dict:
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     out.mkdir(parents=True, exist_ok=True)
-    res = [run(model_folder("bundled")[0], out, "bundled")]
+    res = [run(model_folder("bundled", "cuda")[0], out, "bundled")]
     cfg = {k: v for k, v in model_config("llama-3-8b").items() if not k.startswith("_")} | {"num_hidden_layers": 4}
-    res.append(run(random_model_folder(cfg), out, "llama8b_4layers"))
+    res.append(run(random_model_folder(cfg, device="cuda"), out, "llama8b_4layers"))
     (out / "profile.json").write_text(json.dumps(res, indent=1))
 
 

@@ -119,3 +119,22 @@ def test_preflight_accepts_known_random_models_and_names_unknown_ones():
         check_model("random:nope")
     with pytest.raises(PreflightError, match="--model /no/such: no such file or directory"):
         check_model("/no/such")
+
+
+def test_weights_drawn_on_a_gpu_get_a_folder_of_their_own(tmp_path, monkeypatch):
+    """A GPU's generator draws other values than the CPU's: such weights are cached under their own name
+    (and manifest), while an explicit device="cpu" is the folder every earlier run made."""
+    monkeypatch.setenv("TDPIPE_CACHE", str(tmp_path))
+    cpu = rm.random_model_folder(TINY, seed=1, device="cpu")
+    assert cpu == rm.random_model_folder(TINY, seed=1)
+    drawn, generate = [], rm._generate
+
+    def on_the_cpu(folder, cfg, seed, what, device):  # no GPU here: the same files, drawn on the CPU
+        drawn.append(device)
+        generate(folder, cfg, seed, what, "cpu")
+
+    monkeypatch.setattr(rm, "_generate", on_the_cpu)
+    gpu = rm.random_model_folder(TINY, seed=1, device="cuda")
+    assert gpu == cpu + "-cuda" and drawn == ["cuda"]
+    assert rm.random_model_folder(TINY, seed=1, device="cuda") == gpu and drawn == ["cuda"]  # cached
+    assert rm.random_model_folder(TINY, seed=1) == cpu and drawn == ["cuda"]

@@ -93,9 +93,10 @@ def model_config(spec: str) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
-def model_folder(spec: str) -> tuple[str, str]:
+def model_folder(spec: str, device: str = "cpu") -> tuple[str, str]:
     """(local folder, what it is). "bundled" is the bundled SmolLM2; where its package did not travel, random
-    weights of its config stand in (same shapes, so the same throughput; the JSON says so)."""
+    weights of its config stand in (same shapes, so the same throughput; the JSON says so). Random weights
+    are drawn on `device` (on a GPU in seconds, where the CPU's one-thread generator takes minutes for 8B)."""
     from tdpipe.model.random_model import random_model_folder
 
     if spec == "bundled":
@@ -104,10 +105,11 @@ def model_folder(spec: str) -> tuple[str, str]:
         try:
             return bundled_model_path(), f"bundled {BUNDLED_MODEL}"
         except FileNotFoundError as e:
-            return (random_model_folder(model_config("smollm2-135m"), root=MODELS_ROOT),
+            return (random_model_folder(model_config("smollm2-135m"), root=MODELS_ROOT, device=device),
                     f"random weights of {BUNDLED_MODEL}'s config (the bundled model is not installed: {e})")
     cfg = model_config(spec)
-    return random_model_folder(cfg, root=MODELS_ROOT), f"random weights of {cfg.get('_source', spec)}"
+    return (random_model_folder(cfg, root=MODELS_ROOT, device=device),
+            f"random weights of {cfg.get('_source', spec)}")
 
 
 # -- jobs: each runs in a process of its own and returns a JSON-able dict ------------------------------------
@@ -192,7 +194,7 @@ def job_engine(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
     from tdpipe.bench.throughput import _timed_run
 
     spec = sizes.small_model if model == "small" else sizes.large_model
-    path, what = model_folder(spec)
+    path, what = model_folder(spec, device)
     cfg = json.loads((Path(path) / "config.json").read_text())
     reqs = _workload(sizes, cfg["vocab_size"])
     kw: dict[str, Any] = {"kv_cache_memory": 64 << 20} if device == "cpu" else {}
@@ -239,7 +241,7 @@ def job_hf(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
     from tdpipe.tokenizer import load_tokenizer
 
     spec = sizes.small_model if model == "small" else sizes.large_model
-    path, what = model_folder(spec)
+    path, what = model_folder(spec, device)
     cfg = json.loads((Path(path) / "config.json").read_text())
     reqs = _workload(sizes, cfg["vocab_size"])
     tok = load_tokenizer(path)

@@ -133,9 +133,12 @@ def write_tokenizer(folder: Path, cfg: dict[str, Any]) -> None:
         "chat_template": CHAT_TEMPLATE}, indent=1))
 
 
-def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]], seed: int, what: str) -> None:
+def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]], seed: int, what: str,
+                       device: str = "cpu") -> None:
     """Stream a bf16 safetensors file tensor by tensor: the header is known from the shapes alone, so peak
-    memory is one tensor (in float32 while drawn), not the model (safetensors' save_file holds it all)."""
+    memory is one tensor (in float32 while drawn), not the model (safetensors' save_file holds it all).
+    `device`: where the values are drawn (CPU's generator is one thread: an 8B model takes a minute or more
+    there, a second on a GPU; the values then differ, so the cache keeps the two apart)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "tdpipe": f"random weights, seed {seed}"}}
     offset = 0
     for name, shape, _ in shapes:
@@ -145,13 +148,14 @@ def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
     total = sum(torch.Size(s).numel() for _, s, _ in shapes)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     done, last = 0, time.perf_counter()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for name, shape, init in shapes:
             if init == "normal":  # normal(0, 0.02): the HF initializer_range, finite activations in bf16
-                t = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+                t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=g)
+                t = t.to(torch.bfloat16).cpu()
             else:
                 t = (torch.ones if init == "ones" else torch.zeros)(shape, dtype=torch.bfloat16)
             f.write(t.view(torch.int16).numpy().data)  # no copy; little-endian, as the format requires
@@ -162,8 +166,8 @@ def _write_safetensors(path: Path, shapes: list[tuple[str, tuple[int, ...], str]
                 notice(f"{what}: drawing random weights, {100 * done / total:.0f}% of {total / 1e6:.0f}M parameters")
 
 
-def _generate(folder: Path, cfg: dict[str, Any], seed: int, what: str) -> None:
-    _write_safetensors(folder / "model.safetensors", tensor_shapes(cfg), seed, what)
+def _generate(folder: Path, cfg: dict[str, Any], seed: int, what: str, device: str = "cpu") -> None:
+    _write_safetensors(folder / "model.safetensors", tensor_shapes(cfg), seed, what, device)
     config = {k: v for k, v in cfg.items() if not k.startswith("_")}
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     write_tokenizer(folder, cfg)
@@ -171,15 +175,18 @@ def _generate(folder: Path, cfg: dict[str, Any], seed: int, what: str) -> None:
                                       "For throughput benchmarks only: the outputs are meaningless.\n")
 
 
-def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | None = None) -> str:
+def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | None = None,
+                        device: str = "cpu") -> str:
     """The cache folder of a random-weight model: a shipped config's name (qwen2.5-0.5b, llama-3.2-1b) or a
     config dict (tests); generated on first use, under a lock (one writer per entry across processes).
-    `root`: where the models folder lives (default: the tdpipe cache)."""
+    `root`: where the models folder lives (default: the tdpipe cache). `device`: where the values are drawn
+    (a GPU's generator draws other values than the CPU's, so such a folder has a name of its own)."""
     cfg = published_config(spec) if isinstance(spec, str) else dict(spec)
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
     name = spec if isinstance(spec, str) else f"custom-{key}"
-    out = (root or cache_dir()) / "models" / f"random-{name}-seed{seed}"
-    source = {"random": name, "seed": seed, "config": key, "format": FORMAT}
+    drawn = "" if torch.device(device).type == "cpu" else f"-{torch.device(device).type}"
+    out = (root or cache_dir()) / "models" / f"random-{name}-seed{seed}{drawn}"
+    source = {"random": name, "seed": seed, "config": key, "format": FORMAT} | ({"drawn_on": device} if drawn else {})
     if check_entry(out, source) is None:
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +203,7 @@ def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | 
         try:
             built = tmp / out.name
             built.mkdir()
-            _generate(built, cfg, seed, what)
+            _generate(built, cfg, seed, what, device)
             write_manifest(built, source)
             if out.exists():
                 shutil.rmtree(out)

@@ -81,6 +81,9 @@ def launch(x: dict, kern, block_n: int, warps: int, stages: int, part: int, redu
 
 
 def timed(fn, reps: int, cuda: bool) -> float:
+    """Seconds per call of fn. On a GPU fn is captured once in a CUDA graph and the graph replayed: a Triton
+    launch costs tens of microseconds of Python, as much as a small model's whole decode kernel, so launching
+    from Python would time the host (the engine replays graphs too)."""
     for _ in range(3):
         fn()
     if not cuda:
@@ -88,10 +91,15 @@ def timed(fn, reps: int, cuda: bool) -> float:
         fn()
         return time.perf_counter() - t
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        fn()
+        graph.replay()
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / 1e3 / reps

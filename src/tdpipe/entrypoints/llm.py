@@ -203,7 +203,7 @@ class LLM:
                 bar.close()
         if engine.config.trace:
             with open(engine.config.trace, "w") as f:
-                json.dump(engine.trace(), f)
+                f.write(json.dumps(engine.trace()))  # as json.dump writes it, 3x sooner (the C encoder)
 
     def trace(self) -> dict[str, Any]:
         """The last generate() call's timeline (tdpipe-trace/1): per stage, per micro-batch compute, waits,

@@ -226,7 +226,7 @@ def simulate(cfg: SimConfig, reqs: list, trace_path: str | None = None, kv_point
         import json
 
         with open(trace_path, "w") as f:
-            json.dump(trace, f)
+            f.write(json.dumps(trace))  # the same text as json.dump, 3x sooner (C encoder: one shot, no indent)
     engine.shutdown()
     return res
 

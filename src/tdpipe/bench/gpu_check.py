@@ -208,7 +208,7 @@ def job_engine(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
     produced = sum(len(o.outputs[0].token_ids) for o in outs if not o.error)
     expected = sum(r.output_len for r in reqs)
     st = timed["stats"]
-    steps = _timed_steps(trace, st["prefill_steps"] + st["decode_steps"] + st["mixed_steps"])
+    steps = _timed_steps(trace, st["prefill_steps"] + st["decode_steps"] + st["mixed_steps"], timed["elapsed"])
     biggest = max((e["decode_seqs"] for e in events), default=0)
     points = [[e["decode_seqs"], e["context_tokens"], e["end"] - e["start"]] for e in events
               if e["decode_seqs"] == biggest][:512]
@@ -217,20 +217,20 @@ def job_engine(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
             "elapsed_s": timed["elapsed"], "output_tokens": produced, "expected_output_tokens": expected,
             "output_tokens_per_s": produced / timed["elapsed"], "errors": errors[:3], "kv_blocks": kv_blocks,
             "decode_steps": timed["stats"]["decode_steps"], "prefill_steps": timed["stats"]["prefill_steps"],
-            "bubble_ratio": timed["summary"]["bubble_ratio"], "steps": steps | {
-                "outside_steps_s": timed["elapsed"] - steps["prefill_s"] - steps["decode_s"]},
-            "decode_points": points}
+            "bubble_ratio": timed["summary"]["bubble_ratio"], "steps": steps, "decode_points": points}
 
 
-def _timed_steps(trace: dict[str, Any], n: int) -> dict[str, float]:
-    """Where the timed run's time went, from the last stage's last n trace events (the timed run's steps):
-    seconds in prefill (and mixed) steps, in decode steps, and the longest step. A Triton compile inside
-    the run shows as one long step; time outside every step is the engine's host work between them."""
-    stages = trace.get("stages") or []
-    ev = stages[-1]["events"][-n:] if stages and n else []
+def _timed_steps(trace: dict[str, Any], n: int, elapsed: float) -> dict[str, float]:
+    """Where the timed run's `elapsed` seconds went, from the last stage's last n trace events (the timed
+    run's steps): in prefill (and mixed) steps, in decode steps, the longest step, and outside every step
+    (the engine's host work between them). A Triton compile inside the run shows as one long step."""
+    from tdpipe.bench.roofline import last_stage_events
+
+    ev = last_stage_events(trace)[-n:] if n else []
     dur = [(e["end"] - e["start"], bool(e.get("prefill_tokens"))) for e in ev]
-    return {"prefill_s": sum(d for d, p in dur if p), "decode_s": sum(d for d, p in dur if not p),
-            "longest_step_s": max((d for d, _ in dur), default=0.0)}
+    prefill, decode = sum(d for d, p in dur if p), sum(d for d, p in dur if not p)
+    return {"prefill_s": prefill, "decode_s": decode, "longest_step_s": max((d for d, _ in dur), default=0.0),
+            "outside_steps_s": elapsed - prefill - decode}
 
 
 def job_hf(sizes: Sizes, device: str, model: str) -> dict[str, Any]:

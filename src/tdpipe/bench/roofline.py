@@ -28,12 +28,15 @@ def decode_step_bytes(mc: ModelConfig, batch: int, context_tokens: int, dtype_by
     return decode_weight_bytes(mc, dtype_bytes) + context_tokens * kv + batch * kv  # reads + the new entries
 
 
-def decode_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """Pure decode micro-batches of the last pipeline stage (pp = 1: the only one) of a tdpipe trace."""
+def last_stage_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The micro-batches of the last pipeline stage (pp = 1: the only one) of a tdpipe trace."""
     stages = trace.get("stages") or []
-    if not stages:
-        return []
-    return [e for e in stages[-1]["events"] if e.get("decode_seqs") and not e.get("prefill_tokens")]
+    return stages[-1]["events"] if stages else []
+
+
+def decode_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """Pure decode micro-batches of the last pipeline stage of a tdpipe trace."""
+    return [e for e in last_stage_events(trace) if e.get("decode_seqs") and not e.get("prefill_tokens")]
 
 
 def roofline(mc: ModelConfig, events: list[dict[str, Any]], bandwidth: float, dtype_bytes: int = 2,

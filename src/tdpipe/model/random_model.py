@@ -184,9 +184,10 @@ def random_model_folder(spec: str | dict[str, Any], seed: int = 0, root: Path | 
     cfg = published_config(spec) if isinstance(spec, str) else dict(spec)
     key = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
     name = spec if isinstance(spec, str) else f"custom-{key}"
-    drawn = "" if torch.device(device).type == "cpu" else f"-{torch.device(device).type}"
+    kind = torch.device(device).type  # "cuda:1" draws what "cuda" draws: one entry for both
+    drawn = "" if kind == "cpu" else f"-{kind}"
     out = (root or cache_dir()) / "models" / f"random-{name}-seed{seed}{drawn}"
-    source = {"random": name, "seed": seed, "config": key, "format": FORMAT} | ({"drawn_on": device} if drawn else {})
+    source = {"random": name, "seed": seed, "config": key, "format": FORMAT} | ({"drawn_on": kind} if drawn else {})
     if check_entry(out, source) is None:
         return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)

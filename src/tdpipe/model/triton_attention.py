@@ -263,7 +263,12 @@ def decode_tiles(head_dim: int, partition_size: int) -> tuple[int, int, int]:
     Head dim 64 measured within noise of each other; other head dims keep the earlier tiles."""
     if head_dim == 128:
         return 16, 1, 1
-    return max(16, min(64 if head_dim <= 128 else 32, pow2(partition_size))), 4 if head_dim <= 128 else 8, 3
+    return max(16, min(64 if head_dim <= 128 else 32, pow2(partition_size))), _warps(head_dim), 3
+
+
+def _warps(head_dim: int) -> int:
+    """Warps per program of the prefill kernel, and of the decode kernel where no tuned tiles exist."""
+    return 4 if head_dim <= 128 else 8
 
 
 @functools.cache
@@ -358,7 +363,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d = max(16, pow2(d))  # tl.dot wants every dimension >= 16 when compiled
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0))
-    num_warps = 4 if d <= 128 else 8
     if t == num_seqs:  # decode rows only
         part = partition_size or PARTITION_SIZE
         num_parts = triton.cdiv(bt.shape[1] * bs, part)
@@ -388,5 +392,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     with launching(kern):
         kern.prefill[grid](q, k_cache, v_cache, out, bt, cu, lens, *strides, num_seqs, d, bs, qk_scale,
                            window, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                           USE_WINDOW=use_window, FP32_DOT=fp32_dot, num_warps=num_warps)
+                           USE_WINDOW=use_window, FP32_DOT=fp32_dot, num_warps=_warps(d))
     return out

@@ -175,8 +175,10 @@ def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch)
         assert costs.source == "profile"
         dec, pre = costs.points["decode"], costs.points["prefill"]
         assert len(dec) >= 3 and len(pre) >= 3 and costs.peak_batch == dec[-1][0]
-        assert costs.d1 > 0 and costs.p1 > 0  # bigger batches take longer
-        assert pre[-1][1] > pre[0][1]
+        assert costs.p1 > 0 and pre[-1][1] > pre[0][1]  # prefill is compute-bound: more tokens take longer
+        # decode of at most 11 sequences reads the weights once whatever the batch (memory-bound on a CPU):
+        # its fitted slope is noise around 0, clamped to >= 0 (a CI run fitted 0.0)
+        assert costs.d0 > 0 and costs.d1 >= 0 and all(t > 0 for _, t in dec)
         llm.engine.block_manager.check_no_leaks()  # the dummy requests gave their KV back
         outs = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
         assert all(o.outputs[0].token_ids for o in outs)

@@ -75,3 +75,36 @@ def test_a_dropped_ctrl_c_prints_no_traceback_and_still_interrupts():
     assert r.stdout.split() == ["went", "on", "raised"], r.stderr
     assert "KeyboardInterrupt" not in r.stderr, r.stderr
     assert "other unraisable" in r.stderr  # anything else is still reported
+
+
+def test_a_ctrl_c_during_a_held_import_waits_for_its_end(tmp_path):
+    """torch's import runs Python beneath C++, where a KeyboardInterrupt aborts the process: a held package's
+    body runs to its end, then the Ctrl-C is raised; a package that is not held is interrupted where it stood."""
+    import subprocess
+    import sys
+    import textwrap
+
+    for name in ("heldmod", "plainmod"):
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
+            import builtins, signal
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(1000):
+                pass
+            builtins.finished = True
+        """))
+    code = textwrap.dedent(f"""
+        import builtins, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import tdpipe.interrupt as it
+        it.install_sticky_sigint()
+        it.HELD_IMPORTS = frozenset({{"heldmod"}})
+        for name in ("heldmod", "plainmod"):
+            builtins.finished = False
+            try:
+                __import__(name)
+            except KeyboardInterrupt:
+                it.clear_dropped()
+                print(name, builtins.finished)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["heldmod", "True", "plainmod", "False"], r.stderr

@@ -372,6 +372,14 @@ def _command(argv: list[str]) -> str | None:
     return next((w for w in argv if not w.startswith("-")), None)
 
 
+def _imports_torch(args: argparse.Namespace) -> bool:
+    """Whether the command's work imports torch: all but the plots and the simulator (a second of start-up
+    they do not need). main() imports it before the KeyboardInterrupt handler goes in, because torch's import
+    runs Python beneath C++ (pybind11: torch.distributed's `_c10d_init`), where a KeyboardInterrupt cannot
+    cross and the process aborts (a fault test saw exit -6 for a Ctrl-C a second into `tdpipe generate`)."""
+    return args.command not in ("plot", "simulate") and not args.fn.__module__.startswith("tdpipe.sim.")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(_command(sys.argv[1:] if argv is None else argv)).parse_args(argv)
@@ -379,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tdpipe: interrupted", file=sys.stderr)
         return 130
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        if _imports_torch(args):
+            import torch  # noqa: F401 - while a Ctrl-C still ends the process at once (see _imports_torch)
         from tdpipe.interrupt import install_sticky_sigint
 
         install_sticky_sigint()  # from here Ctrl-C is a KeyboardInterrupt, never lost nor a stray traceback

@@ -6,14 +6,11 @@ current step's micro-batch is back, well under a second in decode. A second SIGI
 engine then recovers by dropping everything in flight (LLMEngine.abort_all)."""
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType
 
 
 @contextmanager
@@ -68,56 +65,14 @@ def _quiet_when_dropped(unraisable: "sys.UnraisableHookArgs") -> None:
 _previous_hook = sys.unraisablehook
 
 
-HELD_IMPORTS = frozenset({"torch"})  # top-level packages whose first import holds Ctrl-C (_HoldingFinder)
-
-
-class _HoldingLoader(importlib.abc.Loader):
-    """Runs the wrapped loader's module body with SIGINT deferred, then hands the module its own loader back."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = module.__spec__.loader = self._loader
-        with deferred_sigint():
-            self._loader.exec_module(module)
-
-
-class _HoldingFinder(importlib.abc.MetaPathFinder):
-    """torch's import runs Python beneath C++ (pybind11, e.g. torch.distributed's `_c10d_init`): a
-    KeyboardInterrupt raised there cannot cross it, and the process aborts (exit -6 instead of 130, seen in the
-    fault tests when Ctrl-C landed a second into `tdpipe generate`). So the first import of a HELD_IMPORTS
-    package runs with Ctrl-C deferred to its end, a second or two at most; it finds nothing itself."""
-
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in HELD_IMPORTS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _HoldingLoader(spec.loader)
-                return spec
-        return None
-
-
 def install_sticky_sigint() -> None:
-    """Ctrl-C as a KeyboardInterrupt that is never lost nor printed as a traceback where it was dropped, and
-    held while torch imports (the `tdpipe` command, once its arguments are parsed). Main thread only, like any
-    signal handler."""
+    """Ctrl-C as a KeyboardInterrupt that is never lost nor printed as a traceback where it was dropped
+    (the `tdpipe` command, once its arguments are parsed). Main thread only, like any signal handler."""
     global _previous_hook
     signal.signal(signal.SIGINT, sticky_sigint)
     if sys.unraisablehook is not _quiet_when_dropped:
         _previous_hook = sys.unraisablehook
         sys.unraisablehook = _quiet_when_dropped
-    if not any(isinstance(f, _HoldingFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _HoldingFinder())
 
 
 def raise_if_dropped() -> None:

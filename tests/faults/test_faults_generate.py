@@ -71,7 +71,8 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     out = tmp_path / "out.jsonl"
-    p = subprocess.Popen(_cmd(out, prompts, pp), start_new_session=True, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(_cmd(out, prompts, pp), start_new_session=True, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # a hang below shows every thread's stack
     try:
         if when == "startup":
             if victim == "stage":
@@ -91,7 +92,8 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, pp, victim, sig, when):
         try:
             err = p.communicate(timeout=DEADLINE)[1]
         except subprocess.TimeoutExpired:
-            pytest.fail(f"still running {DEADLINE} s after the fault (seed {seed})")
+            p.send_signal(signal.SIGABRT)  # faulthandler prints where each thread stands
+            pytest.fail(f"still running {DEADLINE} s after the fault (seed {seed}):\n{p.communicate(timeout=30)[1]}")
         took = time.time() - t
         assert _wait_for(lambda: not any(os.path.exists(f"/proc/{s}") and alive(s) for s in stages), DEADLINE), \
             f"stage processes left behind (seed {seed})"

@@ -1,7 +1,6 @@
 """tdpipe: throughput-first LLM inference with bubble-free pipeline parallelism."""
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.version import __version__
 
 
 def __getattr__(name: str):
@@ -10,6 +9,10 @@ def __getattr__(name: str):
         from tdpipe.entrypoints.llm import LLM
 
         return LLM
+    if name == "__version__":  # read from the installed metadata on first use (tdpipe/version.py)
+        from tdpipe.version import package_version
+
+        return package_version()
     raise AttributeError(name)
 
 

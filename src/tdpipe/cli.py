@@ -24,7 +24,7 @@ from tdpipe.entrypoints.conversation import check_conversation
 from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
 from tdpipe.entrypoints.results import ResultSink
 from tdpipe.tokenizer import chat_prompt
-from tdpipe.version import __version__
+from tdpipe.version import package_version
 
 
 def _read_prompts(a: argparse.Namespace) -> list[dict]:
@@ -253,13 +253,27 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run_server(server_config(a), engine_config(a))
 
 
+class _VersionAction(argparse.Action):
+    """--version: prints "tdpipe X" and exits. The version is read when asked (tdpipe/version.py), not each
+    time the parser is built."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **_: object) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"tdpipe {package_version()}")
+        parser.exit()
+
+
 def build_parser(command: str | None = "") -> argparse.ArgumentParser:
     """The whole parser; `command` (the one a command line names, None for none) leaves out the bench
     subcommands unless it is "bench": their modules import torch, a second of start-up that `tdpipe serve`,
     `run-batch` or `--help` do not need."""
     p = argparse.ArgumentParser(prog="tdpipe", description="Throughput-first LLM inference: paged KV, continuous "
                                 "batching, pipeline parallelism (TD-Pipe, gLLM, SiPipe).")
-    p.add_argument("--version", action="version", version=f"tdpipe {__version__}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate for a batch of prompts; JSONL out",

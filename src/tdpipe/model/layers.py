@@ -30,8 +30,6 @@ class GemmaRMSNorm(RMSNorm):
     numbers are unchanged (its values upcast exactly); a checkpoint that stores (1 + w) / s - 1 in float32
     (SmoothQuant's fold, model/smoothquant.py) keeps the bits bf16 loses near -1."""
 
-    float32_params = ("weight",)  # what the model runner materialises in float32 whatever the run's dtype
-
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         before = self.weight.data
         out = super()._apply(fn, recurse)

@@ -121,21 +121,15 @@ class LayerCaches:
         return t[k]
 
 
-def _materialize(module: torch.nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
-    """Give every meta parameter and buffer uninitialised storage on `device`; floating parameters in the
-    run's `dtype`, except those a module keeps in float32 (its `float32_params`), so the checkpoint's tensors
-    are converted once, as they are copied in: a bf16 model never exists in float32 (twice its memory) on
-    the way. Not `Module.to_empty`: its meta path runs through torch._refs, which imports sympy: 0.3 s of
-    every stage's start-up."""
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device`. Not `Module.to_empty`: its
+    meta path runs through torch._refs, which imports sympy: 0.3 s of every stage's start-up."""
     made: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share stays shared
     for mod in module.modules():
-        keep = getattr(mod, "float32_params", ())
         for name, p in list(mod.named_parameters(recurse=False)):
             if p.device.type == "meta":
                 if id(p) not in made:
-                    want = (torch.float32 if name in keep else dtype) if dtype is not None and p.is_floating_point() \
-                        else p.dtype
-                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=want, device=device),
+                    made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
                                                      requires_grad=p.requires_grad)
                 setattr(mod, name, made[id(p)])
         for name, b in list(mod.named_buffers(recurse=False)):
@@ -196,7 +190,7 @@ class ModelRunner:
         torch.manual_seed(0)  # only matters for tensors the checkpoint fails to cover (an error anyway)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.cfg, start, end, tp, head_range)
-        _materialize(model, self.device, self.dtype)
+        _materialize(model, self.device)
         model.load_weights(read_checkpoint(source, names=model.wants, slicer=model.shard_of)
                            if isinstance(source, str) else source)
         model = model.to(self.dtype).eval()

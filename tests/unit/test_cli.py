@@ -26,6 +26,22 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"tdpipe {version('tdpipe')}\n"
 
 
+def test_the_version_is_read_when_asked_not_at_import():
+    """importlib.metadata walks sys.path (40-70 ms here): not in every process's start, each stage's too."""
+    import subprocess
+    import sys
+
+    code = ("import tdpipe, tdpipe.cli, tdpipe.pipeline.stage\n"
+            "from tdpipe.version import package_version\n"
+            "assert package_version.cache_info().currsize == 0, 'read at import'\n"
+            "from importlib.metadata import version\n"
+            "assert tdpipe.__version__ == version('tdpipe') == package_version()\n"
+            "from tdpipe.version import __version__\n"
+            "assert __version__ == tdpipe.__version__\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 def test_generate_jsonl_file(tmp_path, bundled_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"prompt": "The capital of France is"}) + "\n" + json.dumps({"prompt": ""}) + "\n")

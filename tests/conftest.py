@@ -156,3 +156,30 @@ def _warm_caches() -> None:
 
     in_background(cpu_ops.kernel, paged_attention.load_kernel)
     threading.Thread(target=bundled_model_path, name="tdpipe-test-convert").start()
+
+
+# --suite-times FILE: each test's wall time and CPU seconds (its own process's and those of the processes it
+# started and reaped) as one JSON line, for `python scripts/suite_times.py FILE` (where the suite's time goes)
+
+def pytest_addoption(parser):
+    parser.addoption("--suite-times", metavar="FILE", default=None,
+                     help="append each test's wall and CPU seconds (own, children's) to FILE as JSON lines")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--suite-times")
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    t0, c0 = time.perf_counter(), os.times()
+    yield
+    t1, c1 = time.perf_counter(), os.times()
+    rec = {"id": item.nodeid, "wall": round(t1 - t0, 3),
+           "cpu": round(c1.user - c0.user + c1.system - c0.system, 3),
+           "children_cpu": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 3)}
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,43 @@
+"""Where the test suite's time goes: a table per test file from `pytest --suite-times FILE`'s JSON lines.
+
+    .venv/bin/python -m pytest --suite-times /tmp/times.jsonl
+    .venv/bin/python scripts/suite_times.py /tmp/times.jsonl [--top 30]
+
+Columns: wall seconds inside the file's tests (setup and teardown included), the pytest process's CPU
+seconds, and the CPU seconds of the processes its tests started and reaped (CLI runs, engine cores, stages;
+a child is counted in the test that reaped it). The last lines split the suite into tests that started
+processes and tests that did not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("file", help="the JSON lines `pytest --suite-times FILE` wrote")
+    p.add_argument("--top", type=int, default=30, help="files to list, slowest first (default: %(default)s)")
+    a = p.parse_args()
+    rows = [json.loads(line) for line in open(a.file) if line.strip()]
+    by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    for r in rows:
+        b = by[r["id"].split("::")[0]]
+        b[0] += r["wall"]
+        b[1] += r["cpu"]
+        b[2] += r["children_cpu"]
+        b[3] += 1
+    print(f"{'wall s':>8} {'cpu s':>8} {'children':>9} {'tests':>5}  file")
+    for f, (wall, cpu, child, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:a.top]:
+        print(f"{wall:8.1f} {cpu:8.1f} {child:9.1f} {n:5d}  {f}")
+    procs = [r for r in rows if r["children_cpu"] > 0.5]
+    rest = [r for r in rows if r["children_cpu"] <= 0.5]
+    for name, group in (("starting processes", procs), ("in the pytest process", rest)):
+        print(f"{len(group)} tests {name}: {sum(r['wall'] for r in group):.0f} s wall, "
+              f"{sum(r['cpu'] for r in group):.0f} s CPU, children {sum(r['children_cpu'] for r in group):.0f} s CPU")
+    print(f"all {len(rows)} tests: {sum(r['wall'] for r in rows):.0f} s wall")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,6 +19,17 @@ def test_every_path_times_a_tiny_shape():
     assert set(secs) == set(gemm.PATHS) and all(s > 0 for s in secs.values())
 
 
+def test_the_table_gives_ratios_only_where_both_paths_ran():
+    """A subset of --paths: a ratio to bf16-packed appears where both ran, never a "nan"."""
+    row = {"model": "m", "linear": "qkv", "m": 8, "n": 960, "k": 576}
+    alone = gemm.table({"results": [{**row, "gops": {"bf16-packed": 100.0}}]})
+    assert "nan" not in alone and "/ bf16-packed" not in alone and "| 100 |" in alone
+    both = gemm.table({"results": [{**row, "gops": {"bf16-packed": 100.0, "w8a8": 150.0}}]})
+    assert "w8a8 / bf16-packed" in both and "| 1.50x |" in both
+    lines = both.splitlines()
+    assert len({line.count("|") for line in lines}) == 1  # header, rule and rows have the same columns
+
+
 def test_gemm_rejects_an_unknown_path(capsys):
     with pytest.raises(SystemExit, match="unknown"):
         main(["bench", "gemm", "--paths", "bf16,int4"])

@@ -124,15 +124,16 @@ def run(models: tuple[str, ...] = DEFAULT_MODELS, rows: tuple[int, ...] = DEFAUL
 
 def table(r: dict[str, Any]) -> str:
     paths = [p for p in PATHS if any(p in x["gops"] for x in r["results"])]
-    ratios = ["w8a8"] + (["w4a8-block"] if "w4a8-block" in paths else [])  # each against bf16-packed
-    lines = ["| model | linear | M x N x K | " + " | ".join(f"{p} GOP/s" for p in paths) + " | "
-             + " | ".join(f"{q} / bf16-packed" for q in ratios) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in paths) + " | " + " | ".join("---" for _ in ratios) + " |"]
+    # each against bf16-packed, where both ran (a ratio to a path not run is no figure)
+    ratios = [q for q in ("w8a8", "w4a8-block") if q in paths and "bf16-packed" in paths]
+    cols = [f"{p} GOP/s" for p in paths] + [f"{q} / bf16-packed" for q in ratios]
+    lines = ["| model | linear | M x N x K | " + " | ".join(cols) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |"]
     for x in r["results"]:
         g = x["gops"]
-        cells = [f"{g[q] / g['bf16-packed']:.2f}x" if q in g and "bf16-packed" in g else "nanx" for q in ratios]
+        cells = [f"{g[q] / g['bf16-packed']:.2f}x" if q in g and "bf16-packed" in g else "-" for q in ratios]
         lines.append(f"| {x['model']} | {x['linear']} | {x['m']} x {x['n']} x {x['k']} | "
-                     + " | ".join(f"{g[p]:.0f}" if p in g else "-" for p in paths) + " | " + " | ".join(cells) + " |")
+                     + " | ".join([f"{g[p]:.0f}" if p in g else "-" for p in paths] + cells) + " |")
     return "\n".join(lines)
 
 

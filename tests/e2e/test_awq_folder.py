@@ -43,17 +43,18 @@ def test_dequantised_folder_is_transformers_on_the_dequantised_weights(awq_folde
 
 
 def test_packed_blocks_track_the_dequantised_folder_at_pp1_and_pp2(awq_folder):
-    with LLM(model=awq_folder, quantization="none", kv_cache_memory=KV) as llm:
+    with LLM(model=awq_folder, quantization="none", dtype="bfloat16", kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)
         ref = prompt_lps(llm, ids)
-    with LLM(model=awq_folder, kv_cache_memory=KV) as llm:  # auto: awq on a bf16 CPU run
+    with LLM(model=awq_folder, dtype="bfloat16", kv_cache_memory=KV) as llm:  # auto: awq on a bf16 CPU run
         assert llm.engine.model_config.quantization == "awq"
         one = prompt_lps(llm, ids)
         sp = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].outputs
         assert len(outs) == 2 and all(len(c.token_ids) == 6 and len(c.logprobs) == 6 for c in outs)
         assert llm.engine.block_manager.enable_prefix_caching and prompt_lps(llm, ids) == one
-    with LLM(model=awq_folder, quantization="awq", pipeline_parallel_size=2, kv_cache_memory=KV) as llm:
+    with LLM(model=awq_folder, quantization="awq", pipeline_parallel_size=2, dtype="bfloat16",
+             kv_cache_memory=KV) as llm:
         two = prompt_lps(llm, ids)
     # the weights are the folder's exactly; only the int8 activations (one scale per 32 values) differ
     spread = sum(abs(x - y) for x, y in zip(one, ref)) / len(ref)

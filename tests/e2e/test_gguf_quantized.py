@@ -22,9 +22,14 @@ def _greedy(llm: LLM, ids: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def dequantised(bundled_path):
+    """The prompt, its log-probabilities and the greedy answer to its first 12 tokens with the top 5 of each
+    step, from the file dequantised."""
     with LLM(quantization="none", kv_cache_memory=KV) as llm:
         ids = llm.get_tokenizer().encode(TEXT)
-        return ids, prompt_lps(llm, ids), _greedy(llm, ids[:12])
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+        out = llm.generate([{"prompt_token_ids": ids[:12]}], sp, use_tqdm=False)[0].outputs[0]
+        tops = [{t: lp.logprob for t, lp in step.items()} for step in out.logprobs]
+        return ids, prompt_lps(llm, ids), (list(out.token_ids), tops)
 
 
 def test_gguf_blocks_track_the_dequantised_file_at_pp1_and_pp2(dequantised):
@@ -42,8 +47,13 @@ def test_gguf_blocks_track_the_dequantised_file_at_pp1_and_pp2(dequantised):
     cost = sum(y - x for x, y in zip(one, ref)) / len(ref)
     assert spread < 0.15 and abs(cost) < 0.05, (spread, cost)
     assert one != ref  # the quantised path really ran
-    agree = next((i for i, (a, b) in enumerate(zip(greedy_one, ref_greedy)) if a != b), len(ref_greedy))
-    assert agree >= 2, (greedy_one, ref_greedy)  # reported, not required, beyond the first tokens
+    # greedy agreement is reported, not required; where the answers part, the dequantised file must have been
+    # near a tie (measured: 0.21 nats apart at the first token on an AVX2 CPU in float32, where they part)
+    ref_tokens, ref_tops = ref_greedy
+    part = next((i for i, (a, b) in enumerate(zip(greedy_one, ref_tokens)) if a != b), None)
+    if part is not None:
+        top, pick = ref_tops[part], greedy_one[part]
+        assert pick in top and max(top.values()) - top[pick] < 0.5, (part, greedy_one, ref_tokens, top)
     # each row's sums do not depend on the micro-batch it rides in: pp = 2 is pp = 1
     assert max(abs(x - y) for x, y in zip(one, two)) < 0.02 and greedy_one == greedy_two
 

@@ -13,11 +13,12 @@ KV = 64 << 20
 
 
 def test_int8_cache_tracks_the_bf16_cache_and_holds_more(bundled_path):
-    with LLM(bundled_path, kv_cache_memory=KV) as llm:
+    # bf16 named: the default dtype is float32 on a CPU without avx512_bf16, whose rows are 256 bytes
+    with LLM(bundled_path, kv_cache_memory=KV, dtype="bfloat16") as llm:
         ids = llm.get_tokenizer().encode(TEXT)
         ref = prompt_lps(llm, ids)
         blocks = llm.engine.block_manager.num_blocks
-    with LLM(bundled_path, kv_cache_memory=KV, kv_cache_dtype="int8") as llm:
+    with LLM(bundled_path, kv_cache_memory=KV, kv_cache_dtype="int8", dtype="bfloat16") as llm:
         one = prompt_lps(llm, ids)
         # 64 bf16 values (128 bytes) against 64 int8 values and a float32 scale (68 bytes) per row
         assert 1.85 < llm.engine.block_manager.num_blocks / blocks < 1.9

@@ -93,9 +93,14 @@ def test_prepare_linears_runs_the_head_as_8bit_blocks():
     assert not isinstance(odd.lm_head, BlockLinear)
 
 
+@pytest.mark.parametrize("fp32_out_broken", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_int8_head_approximates_the_float_head(dtype):
+def test_the_int8_head_approximates_the_float_head(dtype, fp32_out_broken, monkeypatch):
+    """Where oneDNN's float32 output is wrong (an AVX2 CPU without VNNI) the head asks for bf16 and casts."""
     assert il.onednn_qlinear_available()
+    if fp32_out_broken:
+        monkeypatch.setattr(il, "onednn_qlinear_available", lambda out=torch.bfloat16: out == torch.bfloat16)
+        assert il.onednn_head_dtype(dtype) == torch.bfloat16
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 500, bias=False)
     x = torch.nn.functional.rms_norm(torch.randn(7, 64), (64,))  # the final norm's output: unit RMS rows

@@ -224,7 +224,12 @@ def test_kernel_sliding_window_vs_dense(kernel, dtype, bs, window, g, d):
     ref = pa.paged_attention_ref(q, kc, vc, bt, cu, lens, scale, sliding_window=window)  # skips them too
     torch.testing.assert_close(ref.double(), truth, **TOL[dtype])
     front = pa.paged_attention(q, kc, vc, bt, cu, lens, scale, sliding_window=window)
-    assert torch.equal(front, out)
+    if pa.scalar_kernel(kernel):  # a CPU without AVX-512: the front end sends prefill chunks to the torch path
+        torch.testing.assert_close(front.double(), truth, **TOL[dtype])
+        for s in (s for s in range(len(nqs)) if nqs[s] == 1):  # decode rows: the kernel's
+            assert torch.equal(front[cu[s]:cu[s + 1]], out[cu[s]:cu[s + 1]])
+    else:
+        assert torch.equal(front, out)
     if window < max(lens):  # the window matters: without it the answer differs
         full = pa.paged_attention_ref(q, kc, vc, bt_whole, cu, lens, scale)
         assert not torch.allclose(full.double(), truth, **TOL[dtype])

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tdpipe.bench.machine import write_json
 from tdpipe.model.block_linear import BlockLinear
 from tdpipe.model.cpu_ops import kernel
-from tdpipe.model.int8_linear import Int8Head, Int8Linear, onednn_qlinear_available
+from tdpipe.model.int8_linear import Int8Head, Int8Linear, onednn_head_dtype
 from tdpipe.model.packed_linear import PackedLinear, packing_available
 
 DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-0.5b")
@@ -69,6 +69,16 @@ def _best(fn: Any, iters: int) -> float:
     return best
 
 
+def skipped_paths() -> dict[str, str]:
+    """The paths this CPU and torch build cannot run, each with why (the table leaves them out)."""
+    why = {}
+    if not packing_available():
+        why["bf16-packed"] = "oneDNN's prepacked bf16 linear is missing or inexact here (no avx512_bf16?)"
+    if onednn_head_dtype(torch.bfloat16) is None:
+        why["w8a8-head"] = "oneDNN's prepacked int8 linear is missing or computes wrongly here"
+    return why
+
+
 def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATHS) -> dict[str, float]:
     """Seconds (best of `iters`) of each path for x [m, k] @ W[n, k]^T."""
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +90,9 @@ def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATH
     for p in paths:
         if p == "bf16":
             out[p] = _best(lambda: F.linear(x, w), iters)
-        elif p == "bf16-packed" and packing_available():
+        elif p in skipped_paths():
+            continue
+        elif p == "bf16-packed":
             packed = PackedLinear(lin)
             out[p] = _best(lambda: packed(x), iters)
         elif p == "int8-mm":
@@ -97,7 +109,7 @@ def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATH
         elif p == "w8a8":
             q8 = Int8Linear(lin)
             out[p] = _best(lambda: q8(x), iters)
-        elif p == "w8a8-head" and onednn_qlinear_available():
+        elif p == "w8a8-head":
             h8 = Int8Head(lin)
             out[p] = _best(lambda: h8(x), iters)
         elif p in ("w4a8-block", "w8a8-block"):
@@ -119,7 +131,7 @@ def run(models: tuple[str, ...] = DEFAULT_MODELS, rows: tuple[int, ...] = DEFAUL
                 results.append({"model": model, "linear": name, "m": m, "n": n, "k": k,
                                 "seconds": secs, "gops": {p: ops / s / 1e9 for p, s in secs.items()}})
     return {"threads": torch.get_num_threads(), "iters": iters, "int8_kernel": kernel() is not None,
-            "packed_bf16": packing_available(), "results": results}
+            "packed_bf16": packing_available(), "skipped": skipped_paths(), "results": results}
 
 
 def table(r: dict[str, Any]) -> str:
@@ -156,6 +168,9 @@ def cmd(a: argparse.Namespace) -> int:
     r = run(tuple(a.models.split(",")), tuple(int(v) for v in a.rows.split(",")), a.iters, a.threads, paths)
     print(f"GEMM paths, {r['threads']} threads (best of {r['iters']}); int8 kernel: "
           f"{'built' if r['int8_kernel'] else 'unavailable (torch fallback)'}")
+    for p, why in skipped_paths().items():
+        if p in paths:
+            print(f"not run: {p}: {why}")
     print(table(r))
     if a.json:
         write_json(a.json, r)

@@ -36,6 +36,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TDPIPE_NO_AVX512)
 #define TDPIPE_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(TDPIPE_NO_AVX2)
+#define TDPIPE_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -154,6 +157,119 @@ inline void load_chunk(const int8_t* p, int n, vf& lo, vf& hi) {
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), TDPIPE_PF_HINT); }
 constexpr const char* kIsa = "avx512";
+
+#elif defined(TDPIPE_AVX2)
+// AVX2 + FMA (AMD Zen 1-3, Intel before Skylake-SP): the 16-lane vector as two 8-lane halves, the same
+// algorithm and the same polynomial as the AVX-512 path; masks are lane-index compares.
+struct vf {
+  __m256 a, b;  // lanes 0-7, 8-15
+};
+inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+inline vf vfma(vf x, vf y, vf z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline vf vmul(vf x, vf y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline vf vadd(vf x, vf y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline vf vsub(vf x, vf y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+inline vf vmax(vf x, vf y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float hadd8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vhmax(vf x) { return hmax8(_mm256_max_ps(x.a, x.b)); }
+inline float vhadd(vf x) { return hadd8(_mm256_add_ps(x.a, x.b)); }
+// Lanes outside [lo, n) become -inf.
+inline vf vkeep_range(vf x, int lo, int n) {
+  const __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));
+  const __m256i vlo = _mm256_set1_epi32(lo - 1), vn = _mm256_set1_epi32(n);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  auto keep = [&](__m256 v, __m256i idx) {  // lo - 1 < idx < n
+    const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, vlo), _mm256_cmpgt_epi32(vn, idx));
+    return _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(in));
+  };
+  return {keep(x.a, i0), keep(x.b, i1)};
+}
+// 2^x for x <= 0: the AVX-512 path's split and polynomial; 2^n built in the exponent field, and 0 where
+// n < -126 (so -inf, NaN and anything below -126 give exactly 0, as scalef's underflow does there).
+inline __m256 exp2_8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-200.0f));  // NaN -> -200 (max returns its 2nd operand on NaN)
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(ni, _mm256_set1_epi32(-127)));
+  return _mm256_and_ps(_mm256_mul_ps(p, two_n), normal);
+}
+inline vf vexp2(vf x) { return {exp2_8(x.a), exp2_8(x.b)}; }
+// lane u of the result = horizontal sum of a[u]: the halves added, then 8 vectors transposed and summed
+inline __m256 hsum8x8(const __m256* s) {
+  const __m256 t0 = _mm256_hadd_ps(s[0], s[1]), t1 = _mm256_hadd_ps(s[2], s[3]);
+  const __m256 t2 = _mm256_hadd_ps(s[4], s[5]), t3 = _mm256_hadd_ps(s[6], s[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per-128-bit-half partial sums
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline vf vhsum16(const vf* a) {
+  __m256 s[16];
+  for (int u = 0; u < 16; ++u) s[u] = _mm256_add_ps(a[u].a, a[u].b);
+  return {hsum8x8(s), hsum8x8(s + 8)};
+}
+// n (1..32) elements of a chunk as two vectors, zero filled past n (a short chunk goes through a buffer).
+inline void load_chunk(const float* p, int n, vf& lo, vf& hi) {
+  if (n < kChunk) {
+    alignas(32) float buf[kChunk] = {0};
+    std::memcpy(buf, p, sizeof(float) * std::max(n, 0));
+    lo = vload(buf);
+    hi = vload(buf + 16);
+    return;
+  }
+  lo = vload(p);
+  hi = vload(p + 16);
+}
+// bf16: even elements shifted up (lo), odd ones with the low half masked off (hi), as on AVX-512
+inline void load_chunk(const bf16* p, int n, vf& lo, vf& hi) {
+  alignas(32) uint16_t buf[kChunk];
+  if (n < kChunk) {
+    std::memset(buf, 0, sizeof(buf));
+    std::memcpy(buf, p, sizeof(uint16_t) * std::max(n, 0));
+    p = reinterpret_cast<const bf16*>(buf);
+  }
+  const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + 1);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  lo = {_mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16))};
+  hi = {_mm256_castsi256_ps(_mm256_and_si256(r0, high)), _mm256_castsi256_ps(_mm256_and_si256(r1, high))};
+}
+// int8 -> fp32 in natural order (lo: elements 0-15, hi: 16-31); the row's scale is applied by the caller.
+inline void load_chunk(const int8_t* p, int n, vf& lo, vf& hi) {
+  alignas(32) int8_t buf[kChunk];
+  if (n < kChunk) {
+    std::memset(buf, 0, sizeof(buf));
+    std::memcpy(buf, p, std::max(n, 0));
+    p = buf;
+  }
+  auto eight = [](const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  };
+  lo = {eight(p), eight(p + 8)};
+  hi = {eight(p + 16), eight(p + 24)};
+}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), TDPIPE_PF_HINT); }
+constexpr const char* kIsa = "avx2";
 
 #else  // portable fallback, same algorithm on 16-float structs
 

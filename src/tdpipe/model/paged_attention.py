@@ -233,9 +233,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 @functools.cache
 def scalar_kernel(kern: ModuleType) -> bool:
-    """Was the kernel built without AVX-512 (its portable loops)? There it runs ~2-3 GFLOP/s whatever the
-    query length: twice the torch path's speed for decode rows, but 4-8x slower than it on prefill chunks
-    (one thread, float32, AMD EPYC: a 512-token chunk over 1024 cached tokens 426 ms vs 81 ms)."""
+    """Was the kernel built without AVX2 or AVX-512 (its portable loops)? There it runs ~2-3 GFLOP/s whatever
+    the query length: twice the torch path's speed for decode rows, but 4-8x slower than it on prefill chunks
+    (one thread, float32, AMD EPYC: a 512-token chunk over 1024 cached tokens 426 ms vs 81 ms). The AVX2
+    path is not: on chunks at least as fast as the torch path (2 threads, 4 x 256 queries over 1024 keys: fp32
+    44-49 ms against 46-118 ms in three runs, bf16 33 ms against 87 ms), on decode 3.3-4.5x the portable loops
+    (bench_results/avx2/attention_*.txt)."""
     return kern.kernel_info().startswith("scalar")
 
 

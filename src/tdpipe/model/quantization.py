@@ -18,11 +18,13 @@ layers into what executes them, for the stages and for the step-cost profile ali
 """
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 from torch import nn
 
-from tdpipe.config import QUANTIZATIONS
+from tdpipe.config import QUANTIZATIONS, cpu_supports_vnni
 from tdpipe.model.int8_linear import fuse_swiglu, quantize_linears
 from tdpipe.model.packed_linear import pack_linears
 
@@ -79,6 +81,7 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
     quantised (0 for none). `gguf` without a file, `awq` without an AWQ folder (the step-cost profile's
     random layer; new float weights from update_weights): 4-bit blocks of the float weights, the same GEMMs."""
     if method == "w8a8":
+        w8a8_notice()
         n = quantize_linears(model, skip=KEEP_FLOAT)
         fuse_swiglu(model)
         block_head(model)
@@ -97,6 +100,20 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
     return n
 
 
+@functools.cache
+def w8a8_notice() -> str:
+    """Said once on stderr where W8A8 will be slow: a CPU without VNNI (measured on an AVX2 EPYC: 23x slower
+    than float32 end to end, docs/quantization.md). Returns the line ('' where nothing was said)."""
+    from tdpipe.model.cache import notice
+
+    if cpu_supports_vnni():
+        return ""
+    line = ("W8A8 on a CPU without VNNI (no avx512_vnni / avx_vnni): torch._int_mm has no fast kernel here and "
+            "runs far slower than float; --quantization none is the fast path on this CPU")
+    notice(line)
+    return line
+
+
 def block_head(model: nn.Module) -> bool:
     """W8A8's lm_head as 8-bit blocks (module docstring), where the C++ block GEMM runs it: CPU, the kernel
     built, K a multiple of the 32-wide block. Returns whether it was replaced."""
@@ -113,4 +130,4 @@ def block_head(model: nn.Module) -> bool:
 
 
 __all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "block_head", "check_quantization", "gguf_source", "prepare_linears",
-           "resolve_quantization"]
+           "resolve_quantization", "w8a8_notice"]

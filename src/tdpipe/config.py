@@ -403,12 +403,14 @@ def cpu_name() -> str:
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo's first "flags" line; empty where there is none)."""
+    """The CPU's feature flags (/proc/cpuinfo's first "flags" line, "Features" on Arm; empty where there is
+    none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
     except OSError:
         pass
     return set()

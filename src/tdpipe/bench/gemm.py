@@ -87,10 +87,11 @@ def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATH
     lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
     lin.weight.data.copy_(w)
     out: dict[str, float] = {}
+    skipped = skipped_paths()
     for p in paths:
         if p == "bf16":
             out[p] = _best(lambda: F.linear(x, w), iters)
-        elif p in skipped_paths():
+        elif p in skipped:
             continue
         elif p == "bf16-packed":
             packed = PackedLinear(lin)

@@ -10,7 +10,7 @@ import os
 import platform
 from typing import Any
 
-from tdpipe.config import cpu_name
+from tdpipe.config import cpu_flags, cpu_name
 
 # the /proc/cpuinfo flags that decide which matmul and attention kernels run (x86 "flags", Arm "Features")
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
@@ -19,16 +19,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp1
 
 def isa_flags() -> list[str]:
     """The ISA_FLAGS this CPU reports, in ISA_FLAGS' order; [] where /proc/cpuinfo is unreadable."""
-    have: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    have |= set(value.split())
-                    break
-    except OSError:
-        return []
+    have = cpu_flags()
     return [x for x in ISA_FLAGS if x in have]
 
 

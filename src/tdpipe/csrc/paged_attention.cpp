@@ -64,6 +64,11 @@ constexpr int kRowsPerItem = 16;   // target query rows per work item for prefil
 constexpr int kPrefetchTiles = TDPIPE_PF_TILES;  // software prefetch distance, in key tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegBig = -1e30f;  // finite initial running max: keeps m_old - m_new free of NaN
+// 2^f for f in [-0.5, 0.5]: degree-7 polynomial (~1e-9 rel. error), highest coefficient first (Horner);
+// every vector path's vexp2 evaluates it
+constexpr float kExp2Poly[] = {1.525273380405984e-05f, 1.5403530393381608e-04f, 1.3333558146428443e-03f,
+                               9.618129107628477e-03f, 5.550410866482158e-02f,  2.402265069591007e-01f,
+                               6.931471805599453e-01f, 1.0f};
 
 // ---------------------------------------------------------------------------------------------
 // Minimal SIMD layer: AVX-512 when available, otherwise plain loops over 16 floats.
@@ -95,21 +100,15 @@ inline vf vkeep_range(vf a, int lo, int n) {
   return _mm512_mask_blend_ps(_kandn_mask16(mask16(lo), mask16(n)), vset1(-INFINITY), a);
 }
 
-// 2^x for x <= 0: round-to-nearest split, degree-7 polynomial on [-0.5, 0.5] (~1e-9 rel. error),
-// scalef for the exponent. Clamping at -200 maps -inf and NaN (max_ps returns its 2nd operand on NaN)
+// 2^x for x <= 0: round-to-nearest split, kExp2Poly on the fraction, scalef for the exponent. Clamping
+// at -200 maps -inf and NaN (max_ps returns its 2nd operand on NaN)
 // to an argument whose result underflows to exactly 0.
 inline vf vexp2(vf x) {
   x = _mm512_max_ps(x, vset1(-200.0f));
   const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = vsub(x, n);
-  vf p = vset1(1.525273380405984e-05f);
-  p = vfma(p, f, vset1(1.5403530393381608e-04f));
-  p = vfma(p, f, vset1(1.3333558146428443e-03f));
-  p = vfma(p, f, vset1(9.618129107628477e-03f));
-  p = vfma(p, f, vset1(5.550410866482158e-02f));
-  p = vfma(p, f, vset1(2.402265069591007e-01f));
-  p = vfma(p, f, vset1(6.931471805599453e-01f));
-  p = vfma(p, f, vset1(1.0f));
+  vf p = vset1(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = vfma(p, f, vset1(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -202,14 +201,8 @@ inline __m256 exp2_8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-200.0f));  // NaN -> -200 (max returns its 2nd operand on NaN)
   const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i ni = _mm256_cvtps_epi32(n);
   const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
   const __m256 normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(ni, _mm256_set1_epi32(-127)));

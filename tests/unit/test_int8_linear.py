@@ -69,10 +69,34 @@ def test_int_mm_result_is_exact_integer_arithmetic():
     assert torch.equal(torch._int_mm(a, b), a.int() @ b.int())
 
 
-def test_prepare_linears_runs_the_head_as_8bit_blocks():
-    from tdpipe.model import cpu_ops
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_linear_without_vnni_sums_the_same_integers_in_float32(monkeypatch, vnni):
+    """Without VNNI the int8 GEMM runs as float32 arithmetic on the widened int8 weight, a slice of rows at a
+    time: the same int32 results as torch._int_mm (every sum here is below 2^24, where float32 is exact)."""
+    from tdpipe.model import upcast_linear
+
+    monkeypatch.setattr(il, "cpu_supports_vnni", lambda: vnni)
+    monkeypatch.setattr(upcast_linear, "SLICE_BYTES", 4 * 96 * 24)  # 24 rows of W^T a slice: 11 slices, ragged
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(256, 96, bias=True)
+    q = il.Int8Linear(lin)
+    assert q.float_rows == (0 if vnni else 24) and ("torch._int_mm" in repr(q)) == vnni
+    g = torch.Generator().manual_seed(4)
+    xq = torch.randint(-127, 128, (37, 256), generator=g, dtype=torch.int8)
+    acc = q.int_mm(xq)
+    assert acc.dtype == torch.int32 and torch.equal(acc, xq.int() @ q.qweight_t.int())
+    x = torch.randn(3, 256)
+    ref = lin(x)
+    assert ((q(x) - ref).norm() / ref.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("vnni_gemm", [True, False])
+def test_prepare_linears_runs_the_head_as_8bit_blocks(monkeypatch, vnni_gemm):
+    """Where the block GEMM has its VNNI kernel; elsewhere (its portable loop) the head stays a float linear."""
+    from tdpipe.model import block_linear, cpu_ops
     from tdpipe.model.block_linear import BlockLinear
 
+    monkeypatch.setattr(block_linear, "vnni_block_gemm", lambda: vnni_gemm and cpu_ops.kernel() is not None)
     m = torch.nn.Module()
     m.block = torch.nn.Module()
     m.block.proj = torch.nn.Linear(64, 64)
@@ -80,8 +104,10 @@ def test_prepare_linears_runs_the_head_as_8bit_blocks():
     head = m.lm_head
     assert prepare_linears(m, "w8a8") == 1
     assert isinstance(m.block.proj, il.Int8Linear) and KEEP_FLOAT == ("lm_head",)
-    if cpu_ops.kernel() is None:  # the block GEMM needs the C++ kernel; without it the head stays float
-        assert m.lm_head is head
+    if not block_linear.vnni_block_gemm():  # the head stays float (oneDNN-packed): the same numbers
+        assert not isinstance(m.lm_head, BlockLinear)
+        x = torch.randn(9, 64)
+        torch.testing.assert_close(m.lm_head(x), head(x), rtol=1e-5, atol=1e-5)
         return
     assert isinstance(m.lm_head, BlockLinear) and m.lm_head.bits == 8
     x = torch.randn(9, 64)
@@ -158,7 +184,7 @@ def test_w8a8_gives_swiglu_mlps_the_fused_middle_and_leaves_geglu_alone():
 @pytest.mark.parametrize("flags,said", [({"avx2", "fma"}, True), ({"avx2", "avx512f", "avx512_vnni"}, False),
                                         ({"avx2", "avx_vnni"}, False)])
 def test_w8a8_says_once_where_it_will_be_slow(monkeypatch, capsys, flags, said):
-    """Without VNNI torch._int_mm runs a slow loop (23x slower than float32 end to end on an AVX2 EPYC)."""
+    """Without VNNI the int8 GEMMs run in float32 arithmetic, slower than a float run: said once."""
     from tdpipe import config
     from tdpipe.model import quantization
 

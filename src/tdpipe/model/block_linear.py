@@ -37,6 +37,12 @@ def gemm_path() -> str:
     return path
 
 
+def vnni_block_gemm() -> bool:
+    """The block GEMM runs its VNNI register kernel here (not the portable loop, 2-7 GOP/s on an AVX2 EPYC)."""
+    k = cpu_ops.kernel()
+    return k is not None and k.qgemm_path().startswith("AVX-512 VNNI")
+
+
 def pack(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 [tiles, K/32, 256 | 512], scales [tiles, K/32, 2, 16]) from q uint8 [N, K] and s, m
     float32 [N, K/32]: the layout csrc/qgemm.cpp reads. Scales are kept in fp16 where that holds them

@@ -10,6 +10,11 @@ after it are one pass each in csrc/int8.cpp (pure torch where that kernel is una
     x ~ diag(s_x) Q_x   (s_x[m] = max_k |x[m, k]| / 127, per token, at every call)
     y = (Q_x Q_w^T) * s_x[:, None] * s_w[None, :] (+ b)
 
+On a CPU without VNNI torch._int_mm has no fast kernel (1-3 GOP/s on an AVX2 EPYC, against ~100 GFLOP/s for
+float32), so there the same integer products are summed in float32 arithmetic instead: the int8 weight widened
+a slice at a time (upcast_linear.widened_mm), exact while a sum stays below 2^24 (K x 127^2 < 2^24 for
+K <= 1040, and activations far from all-max sums go much further), within float32 rounding past that.
+
 Tensor parallelism needs nothing more: each rank quantises its own shard, and a row-parallel shard's partial
 sums are dequantised before the all-reduce.
 """
@@ -20,7 +25,9 @@ import functools
 import torch
 from torch import nn
 
+from tdpipe.config import cpu_supports_vnni
 from tdpipe.model import cpu_ops
+from tdpipe.model.upcast_linear import slice_rows, widened_mm
 
 QMAX = 127  # symmetric: -127..127, so that -q is always representable
 
@@ -65,17 +72,28 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight_t", qt)  # [K, N]: torch._int_mm's right operand, row-major
         self.register_buffer("weight_scale", s)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        # rows of W^T widened at a time where the integer GEMM runs in float32 (module docstring), 0: torch._int_mm
+        slow_int_mm = qt.device.type == "cpu" and not cpu_supports_vnni()
+        self.float_rows = slice_rows(self.out_features, self.in_features) if slow_int_mm else 0
+
+    def int_mm(self, q: torch.Tensor) -> torch.Tensor:
+        """Q_x Q_w^T as int32 [M, N]."""
+        if not self.float_rows:
+            return torch._int_mm(q, self.qweight_t)
+        return widened_mm(q.float(), self.qweight_t, self.float_rows).to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
         q, sx = quantize_rows(x2)
-        acc = torch._int_mm(q, self.qweight_t)
+        acc = self.int_mm(q)
         y = dequant_rows(acc, sx, self.weight_scale, self.bias, x.dtype)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, w8a8"
+        gemm = f"float32 arithmetic, {self.float_rows} rows a slice" if self.float_rows else "torch._int_mm"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"w8a8 ({gemm})")
 
 
 def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +106,8 @@ def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch
         return down(cpu_ops.silu_and_mul(gate_up(x)))
     shape = x.shape
     q, sx = quantize_rows(x.reshape(-1, gate_up.in_features).contiguous())
-    hq, sh = k.swiglu_quant(torch._int_mm(q, gate_up.qweight_t), sx, gate_up.weight_scale)
-    y = dequant_rows(torch._int_mm(hq, down.qweight_t), sh, down.weight_scale, down.bias, x.dtype)
+    hq, sh = k.swiglu_quant(gate_up.int_mm(q), sx, gate_up.weight_scale)
+    y = dequant_rows(down.int_mm(hq), sh, down.weight_scale, down.bias, x.dtype)
     return y.view(*shape[:-1], down.out_features)
 
 

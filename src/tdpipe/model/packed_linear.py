@@ -9,7 +9,9 @@ float32 `F.linear` goes to MKL's sgemm instead, which on the AMD EPYC developmen
 shapes at a quarter to two thirds of oneDNN's packed float32 GEMM (4 rows: 3072 x 576 in 367 against 94 us,
 the 49152 x 576 head in 17.9 against 6.1 ms; 2048-row prefill 1.15-1.24x), so float32 is packed too. Its
 numbers then differ from sgemm's by float32 rounding (a few 1e-6 at these sizes), as any other GEMM order
-would. `TDPIPE_PACKED_LINEAR=0` turns both off (for A/B runs); other dtypes and non-CPU devices keep `nn.Linear`.
+would. Where the CPU has no bf16 instructions, oneDNN has no bf16 GEMM at all, and bf16 linears become
+`UpcastLinear`s instead (upcast_linear.py). `TDPIPE_PACKED_LINEAR=0` turns all of this off (for A/B runs);
+other dtypes and non-CPU devices keep `nn.Linear`.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import os
 
 import torch
 from torch import nn
+
+from tdpipe.model.upcast_linear import UpcastLinear, upcast_wanted
 
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
@@ -40,8 +44,12 @@ def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def packed_dtypes() -> list[str]:
-    """The dtypes whose linears run packed here: part of every cache key whose timings depend on it."""
-    return [str(d).removeprefix("torch.") for d in PACKED_DTYPES if packing_available(d)]
+    """The dtypes whose linears run packed (or widened, "-upcast") here: part of every cache key whose timings
+    depend on it."""
+    out = [str(d).removeprefix("torch.") for d in PACKED_DTYPES if packing_available(d)]
+    if upcast_wanted(torch.bfloat16, torch.device("cpu")):
+        out.append("bfloat16-upcast")
+    return out
 
 
 class PackedLinear(nn.Module):
@@ -62,13 +70,16 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every bf16 or float32 CPU nn.Linear under `module` by a PackedLinear; returns how many were
-    packed. A no-op where packing is unavailable, so callers need not check."""
+    """Replace every bf16 or float32 CPU nn.Linear under `module` by a PackedLinear (or, for bf16 on a CPU
+    without bf16 instructions, an UpcastLinear); returns how many were replaced. A no-op where neither
+    applies, so callers need not check."""
     n = 0
     for name, child in list(module.named_children()):
-        if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
-                and packing_available(child.weight.dtype)):
+        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and packing_available(child.weight.dtype):
             setattr(module, name, PackedLinear(child))
+            n += 1
+        elif isinstance(child, nn.Linear) and upcast_wanted(child.weight.dtype, child.weight.device):
+            setattr(module, name, UpcastLinear(child))
             n += 1
         else:
             n += pack_linears(child)

@@ -9,7 +9,8 @@ layers into what executes them, for the stages and for the step-cost profile ali
          model/block_linear.py): 1.9x the packed bf16 GEMM at its shape and 256 rows, +0.01% perplexity.
          Per token, torch._int_mm's int32 output at that shape is slower than bf16, and Int8Head (one
          activation scale per call) cost +2.5% perplexity (`tdpipe bench gemm`, `tdpipe bench perplexity`,
-         docs/quantization.md). Without the C++ kernel the head stays bf16
+         docs/quantization.md). Without the C++ kernel's VNNI block GEMM the head stays float. On a CPU
+         without VNNI the int8 GEMMs run in float32 arithmetic (int8_linear.py; a notice says so)
   gguf   a GGUF file's quantised blocks kept packed, 4-bit as 4-bit, against int8 activations per block of
          32 (model/block_linear.py, model/gguf_quantized.py), the tied embedding and lm_head included
   awq    an AWQ checkpoint folder's 4-bit weights kept packed, in the same block GEMM (model/awq.py)
@@ -102,28 +103,29 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
 
 @functools.cache
 def w8a8_notice() -> str:
-    """Said once on stderr where W8A8 will be slow: a CPU without VNNI (measured on an AVX2 EPYC: 23x slower
-    than float32 end to end, docs/quantization.md). Returns the line ('' where nothing was said)."""
+    """Said once on stderr where W8A8 will be slower than float: a CPU without VNNI, where its int8 GEMMs run
+    in float32 arithmetic (docs/cpus.md). Returns the line ('' where nothing was said)."""
     from tdpipe.model.cache import notice
 
     if cpu_supports_vnni():
         return ""
-    line = ("W8A8 on a CPU without VNNI (no avx512_vnni / avx_vnni): torch._int_mm has no fast kernel here and "
-            "runs far slower than float; --quantization none is the fast path on this CPU")
+    line = ("W8A8 on a CPU without VNNI (no avx512_vnni / avx_vnni): no int8 dot products here, so the int8 "
+            "GEMMs run in float32 arithmetic (int8 weights in memory, speed below float32); --quantization none "
+            "is the fast path on this CPU")
     notice(line)
     return line
 
 
 def block_head(model: nn.Module) -> bool:
-    """W8A8's lm_head as 8-bit blocks (module docstring), where the C++ block GEMM runs it: CPU, the kernel
-    built, K a multiple of the 32-wide block. Returns whether it was replaced."""
-    from tdpipe.model import cpu_ops
-    from tdpipe.model.block_linear import BlockLinear
+    """W8A8's lm_head as 8-bit blocks (module docstring), where the C++ block GEMM runs it fast: CPU, the
+    kernel built with its VNNI path, K a multiple of the 32-wide block. Elsewhere the head stays a float
+    linear: the portable block loop would be its slowest layer by far. Returns whether it was replaced."""
+    from tdpipe.model.block_linear import BlockLinear, vnni_block_gemm
     from tdpipe.model.gguf_blocks import BLOCK
 
     head = getattr(model, "lm_head", None)
     if (not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % BLOCK
-            or cpu_ops.kernel() is None):
+            or not vnni_block_gemm()):
         return False
     model.lm_head = BlockLinear.from_float(head, 8)
     return True

@@ -108,15 +108,41 @@ def test_block_gemm_empty_and_3d_input() -> None:
     assert torch.allclose(lin(x), lin(x.reshape(6, 64)).reshape(2, 3, 16))
 
 
-def test_the_portable_path_gives_the_vnni_paths_bits() -> None:
-    """The loop a CPU without VNNI runs (compiled into every build as qgemm_portable, so no second gcc run)
-    sums the same products in the same order as the VNNI registers: the same bits, for every tile and row
-    blocking (33 channels: a pair of tiles and a lone one; 7 rows: a block of 4 and one of 3)."""
-    k = cpu_ops.kernel()
-    assert k is not None
+def _same_bits_as_the_portable_loop(k) -> None:
     for kind in (Q.Q4_1, Q.Q8_0, Q.Q4_K):
         lin = linear_of(kind, 33, 256, bias=kind != Q.Q4_K)
         xb = k.quantize_blocks(torch.randn(7, 256))
         for out in (torch.float32, torch.bfloat16):
             args = (lin.packed, lin.scales, 33, lin.bits, lin.bias, out)
             assert torch.equal(k.qgemm_portable(*xb, *args), k.qgemm(*xb, *args))
+        # activations at the int8 extremes: the AVX2 path's int16 pair sums at their largest
+        xq = torch.full((5, 256), -127, dtype=torch.int8)
+        xq[1::2] = 127
+        ones = torch.ones(5, 8)
+        args = (lin.packed, lin.scales, 33, lin.bits, lin.bias, torch.float32)
+        assert torch.equal(k.qgemm_portable(xq, ones, ones, *args), k.qgemm(xq, ones, ones, *args))
+
+
+def test_the_portable_path_gives_the_vector_paths_bits() -> None:
+    """The loop a CPU without a vector path runs (compiled into every build as qgemm_portable, so no second gcc
+    run) sums the same products in the same order as the VNNI or AVX2 registers: the same bits, for every tile
+    and row blocking (33 channels: a pair of tiles and a lone one; 7 rows: a block of 4 and one of 3)."""
+    k = cpu_ops.kernel()
+    assert k is not None
+    _same_bits_as_the_portable_loop(k)
+
+
+def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
+    """The AVX2 register kernel (CPUs without VNNI: AMD Zen 1-3) is compiled only where VNNI is absent, so an
+    AVX-512 machine builds it here on purpose (-DTDPIPE_NO_AVX512, -O0: ~20 s of gcc once per kernel cache)."""
+    from tdpipe.config import cpu_flags
+    from tdpipe.model import jit
+
+    if "avx2" not in cpu_flags():
+        pytest.skip("not an AVX2 CPU")  # the portable loop alone: the test above covers it
+    k = cpu_ops.kernel()
+    if not k.qgemm_path().startswith("AVX2"):
+        k = jit.build("tdpipe_ops_avx2", "ops.cpp", ["-DTDPIPE_NO_AVX512", "-O0"])
+        assert k is not None, "the AVX2 build of the ops kernel failed"
+    assert k.qgemm_path() == "AVX2 (no AVX-512 VNNI)"
+    _same_bits_as_the_portable_loop(k)

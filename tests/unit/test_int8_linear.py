@@ -90,13 +90,14 @@ def test_int8_linear_without_vnni_sums_the_same_integers_in_float32(monkeypatch,
     assert ((q(x) - ref).norm() / ref.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("vnni_gemm", [True, False])
-def test_prepare_linears_runs_the_head_as_8bit_blocks(monkeypatch, vnni_gemm):
-    """Where the block GEMM has its VNNI kernel; elsewhere (its portable loop) the head stays a float linear."""
+@pytest.mark.parametrize("vector_gemm", [True, False])
+def test_prepare_linears_runs_the_head_as_8bit_blocks(monkeypatch, vector_gemm):
+    """Where the block GEMM has a vector kernel (VNNI, AVX2); elsewhere (its portable loop) the head stays a
+    float linear."""
     from tdpipe.model import block_linear, cpu_ops
     from tdpipe.model.block_linear import BlockLinear
 
-    monkeypatch.setattr(block_linear, "vnni_block_gemm", lambda: vnni_gemm and cpu_ops.kernel() is not None)
+    monkeypatch.setattr(block_linear, "vector_block_gemm", lambda: vector_gemm and cpu_ops.kernel() is not None)
     m = torch.nn.Module()
     m.block = torch.nn.Module()
     m.block.proj = torch.nn.Linear(64, 64)
@@ -104,7 +105,7 @@ def test_prepare_linears_runs_the_head_as_8bit_blocks(monkeypatch, vnni_gemm):
     head = m.lm_head
     assert prepare_linears(m, "w8a8") == 1
     assert isinstance(m.block.proj, il.Int8Linear) and KEEP_FLOAT == ("lm_head",)
-    if not block_linear.vnni_block_gemm():  # the head stays float (oneDNN-packed): the same numbers
+    if not block_linear.vector_block_gemm():  # the head stays float (oneDNN-packed): the same numbers
         assert not isinstance(m.lm_head, BlockLinear)
         x = torch.randn(9, 64)
         torch.testing.assert_close(m.lm_head(x), head(x), rtol=1e-5, atol=1e-5)

@@ -10,7 +10,8 @@
 //
 // The integer dot of a block is VNNI's VPDPBUSD (u8 weights x s8 activations, 4 products per 32-bit lane,
 // 16 output channels per register); the 4-bit weights are unpacked to bytes in registers, in the inner loop,
-// and never stored wider. Without VNNI the same layout runs a plain C++ loop (portable, slower).
+// and never stored wider. Without VNNI an AVX2 CPU runs vpmaddubsw on nibbles (tile_rows, QGEMM_AVX2), and
+// anything else a plain C++ loop (portable, slower); all three give the same bits.
 //
 // Packed layout, per tile of 16 output channels and block b of 32 k, 64-byte groups g = 0..7 of 4 k each,
 // byte [lane * 4 + j] = q[16 t + lane, 32 b + 4 g + j]; 4-bit: group g in the low nibbles of the stored
@@ -32,12 +33,23 @@ namespace qgemm_detail {
 constexpr int BK = 32;  // weights and activations per block along K
 constexpr int NT = 16;  // output channels per tile (one register of int32 / fp32 lanes)
 
-// One switch for every VNNI-only piece (the register kernel, its dispatch, the notice); without it the
-// portable loop runs.
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// One switch for every VNNI-only piece (the register kernel, its dispatch, the notice); without it an AVX2
+// build runs the AVX2 register kernel (QGEMM_AVX2), anything else the portable loop. -DTDPIPE_NO_AVX512 and
+// -DTDPIPE_NO_AVX2 build the path below the CPU's, for the tests.
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(TDPIPE_NO_AVX512)
 #define QGEMM_VNNI 1
 #else
 #define QGEMM_VNNI 0
+#endif
+#if !QGEMM_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TDPIPE_NO_AVX2)
+#define QGEMM_AVX2 1
+#include <immintrin.h>
+inline __m256 load_scale8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scale8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#else
+#define QGEMM_AVX2 0
 #endif
 
 #ifdef __AVX512F__
@@ -160,6 +172,65 @@ void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, in
 }
 #endif
 
+#if QGEMM_AVX2
+// AVX2 + FMA without VNNI. A tile's 16 lanes as two 8-lane halves (the half's 32 bytes of each 64-byte group),
+// one half at a time so that R rows' sums stay in registers. vpmaddubsw multiplies u8 weights by s8
+// activations and adds neighbouring products into int16 with saturation, so the weights go in as 4-bit
+// nibbles: a pair is at most 2 x 15 x 127 = 3810, a block's eight pairs per lane at most 30480, inside int16.
+// 8-bit weights go as two nibbles, q = 16 hi + lo, each summed apart. Once a block, vpmaddwd widens the sums
+// to int32: the same exact block sums as VNNI's, and the epilogue is the portable loop's fma sequence, so the
+// result is the portable loop's to the bit.
+template <int BITS, typename S, typename O, int R, int TT>
+void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
+               const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0) {
+  constexpr int BPB = BITS == 4 ? 256 : 512;  // bytes per (tile, block)
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  alignas(32) float tmp[R][NT];
+  for (int u = 0; u < TT; ++u) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 y[R];
+      for (int r = 0; r < R; ++r) y[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < kb; ++b) {
+        const uint8_t* wb = w + ((t + u) * kb + b) * BPB + 32 * h;
+        const int8_t* xb = xq + r0 * k + b * BK;
+        __m256i lo[R], hi[R];  // int16 pair sums of the low nibbles (4-bit: all of it) and the high ones
+        for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+        for (int g = 0; g < (BITS == 4 ? 4 : 8); ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * g));
+          const __m256i wl = _mm256_and_si256(v, lo4), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xl = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * k + 4 * g));
+            lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wl, xl));
+            if constexpr (BITS == 4) {
+              const __m256i xh = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * k + 4 * (g + 4)));
+              lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(wh, xh));
+            } else {
+              hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(wh, xl));
+            }
+          }
+        }
+        const S* sb = sc + ((t + u) * kb + b) * 2 * NT + 8 * h;
+        const __m256 s = load_scale8(sb), m = load_scale8(sb + NT);
+        for (int r = 0; r < R; ++r) {
+          __m256i acc = _mm256_madd_epi16(lo[r], ones);
+          if constexpr (BITS == 8) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi[r], sixteen));
+          const int64_t i = (r0 + r) * kb + b;
+          y[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[i])), _mm256_cvtepi32_ps(acc), y[r]);
+          y[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(cx[i]), y[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) _mm256_store_ps(tmp[r] + 8 * h, y[r]);
+    }
+    const int64_t c0 = (t + u) * NT;
+    const int valid = static_cast<int>(std::min<int64_t>(NT, n - c0));
+    for (int r = 0; r < R; ++r) {
+      O* orow = out + (r0 + r) * n + c0;
+      for (int j = 0; j < valid; ++j) st<O>(orow, j, bias ? tmp[r][j] + bias[c0 + j] : tmp[r][j]);
+    }
+  }
+}
+#endif
+
 // Portable: the same sums, one lane at a time (fma as the vector path, so the bits agree). What a CPU
 // without VNNI runs, and compiled everywhere, so a VNNI build checks it against its own (qgemm_portable).
 template <int BITS, typename S, typename O>
@@ -205,7 +276,7 @@ void tile_rows_portable(const int8_t* xq, const float* dx, const float* cx, int6
 
 constexpr int RB = 4;  // rows per register block: 4 rows x 2 tiles = 8 independent sums (bench gemm)
 
-#if QGEMM_VNNI
+#if QGEMM_VNNI || QGEMM_AVX2
 template <int BITS, typename S, typename O, int TT>
 void rows_of(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb, const uint8_t* w,
              const S* sc, const float* bias, O* out, int64_t n, int64_t t, int64_t r0, int64_t nr) {
@@ -226,7 +297,7 @@ void gemm_impl(const int8_t* xq, const float* dx, const float* cx, int64_t rows,
   for (int64_t p = 0; p < pairs; ++p) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t t = 2 * p, r0 = c * RB, nr = std::min<int64_t>(RB, rows - r0), tt = t + 1 < tiles ? 2 : 1;
-#if QGEMM_VNNI
+#if QGEMM_VNNI || QGEMM_AVX2
       if constexpr (!PORTABLE) {
         if (tt == 2) rows_of<BITS, S, O, 2>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
         else rows_of<BITS, S, O, 1>(xq, dx, cx, k, kb, w, sc, bias, out, n, t, r0, nr);
@@ -324,6 +395,8 @@ at::Tensor qgemm_portable(at::Tensor xq, at::Tensor dx, at::Tensor cx, at::Tenso
 std::string qgemm_path() {
 #if QGEMM_VNNI
   return "AVX-512 VNNI";
+#elif QGEMM_AVX2
+  return "AVX2 (no AVX-512 VNNI)";
 #else
   return "portable C++ (no AVX-512 VNNI)";
 #endif

@@ -9,8 +9,9 @@ layers into what executes them, for the stages and for the step-cost profile ali
          model/block_linear.py): 1.9x the packed bf16 GEMM at its shape and 256 rows, +0.01% perplexity.
          Per token, torch._int_mm's int32 output at that shape is slower than bf16, and Int8Head (one
          activation scale per call) cost +2.5% perplexity (`tdpipe bench gemm`, `tdpipe bench perplexity`,
-         docs/quantization.md). Without the C++ kernel's VNNI block GEMM the head stays float. On a CPU
-         without VNNI the int8 GEMMs run in float32 arithmetic (int8_linear.py; a notice says so)
+         docs/quantization.md). Without the C++ kernel's vector block GEMM (VNNI or AVX2) the head stays
+         float. On a CPU without VNNI the int8 GEMMs run in float32 arithmetic (int8_linear.py; a notice
+         says so)
   gguf   a GGUF file's quantised blocks kept packed, 4-bit as 4-bit, against int8 activations per block of
          32 (model/block_linear.py, model/gguf_quantized.py), the tied embedding and lm_head included
   awq    an AWQ checkpoint folder's 4-bit weights kept packed, in the same block GEMM (model/awq.py)
@@ -118,14 +119,15 @@ def w8a8_notice() -> str:
 
 def block_head(model: nn.Module) -> bool:
     """W8A8's lm_head as 8-bit blocks (module docstring), where the C++ block GEMM runs it fast: CPU, the
-    kernel built with its VNNI path, K a multiple of the 32-wide block. Elsewhere the head stays a float
-    linear: the portable block loop would be its slowest layer by far. Returns whether it was replaced."""
-    from tdpipe.model.block_linear import BlockLinear, vnni_block_gemm
+    kernel built with a vector path (VNNI or AVX2), K a multiple of the 32-wide block. Elsewhere the head
+    stays a float linear: the portable block loop would be its slowest layer by far. Returns whether it was
+    replaced."""
+    from tdpipe.model.block_linear import BlockLinear, vector_block_gemm
     from tdpipe.model.gguf_blocks import BLOCK
 
     head = getattr(model, "lm_head", None)
     if (not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % BLOCK
-            or not vnni_block_gemm()):
+            or not vector_block_gemm()):
         return False
     model.lm_head = BlockLinear.from_float(head, 8)
     return True

@@ -5,18 +5,23 @@ M (decode micro-batches and a prefill chunk), the best of `--iters` timed calls 
 
   bf16           F.linear on a bf16 weight (oneDNN reorders the weight on every call)
   bf16-packed    the engine's bf16 path: the weight prepacked for oneDNN once (model/packed_linear.py)
+  bf16-upcast    the engine's bf16 path on a CPU without bf16 instructions: the bf16 weight widened to
+                 float32 a cache-sized slice at a time, then a float32 GEMM (model/upcast_linear.py)
+  fp32-packed    the engine's float32 path: a float32 weight prepacked for oneDNN, float32 activations
   int8-mm        torch._int_mm alone: s8 x s8 -> s32 (oneDNN; VNNI where the CPU has it), no scaling
   int8-onednn    torch.ops.onednn.qlinear_pointwise alone, the weight prepacked once, activations u8 with
                  zero point 128 (its s8-activation path is a reference loop, far slower), fp32 out, no scaling
   w8a8           the engine's W8A8 linear: per-token quantisation + torch._int_mm + scaling to bf16
-                 (model/int8_linear.py, csrc/int8.cpp)
+                 (model/int8_linear.py, csrc/int8.cpp); without VNNI the same integer sums in float32
+                 arithmetic on the widened int8 weight
   w8a8-head      one activation scale per call in oneDNN's prepacked int8 linear writing bf16 (Int8Head):
                  fast at the lm_head's shape, but not what the engine runs there (its perplexity cost:
                  docs/quantization.md); under --quantization w8a8 the lm_head runs as w8a8-block
   w4a8-block     the engine's `--quantization gguf` / `awq` linear on 4-bit weights (a Q4_0 / Q4_1 / Q4_K
                  file, an AWQ folder):
-                 int8 activations per block of 32 + tdpipe's VNNI GEMM on the packed nibbles, unpacked in
-                 registers, writing bf16 (model/block_linear.py, csrc/qgemm.cpp)
+                 int8 activations per block of 32 + tdpipe's block GEMM on the packed nibbles, unpacked in
+                 registers (AVX-512 VNNI, AVX2 or portable loops), writing bf16 (model/block_linear.py,
+                 csrc/qgemm.cpp)
   w8a8-block     the same on 8-bit blocks (a Q8_0 / Q5_0 tensor, the GGUF's embedding as the tied lm_head,
                  W8A8's lm_head)
 
@@ -37,10 +42,12 @@ from tdpipe.model.block_linear import BlockLinear
 from tdpipe.model.cpu_ops import kernel
 from tdpipe.model.int8_linear import Int8Head, Int8Linear, onednn_head_dtype
 from tdpipe.model.packed_linear import PackedLinear, packing_available
+from tdpipe.model.upcast_linear import UpcastLinear
 
 DEFAULT_MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 DEFAULT_ROWS = (16, 128, 256, 2048)
-PATHS = ("bf16", "bf16-packed", "int8-mm", "int8-onednn", "w8a8", "w8a8-head", "w4a8-block", "w8a8-block")
+PATHS = ("bf16", "bf16-packed", "bf16-upcast", "fp32-packed", "int8-mm", "int8-onednn", "w8a8", "w8a8-head",
+         "w4a8-block", "w8a8-block")
 
 
 def model_shapes(name: str) -> list[tuple[str, int, int]]:
@@ -96,6 +103,14 @@ def time_shape(m: int, n: int, k: int, iters: int, paths: tuple[str, ...] = PATH
         elif p == "bf16-packed":
             packed = PackedLinear(lin)
             out[p] = _best(lambda: packed(x), iters)
+        elif p == "bf16-upcast":
+            up = UpcastLinear(lin)
+            out[p] = _best(lambda: up(x), iters)
+        elif p == "fp32-packed":
+            lin32 = torch.nn.Linear(k, n, bias=False)  # a copy: lin.float() would convert lin itself
+            lin32.weight.data.copy_(w.float())
+            p32, x32 = PackedLinear(lin32), x.float()
+            out[p] = _best(lambda: p32(x32), iters)
         elif p == "int8-mm":
             q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
             qw = torch.randint(-127, 128, (k, n), generator=gen, dtype=torch.int8)
@@ -137,14 +152,16 @@ def run(models: tuple[str, ...] = DEFAULT_MODELS, rows: tuple[int, ...] = DEFAUL
 
 def table(r: dict[str, Any]) -> str:
     paths = [p for p in PATHS if any(p in x["gops"] for x in r["results"])]
-    # each against bf16-packed, where both ran (a ratio to a path not run is no figure)
-    ratios = [q for q in ("w8a8", "w4a8-block") if q in paths and "bf16-packed" in paths]
-    cols = [f"{p} GOP/s" for p in paths] + [f"{q} / bf16-packed" for q in ratios]
+    # each against the engine's float path, where both ran (a ratio to a path not run is no figure): bf16
+    # where the CPU runs it packed, else float32 (the default dtype there)
+    ref = "bf16-packed" if "bf16-packed" in paths else "fp32-packed"
+    ratios = [q for q in ("w8a8", "w4a8-block") if q in paths and ref in paths]
+    cols = [f"{p} GOP/s" for p in paths] + [f"{q} / {ref}" for q in ratios]
     lines = ["| model | linear | M x N x K | " + " | ".join(cols) + " |",
              "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |"]
     for x in r["results"]:
         g = x["gops"]
-        cells = [f"{g[q] / g['bf16-packed']:.2f}x" if q in g and "bf16-packed" in g else "-" for q in ratios]
+        cells = [f"{g[q] / g[ref]:.2f}x" if q in g and ref in g else "-" for q in ratios]
         lines.append(f"| {x['model']} | {x['linear']} | {x['m']} x {x['n']} x {x['k']} | "
                      + " | ".join([f"{g[p]:.0f}" if p in g else "-" for p in paths] + cells) + " |")
     return "\n".join(lines)

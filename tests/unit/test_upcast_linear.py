@@ -71,7 +71,7 @@ def test_pack_linears_widens_bf16_only_where_the_cpu_lacks_bf16(monkeypatch):
     float16 layers as before. With bf16 instructions (or the A/B switch) nothing is widened."""
     monkeypatch.setattr(pl, "packing_available", lambda dtype=torch.bfloat16: dtype == torch.float32)
     for has_bf16, switch, want in ((False, "1", True), (True, "1", False), (False, "0", False)):
-        monkeypatch.setattr(ul, "cpu_supports_bf16", lambda: has_bf16)
+        monkeypatch.setattr(pl, "cpu_supports_bf16", lambda: has_bf16)
         monkeypatch.setenv("TDPIPE_PACKED_LINEAR", switch)
         m = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8).to(torch.float16))
         pl.pack_linears(m)

@@ -33,7 +33,7 @@ namespace qgemm_detail {
 constexpr int BK = 32;  // weights and activations per block along K
 constexpr int NT = 16;  // output channels per tile (one register of int32 / fp32 lanes)
 
-// One switch for every VNNI-only piece (the register kernel, its dispatch, the notice); without it an AVX2
+// One switch for every VNNI-only piece (the register kernel, the notice); without it an AVX2
 // build runs the AVX2 register kernel (QGEMM_AVX2), anything else the portable loop. -DTDPIPE_NO_AVX512 and
 // -DTDPIPE_NO_AVX2 build the path below the CPU's, for the tests.
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && !defined(TDPIPE_NO_AVX512)
@@ -231,8 +231,9 @@ void tile_rows(const int8_t* xq, const float* dx, const float* cx, int64_t k, in
 }
 #endif
 
-// Portable: the same sums, one lane at a time (fma as the vector path, so the bits agree). What a CPU
-// without VNNI runs, and compiled everywhere, so a VNNI build checks it against its own (qgemm_portable).
+// Portable: the same sums, one lane at a time (fma as the vector paths, so the bits agree). What a CPU
+// without VNNI or AVX2 runs, and compiled everywhere, so a vector build checks it against its own
+// (qgemm_portable).
 template <int BITS, typename S, typename O>
 void tile_rows_portable(const int8_t* xq, const float* dx, const float* cx, int64_t k, int64_t kb,
                         const uint8_t* w, const S* sc, const float* bias, O* out, int64_t n, int64_t t,

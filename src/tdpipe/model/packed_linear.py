@@ -21,16 +21,27 @@ import os
 import torch
 from torch import nn
 
-from tdpipe.model.upcast_linear import UpcastLinear, upcast_wanted
+from tdpipe.config import cpu_supports_bf16
+from tdpipe.model.upcast_linear import UpcastLinear
 
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
+def switched_off() -> bool:
+    """`TDPIPE_PACKED_LINEAR=0`: torch's own linears everywhere, packed and widened ones alike (A/B runs)."""
+    return os.environ.get("TDPIPE_PACKED_LINEAR", "1") == "0"
+
+
+def upcast_wanted(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 on a CPU whose GEMMs have no bf16 instructions: widened to float32 (upcast_linear.py)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and not cpu_supports_bf16() and not switched_off()
+
+
 @functools.cache
 def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """The oneDNN ops exist in this torch build, work for `dtype`, and are not switched off by the environment."""
-    if os.environ.get("TDPIPE_PACKED_LINEAR", "1") == "0" or dtype not in PACKED_DTYPES:
+    if switched_off() or dtype not in PACKED_DTYPES:
         return False
     try:
         w = torch.randn(8, 16).to(dtype)
@@ -75,7 +86,8 @@ def pack_linears(module: nn.Module) -> int:
     applies, so callers need not check."""
     n = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and packing_available(child.weight.dtype):
+        if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+                and packing_available(child.weight.dtype)):
             setattr(module, name, PackedLinear(child))
             n += 1
         elif isinstance(child, nn.Linear) and upcast_wanted(child.weight.dtype, child.weight.device):
@@ -86,4 +98,5 @@ def pack_linears(module: nn.Module) -> int:
     return n
 
 
-__all__ = ["PACKED_DTYPES", "PackedLinear", "pack_linears", "packed_dtypes", "packing_available"]
+__all__ = ["PACKED_DTYPES", "PackedLinear", "pack_linears", "packed_dtypes", "packing_available", "switched_off",
+           "upcast_wanted"]

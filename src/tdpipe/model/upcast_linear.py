@@ -12,26 +12,16 @@ for SmolLM2's lm_head, where the page faults alone cost more than the GEMM).
 """
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 from torch import nn
-
-from tdpipe.config import cpu_supports_bf16
 
 # float32 bytes of one slice of weight rows: a few hundred KB to a few MB keeps it in L2 / L3 between the
 # widening and the GEMM that reads it
 SLICE_BYTES = 2 << 20
 
 _scratch = threading.local()
-
-
-def upcast_wanted(dtype: torch.dtype, device: torch.device) -> bool:
-    """bf16 on a CPU whose GEMMs have no bf16 instructions (module docstring); `TDPIPE_PACKED_LINEAR=0` keeps
-    torch's own linears here too, for A/B runs."""
-    return (dtype == torch.bfloat16 and device.type == "cpu" and not cpu_supports_bf16()
-            and os.environ.get("TDPIPE_PACKED_LINEAR", "1") != "0")
 
 
 def _buffer(numel: int) -> torch.Tensor:
@@ -101,4 +91,4 @@ class UpcastLinear(nn.Module):
                 f"rows_per_slice={self.rows}")
 
 
-__all__ = ["SLICE_BYTES", "UpcastLinear", "slice_rows", "upcast_wanted", "widened_mm", "widened_mm_nt"]
+__all__ = ["SLICE_BYTES", "UpcastLinear", "slice_rows", "widened_mm", "widened_mm_nt"]

@@ -19,14 +19,15 @@ def alive(pid: int) -> bool:
 
 
 def stage_pids_of(parent: int, live_only: bool = True) -> list[int]:
-    """Stage workers started by engine `parent` (their command line names it with --parent)."""
+    """Stage workers started by engine `parent` (their command line names it with --parent): spawned, or
+    forked and renamed (pipeline/prefork.py: setproctitle writes the line as one string)."""
     found = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
+                cmd = f.read().replace(b"\0", b" ").split()
         except OSError:
             continue
         if b"tdpipe.pipeline.stage" in cmd and b"--parent" in cmd and \

@@ -105,7 +105,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             return sink.finish(len(recs))
         llm = None
         try:
-            llm = LLM(**EngineArgs.from_cli(a).to_kwargs())
+            llm = LLM(**_engine_kwargs(a))
             prompts, errors = _to_prompts(llm.get_tokenizer(), recs, todo, a.chat_template)
             for i, err in errors.items():
                 sink.write(i, _error_record(i, recs[i], err))
@@ -126,6 +126,16 @@ def cmd_generate(a: argparse.Namespace) -> int:
             if llm is not None:
                 llm.shutdown()
         return sink.finish(len(recs))
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    """The LLM's keywords from the flags, after forking the stages it will start while this process is still
+    blank (pipeline/prefork.py: torch imported, nothing computed, one thread)."""
+    from tdpipe.pipeline import prefork
+
+    args = EngineArgs.from_cli(a)
+    prefork.reserve(prefork.stages_for(args.create_engine_config().parallel))
+    return args.to_kwargs()
 
 
 def _to_prompts(tok, recs: list[dict], todo: list[int], chat_template: bool) -> tuple[dict[int, object],
@@ -194,7 +204,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from tdpipe.sampling.params import SamplingParams
 
     sp = SamplingParams(**sampling_kwargs(a))
-    llm = LLM(**EngineArgs.from_cli(a).to_kwargs())
+    llm = LLM(**_engine_kwargs(a))
     history: list[dict[str, str]] = []
     if a.system:
         history.append({"role": "system", "content": a.system})

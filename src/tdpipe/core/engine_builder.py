@@ -35,6 +35,7 @@ from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
 from tdpipe.model.jit import import_build_tools
 from tdpipe.model.weights import check_model_folder, load_hf_config
+from tdpipe.pipeline import prefork
 from tdpipe.platforms import get_platform, resolve_device
 from tdpipe.platforms.interface import Platform
 from tdpipe.predictor.base import Predictor
@@ -123,6 +124,7 @@ class EngineBuilder:
                                              lambda: random_weights(hf, self.weights_seed))
         else:
             self.executor = self._make_executor(num_blocks, hf)
+        prefork.release()  # forked stages this process reserved and no executor took
         try:
             self.tokenizer = self._pending_tokenizer.result() if self._pending_tokenizer is not None else None
         except BaseException:

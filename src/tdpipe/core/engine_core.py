@@ -222,6 +222,11 @@ if __name__ == "__main__":  # started by AsyncLLM: python -m tdpipe.core.engine_
     with open(sys.argv[1], "rb") as f:
         cfg = pickle.load(f)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s tdpipe-core: %(message)s")
+    import torch  # noqa: F401 - what the stages forked now need not import again (pipeline/prefork.py)
+
+    from tdpipe.pipeline import prefork
+
+    prefork.reserve(prefork.stages_for(cfg.parallel))  # before zmq's threads and the engine's work
     from tdpipe.core.engine_core import run_engine_core as run  # the module's classes, not __main__'s: they
     try:
         run(cfg, sys.argv[2], sys.argv[3], int(sys.argv[4]))  # are unpickled by the frontend

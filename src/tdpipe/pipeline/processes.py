@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from tdpipe.pipeline import prefork
 from tdpipe.pipeline.wire.layout import Layout
 from tdpipe.pipeline.wire.transport import (Rendezvous, failure_reason, serve_rendezvous, torchrun_env,
                                             torchrun_rendezvous)
@@ -35,7 +36,8 @@ class StageProcesses:
         self.layout = layout
         self.threads = threads  # per stage: its ranks' compute threads (OMP_NUM_THREADS)
         self.cpus = cpus  # the cores every spawned rank pins itself to (its --cpus); None: not pinned
-        self.procs: list[subprocess.Popen] = []  # spawned worker ranks 1..W-1, in order; none under torchrun
+        # spawned (or forked) worker ranks 1..W-1, in order; none under torchrun
+        self.procs: list[subprocess.Popen | prefork.ForkedStage] = []
         self.launcher = ""  # "spawn" or "torchrun"
         self.rendezvous: Rendezvous | None = None
         self.failure: str | None = None  # the watchdog's verdict: the stage that died first, and how
@@ -66,12 +68,17 @@ class StageProcesses:
         for r in self.layout.worker_ranks():
             threads = self.threads[self.layout.coords(r)[0]]
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-            cmd = [sys.executable, "-m", "tdpipe.pipeline.stage", "--master", f"127.0.0.1:{port}",
-                   "--rank", str(r), "--world-size", str(world), "--parent", str(os.getpid())]
+            argv = ["--master", f"127.0.0.1:{port}", "--rank", str(r), "--world-size", str(world),
+                    "--parent", str(os.getpid())]
             if self.cpus:
-                cmd += ["--cpus", ",".join(map(str, self.cpus))]
-            # own process group: the terminal's Ctrl-C goes to the engine only, which stops the stages
-            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, process_group=0))
+                argv += ["--cpus", ",".join(map(str, self.cpus))]
+            # a blank stage forked at the process's start if there is one (pipeline/prefork.py), else a fresh
+            # interpreter; either in its own process group: the terminal's Ctrl-C goes to the engine only,
+            # which stops the stages
+            proc = prefork.take(argv, env) or subprocess.Popen(
+                [sys.executable, "-m", "tdpipe.pipeline.stage"] + argv, env=env, stdin=subprocess.DEVNULL,
+                process_group=0)
+            self.procs.append(proc)
         self._watchdog = threading.Thread(target=self._watch, name="tdpipe-watchdog", daemon=True)
         self._watchdog.start()
 

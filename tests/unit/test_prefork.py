@@ -1,0 +1,104 @@
+"""Stages forked from a blank process (tdpipe/pipeline/prefork.py): reserved only where the process is blank,
+named and grouped as spawned stages are, seen through the Popen interface (poll, wait, kill, returncode), and
+gone when released or when their engine dies."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from procs import alive, stage_pids_of
+
+from tdpipe.config import ParallelConfig
+from tdpipe.pipeline import prefork
+
+
+def test_stages_for_counts_the_processes_an_engine_starts_here(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert prefork.stages_for(ParallelConfig()) == 0
+    assert prefork.stages_for(ParallelConfig(pipeline_parallel_size=2)) == 2
+    assert prefork.stages_for(ParallelConfig(pipeline_parallel_size=3, tensor_parallel_size=2)) == 6
+    assert prefork.stages_for(ParallelConfig(disaggregation="pd", prefill_workers=1, decode_workers=2)) == 3
+    assert prefork.stages_for(ParallelConfig(pipeline_parallel_size=2, data_parallel_size=2)) == 0
+
+
+def test_a_process_with_threads_or_the_switch_off_is_not_blank(monkeypatch):
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        assert not prefork.blank()
+        assert prefork.reserve(2) == 0
+    finally:
+        stop.set()
+        t.join()
+    monkeypatch.setenv("TDPIPE_PREFORK", "0")
+    assert not prefork.blank()
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch
+    from tdpipe.pipeline import prefork
+    n = prefork.reserve(3)
+    s = prefork.take(["--bogus-flag"], dict(os.environ, MARK="1"))  # the stage's argparse exits 2
+    rc = s.wait(timeout=60)
+    k = prefork.take(["--master", "127.0.0.1:1", "--rank", "1", "--world-size", "2", "--parent", str(os.getpid())],
+                     dict(os.environ))
+    print(json.dumps({"reserved": n, "rc": rc, "pid": k.pid, "left": len(prefork._reserve),
+                      "spare": [p for p, _ in prefork._reserve]}), flush=True)
+    sys.stdin.readline()  # the test looks at the running stage, then lets go
+    k.kill()
+    print(json.dumps({"killed": k.wait(timeout=10)}), flush=True)
+    spare = [p for p, _ in prefork._reserve]
+    prefork.release()
+    print(json.dumps({"released": [os.path.exists(f"/proc/{p}") for p in spare]}), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_forked_stages_live_as_spawned_ones_do(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        first = json.loads(p.stdout.readline())
+        assert first["reserved"] == 3 and first["rc"] == 2 and first["left"] == 1
+        pid = first["pid"]
+        end = time.time() + 10  # named as a spawned stage (python -m tdpipe.pipeline.stage ...) once it starts
+        while time.time() < end and stage_pids_of(p.pid) != [pid]:
+            time.sleep(0.02)
+        assert stage_pids_of(p.pid) == [pid]
+        assert os.getpgid(pid) == pid  # its own process group: the terminal's Ctrl-C is the engine's
+        with open(f"/proc/{pid}/status") as f:
+            ppid = int(next(ln for ln in f if ln.startswith("PPid:")).split()[1])
+        assert ppid == p.pid
+        os.kill(pid, signal.SIGINT)  # ignored, as by a spawned stage
+        time.sleep(0.3)
+        assert alive(pid)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline()) == {"killed": -signal.SIGKILL}
+        assert json.loads(p.stdout.readline()) == {"released": [False]}  # exited and reaped
+        spare_before = first["spare"]
+        assert spare_before and not any(alive(s) for s in spare_before)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_blank_stages_exit_with_their_engine():
+    code = "import torch, sys\nfrom tdpipe.pipeline import prefork\nprefork.reserve(2)\n" \
+           "print(' '.join(str(q) for q, _ in prefork._reserve), flush=True)\nsys.stdin.readline()\n"
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    kids = [int(x) for x in p.stdout.readline().split()]
+    assert len(kids) == 2 and all(alive(k) for k in kids)
+    p.kill()  # SIGKILL: no release(); the pipes' end of file ends them
+    p.wait()
+    end = time.time() + 10
+    while time.time() < end and any(alive(k) for k in kids):
+        time.sleep(0.05)
+    assert not any(alive(k) for k in kids)

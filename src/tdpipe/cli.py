@@ -397,11 +397,15 @@ def _command(argv: list[str]) -> str | None:
 
 
 def _imports_torch(args: argparse.Namespace) -> bool:
-    """Whether the command's work imports torch: all but the plots and the simulator (a second of start-up
-    they do not need). main() imports it before the KeyboardInterrupt handler goes in, because torch's import
-    runs Python beneath C++ (pybind11: torch.distributed's `_c10d_init`), where a KeyboardInterrupt cannot
-    cross and the process aborts (a fault test saw exit -6 for a Ctrl-C a second into `tdpipe generate`)."""
-    return args.command not in ("plot", "simulate") and not args.fn.__module__.startswith("tdpipe.sim.")
+    """Whether the command's work imports torch in this process: all but the plots and the simulator, and
+    serve and run-batch, whose engines run in engine-core processes while this one serves HTTP and tokenizes
+    (1.3-3 s of CPU at start-up that none of them needs; a request for structured output imports xgrammar,
+    and with it torch, on a worker thread). main() imports it before the KeyboardInterrupt handler goes in,
+    because torch's import runs Python beneath C++ (pybind11: torch.distributed's `_c10d_init`), where a
+    KeyboardInterrupt cannot cross and the process aborts (a fault test saw exit -6 for a Ctrl-C a second
+    into `tdpipe generate`)."""
+    return (args.command not in ("plot", "simulate", "serve", "run-batch")
+            and not args.fn.__module__.startswith("tdpipe.sim."))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,9 @@ from conftest import hf_greedy, save_random_qwen2
 from procs import alive, broken_model_copy, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
+from tdpipe.pipeline import zygote
 from tdpipe.pipeline.executor import PipelineError
+from tdpipe.pipeline.zygote import ZygoteStage
 from tdpipe.viz import timeline as tl
 
 PROMPTS = [
@@ -92,6 +94,8 @@ def test_pp2_matches_pp1_and_hf(llm_pp2, pp1_tokens, hf_ref):
     assert ex.num_stages == 2 and ex.launcher == "spawn" and len(ex.procs) == 2
     assert all(p.poll() is None for p in ex.procs)
     assert ex.stage_pids == [p.pid for p in ex.procs]
+    # this process is not blank: its stages come from its zygote (pipeline/zygote.py), where torch has no CUDA
+    assert all(isinstance(p, ZygoteStage if zygote.usable() else subprocess.Popen) for p in ex.procs)
     tok = llm_pp2.get_tokenizer()
     assert len({len(tok.encode(p)) for p in PROMPTS}) == len(PROMPTS)  # all different lengths
     outs = llm_pp2.generate(PROMPTS, greedy(), use_tqdm=False)
@@ -103,7 +107,8 @@ def test_pp2_matches_pp1_and_hf(llm_pp2, pp1_tokens, hf_ref):
     assert len(ex.sender) == 0
 
 
-def test_pp3_matches_pp1_and_hf(pp1_tokens, hf_ref):
+def test_pp3_matches_pp1_and_hf(pp1_tokens, hf_ref, monkeypatch):
+    monkeypatch.setenv("TDPIPE_PREFORK", "0")  # spawned stages: fresh interpreters, the path CUDA builds take
     with LLM(dtype="float32", kv_cache_memory=64 << 20, pipeline_parallel_size=3) as llm:
         parts = llm.engine.partition
         assert len(parts) == 3 and parts[0][0] == 0 and parts[-1][1] == 30
@@ -112,6 +117,7 @@ def test_pp3_matches_pp1_and_hf(pp1_tokens, hf_ref):
         procs = llm.engine.executor.procs
     assert_all_exited(procs)
     assert [p.returncode for p in procs] == [0, 0, 0]  # stopped by STOP, not killed
+    assert all(isinstance(p, subprocess.Popen) for p in procs)
 
 
 # The policy tests below run the random 3-layer Qwen2 (fixtures further down; it starts and steps in a

@@ -102,3 +102,44 @@ def test_blank_stages_exit_with_their_engine():
     while time.time() < end and any(alive(k) for k in kids):
         time.sleep(0.05)
     assert not any(alive(k) for k in kids)
+
+
+ZYGOTE_SCRIPT = textwrap.dedent("""
+    import json, os, sys, threading
+    import torch
+    torch.ones(256, 256) @ torch.ones(256, 256)  # OpenMP has run and a thread is up: not blank
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+    from tdpipe.pipeline import prefork, zygote
+    assert not prefork.blank() and prefork.reserve(2) == 0
+    bad = zygote.fork(["--bogus-flag"], dict(os.environ))
+    rc = bad.wait(timeout=120)
+    run = [zygote.fork(["--master", "127.0.0.1:1", "--rank", str(r), "--world-size", "3", "--parent",
+                        str(os.getpid())], dict(os.environ)) for r in (1, 2)]
+    run[0].kill()
+    print(json.dumps({"rc": rc, "killed": run[0].wait(timeout=10), "poll": run[1].poll(), "pid": run[1].pid,
+                      "zygote": zygote._zygote.proc.pid}), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_a_process_that_is_not_blank_forks_its_stages_from_one_zygote():
+    """Exit codes come back through the zygote; a stage still running when its engine is SIGKILLed exits,
+    and so does the zygote."""
+    p = subprocess.Popen([sys.executable, "-c", ZYGOTE_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        got = json.loads(p.stdout.readline())
+        assert got["rc"] == 2 and got["killed"] == -signal.SIGKILL and got["poll"] is None
+        stage, zyg = got["pid"], got["zygote"]
+        end = time.time() + 10
+        while time.time() < end and stage_pids_of(p.pid) != [stage]:
+            time.sleep(0.02)
+        assert stage_pids_of(p.pid) == [stage]  # named with the engine's pid, as a spawned stage
+        assert os.getpgid(stage) == stage and os.getpgid(zyg) == zyg  # the engine's Ctrl-C is its own
+    finally:
+        p.kill()
+        p.wait()
+    end = time.time() + 10
+    while time.time() < end and (alive(stage) or alive(zyg)):
+        time.sleep(0.05)
+    assert not alive(stage) and not alive(zyg)

@@ -35,7 +35,7 @@ from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
 from tdpipe.model.jit import import_build_tools
 from tdpipe.model.weights import check_model_folder, load_hf_config
-from tdpipe.pipeline import prefork
+from tdpipe.pipeline import prefork, zygote
 from tdpipe.platforms import get_platform, resolve_device
 from tdpipe.platforms.interface import Platform
 from tdpipe.predictor.base import Predictor
@@ -100,6 +100,8 @@ class EngineBuilder:
 
         config, par, sched = self.config, self.config.parallel, self.config.scheduler
         run_stage_if_worker(par.pipeline_parallel_size, par.tensor_parallel_size)  # torchrun ranks > 0: workers
+        if self.executor_factory is None and self.hf_config is None and prefork.stages_for(par) > prefork.reserved():
+            zygote.warm()  # the stages come from this process's zygote: its imports overlap this build
         # a simulated executor runs nothing on a device: its engine is this host's, sized as on CPU
         self.platform = get_platform("cpu" if self.executor_factory else resolve_device(par.device))
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size

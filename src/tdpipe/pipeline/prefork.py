@@ -115,6 +115,11 @@ def reserve(n: int) -> int:
     return len(_reserve)
 
 
+def reserved() -> int:
+    """Blank stages waiting in this process."""
+    return len(_reserve)
+
+
 def take(argv: list[str], env: dict[str, str]) -> ForkedStage | None:
     """A reserved stage given its command line (`python -m tdpipe.pipeline.stage` argv) and environment,
     or None when none is reserved (the caller spawns one)."""
@@ -147,33 +152,54 @@ def _reap(pid: int) -> None:
 
 
 def _wait_and_run(r: int) -> None:
-    """The blank stage's life: its own process group, the fds a spawned stage would have (stdin from
-    /dev/null, stdout, stderr), its command line from the pipe, then the stage's main; always os._exit
-    (the engine's exit functions are not ours to run)."""
-    code = 1
+    """The blank stage's life: its command line from the pipe, then the stage's (never returns)."""
     try:
-        os.setpgid(0, 0)  # as Popen(process_group=0): the terminal's Ctrl-C goes to the engine only
+        os.setpgid(0, 0)  # at once: a Ctrl-C to the engine's group while it waits must not reach it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        # no fd of the engine's but this pipe: a blank stage forked later holds the write ends of the pipes
+        # of those forked before it, whose end of file must not wait for it
         os.closerange(3, r)
-        os.closerange(r + 1, max(r + 1, _max_fd()))
+        os.closerange(r + 1, _max_fd())
         data = b""
         while chunk := os.read(r, 1 << 16):
             data += chunk
         os.close(r)
-        if not data:  # released, or the engine is gone
-            os._exit(0)
-        argv, env = pickle.loads(data)
+    except BaseException:  # noqa: BLE001
+        os._exit(1)
+    if not data:  # released, or the engine is gone
+        os._exit(0)
+    argv, env = pickle.loads(data)
+    run_stage(argv, env)
+
+
+def run_stage(argv: list[str], env: dict[str, str], adopted: bool = False, cpus: set[int] | None = None,
+              stdio: tuple[int, int] | None = None) -> None:
+    """Become the stage a spawned interpreter would be, in a freshly forked child (here, or in the engine's
+    zygote: `adopted`): its own process group, stdin from /dev/null, the engine's stdout and stderr (`stdio`,
+    else the forker's), no other fd of the forker, its name, its environment, the cores it would have
+    inherited (`cpus`), then the stage's main. Always os._exit: the forker's exit functions are not the
+    stage's to run."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # as Popen(process_group=0): the terminal's Ctrl-C goes to the engine only
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        if stdio is not None:
+            os.dup2(stdio[0], 1)
+            os.dup2(stdio[1], 2)
+        os.closerange(3, _max_fd())
         _name(argv)  # before the environment changes: setproctitle finds the argv area through environ
         os.environ.clear()
         os.environ.update(env)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         from tdpipe.pipeline import stage
 
         sys.argv = [stage.__file__] + argv
-        code = stage.main(argv)
+        code = stage.main(argv, adopted=adopted)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - a stage's own failures are reported by stage.main
@@ -200,4 +226,4 @@ def _max_fd() -> int:
         return 256
 
 
-__all__ = ["ForkedStage", "blank", "release", "reserve", "stages_for", "take"]
+__all__ = ["ForkedStage", "blank", "release", "reserve", "reserved", "run_stage", "stages_for", "take"]

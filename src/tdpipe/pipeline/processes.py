@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from tdpipe.pipeline import prefork
+from tdpipe.pipeline import prefork, zygote
 from tdpipe.pipeline.wire.layout import Layout
 from tdpipe.pipeline.wire.transport import (Rendezvous, failure_reason, serve_rendezvous, torchrun_env,
                                             torchrun_rendezvous)
@@ -37,7 +37,7 @@ class StageProcesses:
         self.threads = threads  # per stage: its ranks' compute threads (OMP_NUM_THREADS)
         self.cpus = cpus  # the cores every spawned rank pins itself to (its --cpus); None: not pinned
         # spawned (or forked) worker ranks 1..W-1, in order; none under torchrun
-        self.procs: list[subprocess.Popen | prefork.ForkedStage] = []
+        self.procs: list[subprocess.Popen | prefork.ForkedStage | zygote.ZygoteStage] = []
         self.launcher = ""  # "spawn" or "torchrun"
         self.rendezvous: Rendezvous | None = None
         self.failure: str | None = None  # the watchdog's verdict: the stage that died first, and how
@@ -72,10 +72,10 @@ class StageProcesses:
                     "--parent", str(os.getpid())]
             if self.cpus:
                 argv += ["--cpus", ",".join(map(str, self.cpus))]
-            # a blank stage forked at the process's start if there is one (pipeline/prefork.py), else a fresh
-            # interpreter; either in its own process group: the terminal's Ctrl-C goes to the engine only,
-            # which stops the stages
-            proc = prefork.take(argv, env) or subprocess.Popen(
+            # a blank stage forked at the process's start if there is one (pipeline/prefork.py), else one the
+            # process's zygote forks (pipeline/zygote.py), else a fresh interpreter; each in its own process
+            # group: the terminal's Ctrl-C goes to the engine only, which stops the stages
+            proc = prefork.take(argv, env) or zygote.fork(argv, env) or subprocess.Popen(
                 [sys.executable, "-m", "tdpipe.pipeline.stage"] + argv, env=env, stdin=subprocess.DEVNULL,
                 process_group=0)
             self.procs.append(proc)

@@ -32,6 +32,7 @@ from tdpipe.platforms import get_platform
 
 _failure_store: Rendezvous | None = None  # where _fatal reports (set once the store is joined)
 _parent: int | None = None  # the engine's pid, for a stage the engine spawned
+_parent_fd: int | None = None  # its pidfd, for a stage the engine's zygote forked (its parent is the zygote)
 
 
 def _debug() -> bool:
@@ -39,6 +40,8 @@ def _debug() -> bool:
 
 
 def _engine_gone() -> bool:
+    if _parent_fd is not None:  # a zygote's child: the engine is not its parent
+        return bool(select.select([_parent_fd], [], [], 0)[0])
     return _parent is not None and os.getppid() != _parent
 
 
@@ -111,19 +114,29 @@ def serve(rv: Rendezvous, abort: Callable[[], None] | None = None) -> None:
         _fatal(f"{name} (compute)")
 
 
-def _watch_parent(parent: int) -> None:
+def _watch_parent(parent: int, adopted: bool = False) -> None:
     """A spawned stage must not outlive the engine (no orphans), however the engine dies (SIGKILL
     included). A thread blocks on the engine's pidfd (polls getppid() where pidfds are missing) and exits
     the process when it fires. Not PR_SET_PDEATHSIG: that fires when the *thread* that spawned the stage
-    exits, which kills the stages of an engine built in a short-lived thread."""
-    def watch() -> None:
-        fd = None
+    exits, which kills the stages of an engine built in a short-lived thread. An `adopted` stage (forked by
+    the engine's zygote, pipeline/zygote.py) has the zygote for parent; the zygote checked that the engine
+    was alive when it forked, and the stage needs a pidfd to watch it."""
+    global _parent_fd
+    if adopted:
         try:
-            fd = os.pidfd_open(parent)
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent:  # after pidfd_open: the fd, if any, is the engine's
+            _parent_fd = os.pidfd_open(parent)
+        except OSError:  # the engine is already gone
             os._exit(1)
+
+    def watch() -> None:
+        fd = _parent_fd
+        if fd is None:
+            try:
+                fd = os.pidfd_open(parent)
+            except (OSError, AttributeError):
+                pass
+            if os.getppid() != parent:  # after pidfd_open: the fd, if any, is the engine's
+                os._exit(1)
         if fd is not None:
             select.select([fd], [], [])
         else:
@@ -134,7 +147,8 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="tdpipe-parent", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, adopted: bool = False) -> int:
+    """The stage's life from its command line; `adopted`: forked by the engine's zygote, not the engine."""
     global _parent
     p = argparse.ArgumentParser(description="tdpipe pipeline stage worker (started by the engine)")
     p.add_argument("--master", required=True, help="HOST:PORT of the engine's rendezvous store")
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     if a.parent is not None:
         _parent = a.parent
-        _watch_parent(a.parent)
+        _watch_parent(a.parent, adopted)
     if a.cpus:  # its own cores (a disaggregated instance: core/pd_parts.py)
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     host, port = a.master.rsplit(":", 1)

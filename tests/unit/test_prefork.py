@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 
+import pytest
 from procs import alive, stage_pids_of
 
 from tdpipe.config import ParallelConfig
@@ -61,6 +62,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # starts processes
 def test_forked_stages_live_as_spawned_ones_do(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, start_new_session=True)
@@ -90,6 +92,7 @@ def test_forked_stages_live_as_spawned_ones_do(tmp_path):
         p.wait()
 
 
+@pytest.mark.slow  # starts processes
 def test_blank_stages_exit_with_their_engine():
     code = "import torch, sys\nfrom tdpipe.pipeline import prefork\nprefork.reserve(2)\n" \
            "print(' '.join(str(q) for q, _ in prefork._reserve), flush=True)\nsys.stdin.readline()\n"
@@ -122,6 +125,7 @@ ZYGOTE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_process_that_is_not_blank_forks_its_stages_from_one_zygote():
     """Exit codes come back through the zygote; a stage still running when its engine is SIGKILLed exits,
     and so does the zygote."""

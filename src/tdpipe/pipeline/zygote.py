@@ -112,6 +112,7 @@ class Zygote:
     """The client of this process's zygote: fork requests in, pids and exit codes back (a reader thread)."""
 
     def __init__(self) -> None:
+        self.owner = os.getpid()  # a process forked from this one (multiprocessing) starts a zygote of its own
         r, w = os.pipe()
         # requests go over a Unix socket, each with the engine's stdout and stderr of the moment beside it:
         # a forked stage writes where a stage spawned then would have (pytest's capture, a redirection)
@@ -212,7 +213,7 @@ def warm() -> None:
     if not usable():
         return
     with _zygote_lock:
-        if _zygote is None or not _zygote.alive():
+        if _zygote is None or _zygote.owner != os.getpid() or not _zygote.alive():
             _zygote = Zygote()
 
 

@@ -29,8 +29,31 @@ _reserve: list[tuple[int, int]] = []  # (pid, write end of its pipe), oldest fir
 _ENV = "TDPIPE_PREFORK"  # "0": never fork stages (spawn every one, as torchrun-less runs did before)
 
 
-class ForkedStage:
-    """A forked stage as the lifecycle code sees a subprocess.Popen: pid, poll, wait, kill, returncode."""
+class StageHandle:
+    """A forked stage as the lifecycle code sees a subprocess.Popen: pid, poll, wait, kill, returncode.
+    Subclasses say how the exit code is learnt (poll, wait); signals go to the pid while it runs."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ForkedStage(StageHandle):
+    """A stage forked by this process: its own child, reaped with waitpid."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -56,19 +79,6 @@ class ForkedStage:
                 raise subprocess.TimeoutExpired(f"stage pid {self.pid}", timeout)
             time.sleep(0.02)
         return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def enabled() -> bool:
@@ -226,4 +236,4 @@ def _max_fd() -> int:
         return 256
 
 
-__all__ = ["ForkedStage", "blank", "release", "reserve", "reserved", "run_stage", "stages_for", "take"]
+__all__ = ["ForkedStage", "StageHandle", "blank", "release", "reserve", "reserved", "run_stage", "stages_for", "take"]

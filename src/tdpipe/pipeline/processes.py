@@ -37,7 +37,7 @@ class StageProcesses:
         self.threads = threads  # per stage: its ranks' compute threads (OMP_NUM_THREADS)
         self.cpus = cpus  # the cores every spawned rank pins itself to (its --cpus); None: not pinned
         # spawned (or forked) worker ranks 1..W-1, in order; none under torchrun
-        self.procs: list[subprocess.Popen | prefork.ForkedStage | zygote.ZygoteStage] = []
+        self.procs: list[subprocess.Popen | prefork.StageHandle] = []
         self.launcher = ""  # "spawn" or "torchrun"
         self.rendezvous: Rendezvous | None = None
         self.failure: str | None = None  # the watchdog's verdict: the stage that died first, and how

@@ -37,9 +37,14 @@ _START_TIMEOUT = 180.0  # seconds for the zygote's imports and its first fork (a
 _HEADER = struct.Struct("!I")
 
 
-def _send(fd: int, obj: object) -> None:
+def _frame(obj: object) -> bytes:
+    """One message: its length, then its pickle."""
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    data = _HEADER.pack(len(data)) + data
+    return _HEADER.pack(len(data)) + data
+
+
+def _send(fd: int, obj: object) -> None:
+    data = _frame(obj)
     while data:
         data = data[os.write(fd, data):]
 
@@ -74,8 +79,8 @@ class _Reader:
 
 
 # -- the engine's side ------------------------------------------------------------------------------------
-class ZygoteStage:
-    """A stage the zygote forked, as the lifecycle code sees a subprocess.Popen."""
+class ZygoteStage(prefork.StageHandle):
+    """A stage the zygote forked: its exit code comes from the zygote, which reaps it."""
 
     def __init__(self, pid: int, zygote: Zygote) -> None:
         self.pid = pid
@@ -93,19 +98,6 @@ class ZygoteStage:
         if code is None:
             raise subprocess.TimeoutExpired(f"stage pid {self.pid}", timeout)
         return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 class Zygote:
@@ -140,8 +132,7 @@ class Zygote:
             if not self.alive():
                 return None
             try:
-                data = pickle.dumps((argv, env, os.sched_getaffinity(0)), protocol=pickle.HIGHEST_PROTOCOL)
-                data = _HEADER.pack(len(data)) + data
+                data = _frame((argv, env, os.sched_getaffinity(0)))
                 sent = socket.send_fds(self.sock, [data], [1, 2])
                 self.sock.sendall(data[sent:])
                 pid = self._started.get(timeout=_START_TIMEOUT)

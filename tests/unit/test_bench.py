@@ -156,6 +156,7 @@ def test_peak_positive():
     assert measure_matmul_peak(torch.float32, n=64, seconds=0.05) > 0
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_peak_in_a_fresh_process():
     import torch
 

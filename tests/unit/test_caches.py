@@ -422,6 +422,7 @@ def test_calibration_cache_is_validated_and_rewritten(cache, model_dir, monkeypa
     assert calibrate.cache_path(str(model_dir), [1, 2]) != path
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_kernel_threads_start_after_setuptools_changed_the_import_path() -> None:
     """in_background imports torch's cpp_extension (and so setuptools, whose distutils shim goes into and out
     of sys.meta_path) on the caller's thread before any builder starts: a builder thread doing it while the

@@ -26,6 +26,7 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"tdpipe {version('tdpipe')}\n"
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_the_version_is_read_when_asked_not_at_import():
     """importlib.metadata walks sys.path (40-70 ms here): not in every process's start, each stage's too."""
     import subprocess

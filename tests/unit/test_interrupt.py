@@ -77,6 +77,7 @@ def test_a_dropped_ctrl_c_prints_no_traceback_and_still_interrupts():
     assert "other unraisable" in r.stderr  # anything else is still reported
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_the_command_imports_torch_before_ctrl_c_becomes_a_keyboard_interrupt():
     """torch's import runs Python beneath C++, where a KeyboardInterrupt aborts the process: the `tdpipe`
     command imports it while a Ctrl-C still ends the process at once, then installs the sticky handler; the

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_suite_times_writes_a_line_per_test_and_the_script_sums_them(tmp_path):
     out = tmp_path / "times.jsonl"
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--suite-times", str(out),

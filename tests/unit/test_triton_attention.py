@@ -222,6 +222,7 @@ def test_tiny_model_logits_match_the_cpu_kernel(backend):
         torch.testing.assert_close(tri, cpu, atol=tol, rtol=tol)
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_env_vars_in_a_fresh_process():
     """$TDPIPE_ATTENTION_BACKEND sets a fresh process's backend; importing tdpipe imports no triton (~0.2 s
     that CPU users never pay), only a Triton kernel's first use does; TRITON_INTERPRET=1 set after

@@ -147,3 +147,29 @@ def test_a_process_that_is_not_blank_forks_its_stages_from_one_zygote():
     while time.time() < end and (alive(stage) or alive(zyg)):
         time.sleep(0.05)
     assert not alive(stage) and not alive(zyg)
+
+
+IDLE_SCRIPT = textwrap.dedent("""
+    import json, os, threading, time
+    import torch
+    threading.Thread(target=threading.Event().wait, daemon=True).start()  # not blank: stages need the zygote
+    from tdpipe.pipeline import zygote
+    zygote.IDLE_EXIT_S = 1.0
+    codes = [zygote.fork(["--bogus-flag"], dict(os.environ)).wait(timeout=120)]
+    first = zygote._zygote.proc
+    first.wait(timeout=30)  # no stage of its own alive: it leaves after a second
+    codes.append(zygote.fork(["--bogus-flag"], dict(os.environ)).wait(timeout=120))
+    print(json.dumps({"codes": codes, "first_rc": first.returncode, "first": first.pid,
+                      "second": zygote._zygote.proc.pid}), flush=True)
+""")
+
+
+@pytest.mark.slow  # starts processes
+def test_an_idle_zygote_exits_and_the_next_engine_starts_another():
+    """A program that built a pipeline once does not keep the zygote (an interpreter with torch) for the rest
+    of its life; a later fork starts a new one and works as the first did."""
+    out = subprocess.run([sys.executable, "-c", IDLE_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["codes"] == [2, 2]  # argparse's exit code, reported through each zygote
+    assert got["first_rc"] == 0 and got["second"] != got["first"]

@@ -7,7 +7,9 @@ the zygote a process pays that import once, however many pipelines it builds: th
 first engine that needs stages (`warm()`, at the start of its build, so that its import overlaps the
 engine's own start) and serves every later one of the process. It stays blank itself (one thread, nothing
 computed: a fork of it is a clean stage), sleeps in select() between requests, and exits when its engine
-process does (its request pipe's end of file, or the engine's pidfd).
+process does (its request pipe's end of file, or the engine's pidfd) or after IDLE_EXIT_S (5 minutes) without
+a stage of its own alive, so a program that built a pipeline once does not keep an interpreter with torch
+for the rest of its life; the next engine then starts a new zygote.
 
 A forked stage runs the same main as a spawned one (pipeline/prefork.run_stage), named and grouped the
 same; its parent is the zygote, so it watches the engine through a pidfd (stage.py, `adopted`). The
@@ -34,6 +36,7 @@ import time
 from tdpipe.pipeline import prefork
 
 _START_TIMEOUT = 180.0  # seconds for the zygote's imports and its first fork (a loaded 2-core machine)
+IDLE_EXIT_S = 300.0  # a zygote with no stage of its own alive exits after this long; the next engine starts one
 _HEADER = struct.Struct("!I")
 
 
@@ -110,7 +113,7 @@ class Zygote:
         # a forked stage writes where a stage spawned then would have (pytest's capture, a redirection)
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.proc = subprocess.Popen([sys.executable, "-m", "tdpipe.pipeline.zygote", "--parent", str(os.getpid()),
-                                      "--reply-fd", str(w)], stdin=theirs, pass_fds=(w,),
+                                      "--reply-fd", str(w), "--idle-exit", str(IDLE_EXIT_S)], stdin=theirs, pass_fds=(w,),
                                      process_group=0)  # the terminal's Ctrl-C is the engine's alone
         theirs.close()
         os.close(w)
@@ -224,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="tdpipe stage zygote (started by an engine process)")
     p.add_argument("--parent", type=int, required=True, help="the engine's pid: exit when it is gone")
     p.add_argument("--reply-fd", type=int, required=True, help="pipe for pids and exit codes")
+    p.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S,
+                   help="exit after this many seconds without a stage of its own alive (default: %(default)s)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's to handle
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
@@ -238,7 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     requests = _Reader(0, socket.socket(fileno=0))
     kids: dict[int, int] = {}  # pidfd -> pid
     while True:
-        ready = select.select([0, parent, *kids], [], [])[0]
+        # idle (no stage alive): exit after a while rather than hold an interpreter with torch for the rest of
+        # the program; a request that crosses the exit gets no reply and the engine spawns that stage itself
+        ready = select.select([0, parent, *kids], [], [], None if kids else a.idle_exit)[0]
+        if not ready:
+            return 0
         if parent in ready:
             return 0  # the engine is gone; its stages watch it themselves
         for fd in [f for f in ready if f in kids]:

@@ -140,6 +140,28 @@ def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, w
     assert time.time() - t0 < 60
 
 
+def test_ctrl_c_right_after_a_stage_started_stops_that_stage_too(tiny, monkeypatch, no_stage_left):
+    """A Ctrl-C between a stage's start and the engine's record of it (a terminal's Ctrl-C as the stages
+    come up): the start-up ends in a KeyboardInterrupt and that stage is stopped with the others, instead of
+    being left in the rendezvous, unknown to the engine."""
+    from tdpipe.pipeline import processes
+
+    fork = processes.zygote.fork
+
+    def fork_then_interrupt(argv, env):
+        proc = fork(argv, env)
+        os.kill(os.getpid(), signal.SIGINT)  # Python raises it at the next instruction, before the return
+        return proc
+
+    monkeypatch.setattr(processes.zygote, "fork", fork_then_interrupt)
+    guard = hang_guard(40)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            make_llm(tiny[0])
+    finally:
+        guard.cancel()
+
+
 # --------------------------------------------------------------------------------------------- mid-run
 
 

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from tdpipe.interrupt import deferred_sigint
 from tdpipe.pipeline import prefork, zygote
 from tdpipe.pipeline.wire.layout import Layout
 from tdpipe.pipeline.wire.transport import (Rendezvous, failure_reason, serve_rendezvous, torchrun_env,
@@ -74,11 +75,15 @@ class StageProcesses:
                 argv += ["--cpus", ",".join(map(str, self.cpus))]
             # a blank stage forked at the process's start if there is one (pipeline/prefork.py), else one the
             # process's zygote forks (pipeline/zygote.py), else a fresh interpreter; each in its own process
-            # group: the terminal's Ctrl-C goes to the engine only, which stops the stages
-            proc = prefork.take(argv, env) or zygote.fork(argv, env) or subprocess.Popen(
-                [sys.executable, "-m", "tdpipe.pipeline.stage"] + argv, env=env, stdin=subprocess.DEVNULL,
-                process_group=0)
-            self.procs.append(proc)
+            # group: the terminal's Ctrl-C goes to the engine only, which stops the stages. That Ctrl-C waits
+            # until the stage is in self.procs: one raised between its start and the append would leave a
+            # running stage that kill() does not know (it then met the closed rendezvous store and printed
+            # torch's C++ warnings into the engine's stderr before it noticed the engine was gone)
+            with deferred_sigint():
+                proc = prefork.take(argv, env) or zygote.fork(argv, env) or subprocess.Popen(
+                    [sys.executable, "-m", "tdpipe.pipeline.stage"] + argv, env=env, stdin=subprocess.DEVNULL,
+                    process_group=0)
+                self.procs.append(proc)
         self._watchdog = threading.Thread(target=self._watch, name="tdpipe-watchdog", daemon=True)
         self._watchdog.start()
 

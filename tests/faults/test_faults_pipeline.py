@@ -91,9 +91,9 @@ def _key_of(rank: int, group: str) -> str:
 @pytest.mark.parametrize("victim, when", [(0, "spawned"), (1, "spawned"), (0, "0.5s"), (1, "0.5s"),
                                           (1, "ctrl-group"), (0, "data-group")])
 def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, when):
-    """Killed before it joins, while a spawned interpreter imports, or after it published its address in the first or last
-    group's rendezvous (the engine is then inside the gloo group constructor): the constructor fails with
-    the stage named, within seconds, never the 10-minute rendezvous timeout."""
+    """Killed before it joins, while a spawned interpreter imports, or after it published its address in the
+    first or last group's rendezvous (the engine is then inside the gloo group constructor): the constructor
+    fails with the stage named, within seconds, never the 10-minute rendezvous timeout."""
     spawn = StageProcesses.spawn
     killed: list[float] = []
 

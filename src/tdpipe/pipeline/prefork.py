@@ -236,4 +236,5 @@ def _max_fd() -> int:
         return 256
 
 
-__all__ = ["ForkedStage", "StageHandle", "blank", "release", "reserve", "reserved", "run_stage", "stages_for", "take"]
+__all__ = ["ForkedStage", "StageHandle", "blank", "release", "reserve", "reserved", "run_stage", "stages_for",
+           "take"]

@@ -36,7 +36,8 @@ import time
 from tdpipe.pipeline import prefork
 
 _START_TIMEOUT = 180.0  # seconds for the zygote's imports and its first fork (a loaded 2-core machine)
-IDLE_EXIT_S = 300.0  # a zygote with no stage of its own alive exits after this long; the next engine starts one
+# seconds a zygote with no stage of its own alive waits before it exits (the next engine starts another)
+IDLE_EXIT_S = 300.0
 _HEADER = struct.Struct("!I")
 
 
@@ -107,14 +108,15 @@ class Zygote:
     """The client of this process's zygote: fork requests in, pids and exit codes back (a reader thread)."""
 
     def __init__(self) -> None:
-        self.owner = os.getpid()  # a process forked from this one (multiprocessing) starts a zygote of its own
+        self.owner = os.getpid()  # a process forked from this one (multiprocessing) starts its own zygote
         r, w = os.pipe()
         # requests go over a Unix socket, each with the engine's stdout and stderr of the moment beside it:
         # a forked stage writes where a stage spawned then would have (pytest's capture, a redirection)
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # in a process group of its own: the terminal's Ctrl-C is the engine's alone
         self.proc = subprocess.Popen([sys.executable, "-m", "tdpipe.pipeline.zygote", "--parent", str(os.getpid()),
-                                      "--reply-fd", str(w), "--idle-exit", str(IDLE_EXIT_S)], stdin=theirs, pass_fds=(w,),
-                                     process_group=0)  # the terminal's Ctrl-C is the engine's alone
+                                      "--reply-fd", str(w), "--idle-exit", str(IDLE_EXIT_S)],
+                                     stdin=theirs, pass_fds=(w,), process_group=0)
         theirs.close()
         os.close(w)
         os.set_inheritable(r, False)
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent", type=int, required=True, help="the engine's pid: exit when it is gone")
     p.add_argument("--reply-fd", type=int, required=True, help="pipe for pids and exit codes")
     p.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S,
-                   help="exit after this many seconds without a stage of its own alive (default: %(default)s)")
+                   help="exit after this many seconds with no stage of its own alive (default: %(default)s)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's to handle
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)

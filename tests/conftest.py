@@ -1,10 +1,18 @@
 """Shared fixtures: the bundled model (converted once into a session cache) and HF oracles."""
 import os
 import signal
+import sys
 import weakref
 
-import pytest
-import torch
+# pytest rewrites the asserts of every test module, and of every package that ships a pytest plugin
+# (hypothesis: about 1.2 s), and caches the result beside the module only when bytecode may be written. This
+# project's machines set PYTHONDONTWRITEBYTECODE=1, which made every run (and each xdist worker) parse and
+# compile them all again: collection took 14-16 s here, 7 s once the caches exist. Only this process is
+# affected (the processes the tests start keep the variable); the caches land in ignored __pycache__ folders.
+sys.dont_write_bytecode = False
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # tests/gpu/ assumes a CUDA device: collected only where torch sees one, so the CPU suite neither runs nor skips
 # it (`tdpipe gpu-check run` runs it on a GPU machine, docs/gpu.md). Declared

@@ -96,16 +96,21 @@ def hf_greedy(model: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
     A plain argmax loop over the model's KV cache rather than `generate(min_new_tokens=n)`: that masks the
     EOS logit until n tokens, while the engine's `ignore_eos` (as vLLM's) only keeps going after an EOS, so
     the two would part wherever EOS is the argmax."""
+    import inspect
+
     import torch
 
     dev = next(model.parameters()).device
+    # the KV cache's keyword (and output field): `cache` from transformers 5.24, which deprecates the older
+    # `past_key_values` (to be removed in 5.40); the pin allows both
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = []
     for p in prompts:
         ids, cache, got = torch.tensor([p], device=dev), None, []
         with torch.inference_mode():
             for _ in range(n):
-                o = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                cache, tok = o.past_key_values, int(o.logits[0, -1].argmax())
+                o = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
+                cache, tok = getattr(o, kw), int(o.logits[0, -1].argmax())
                 got.append(tok)
                 ids = torch.tensor([[tok]], device=dev)
         out.append(got)

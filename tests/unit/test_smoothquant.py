@@ -200,7 +200,8 @@ def test_gemma_norm_weights_stay_float32_through_a_cast():
         r.weight.fill_(0.5)
     g.to(torch.bfloat16)
     r.to(torch.bfloat16)
-    assert g.weight.dtype == torch.float32 and float(g.weight[0].detach()) == pytest.approx(-0.99 + 1e-4, abs=1e-7)
+    assert g.weight.dtype == torch.float32
+    assert float(g.weight[0].detach()) == pytest.approx(-0.99 + 1e-4, abs=1e-7)
     assert r.weight.dtype == torch.bfloat16
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     assert g(x).dtype == torch.bfloat16

@@ -12,12 +12,12 @@ V = 11
 
 
 class _Model(torch.nn.Module):
-    """Next token = (last token + 1 + number of tokens already cached) mod V: a wrong or dropped cache changes
-    every answer after the first step."""
+    """Next token = (last token + tokens seen so far, the cached ones included) mod V: a wrong or dropped
+    cache changes every answer after the first step."""
 
     def __init__(self, kw: str) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.w = torch.nn.Parameter(torch.zeros(1))  # hf_greedy reads the device from the parameters
         self.kw = kw
 
     def step(self, input_ids: torch.Tensor, cache: int | None) -> SimpleNamespace:
@@ -38,8 +38,7 @@ class _Old(_Model):
 
 
 def _expected(prompt: list[int], n: int) -> list[int]:
-    seen, last, out = 0, prompt[-1], []
-    seen += len(prompt)
+    seen, last, out = len(prompt), prompt[-1], []
     for _ in range(n):
         last = (last + seen) % V
         out.append(last)

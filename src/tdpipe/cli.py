@@ -384,7 +384,7 @@ def run() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    from tdpipe.quick_exit import freeze_before_exit
+    from tdpipe.frozen_heap import freeze_before_exit
 
     freeze_before_exit()
     sys.exit(code)

@@ -85,7 +85,7 @@ def test_freeze_before_exit_runs_pending_finalizers_then_freezes():
     is flushed), then the survivors leave the collector's generations."""
     code = """
 import gc
-from tdpipe.quick_exit import freeze_before_exit
+from tdpipe.frozen_heap import freeze_before_exit
 gc.disable()
 class Node:
     def __del__(self):

@@ -263,14 +263,22 @@ def parse_json(text: str) -> Any:
 
 
 def _depth_over(obj: Any, limit: int) -> bool:
-    """Whether containers nest deeper than `limit` (iterative: a deep value cannot exhaust the stack)."""
-    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
-    while stack:
-        x, d = stack.pop()
-        if d > limit:
-            return True
-        children = x.values() if isinstance(x, dict) else x
-        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    """Whether containers nest deeper than `limit`. Iterative (a deep value cannot exhaust the stack), and
+    depth-first with one iterator per open level, so that it holds at most `limit` objects: a breadth of
+    100,000 messages queued as tuples would wake the garbage collector's full collections, which freeze the
+    event loop as well."""
+    if not isinstance(obj, (dict, list)):
+        return False
+    open_levels = [iter(obj.values() if isinstance(obj, dict) else obj)]
+    while open_levels:
+        for child in open_levels[-1]:
+            if isinstance(child, (dict, list)):
+                if len(open_levels) >= limit:
+                    return True
+                open_levels.append(iter(child.values() if isinstance(child, dict) else child))
+                break
+        else:
+            open_levels.pop()
     return False
 
 
@@ -422,6 +430,7 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     import uvicorn
 
     from tdpipe.core.data_parallel import start_engine_client
+    from tdpipe.frozen_heap import freeze_after_startup
 
     app = build_app(None, config)
     server = uvicorn.Server(uvicorn_config(app, config))
@@ -442,6 +451,7 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     engine = start_task.result()
     engine.log_death = False  # a death is reported below, in one line
     set_engine(app, engine)
+    freeze_after_startup()  # a full collection over the start-up heap would freeze the event loop
     host, port = sock.getsockname()[:2]
     print(f"tdpipe: serving {app.state.serving.served_name(engine)} on http://{host}:{port} (max_model_len "
           f"{engine.max_model_len})", file=sys.stderr, flush=True)

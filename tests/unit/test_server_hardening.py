@@ -6,6 +6,7 @@ event loop, unknown fields named without being remembered or logged raw, a dead 
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import time
@@ -274,6 +275,7 @@ async def test_a_slow_tokenizer_does_not_freeze_the_event_loop():
         return encode(text, add_special_tokens)
 
     eng.tokenizer.encode = slow
+    gc.collect()  # so that no full pass over earlier tests' objects (0.7 s in a suite) lands in the timing
     async with _client(eng) as c:
         big = [asyncio.ensure_future(c.post(C, json={"prompt": "x", "max_tokens": 1})),
                asyncio.ensure_future(c.post("/tokenize", json={"prompt": "x"}))]
@@ -444,7 +446,6 @@ async def test_a_chat_of_100k_messages_never_freezes_the_event_loop():
     """/health answers all along, and the request leaves the garbage collector's full passes asleep: they
     hold the interpreter lock, so one over a test process's heap stopped the event loop for 1.5 s in CI when
     the 100,000 messages were kept as models (and the depth check queued a tuple per message)."""
-    import gc
     import json
 
     eng = FakeAsyncLLM(max_model_len=1 << 24)

@@ -95,6 +95,41 @@ def test_cache_is_created_when_missing(tmp_path: Path, monkeypatch: pytest.Monke
     assert model_cache.cache_dir() == tmp_path / "a" / "b" and (tmp_path / "a" / "b").is_dir()
 
 
+def test_cache_created_by_another_process_meanwhile_is_no_error(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes on a first run (in CI: the kernel-build thread and the engine) both find no cache; one
+    creates it between the other's looks. That is a directory like any other, not "not a directory"."""
+    root = tmp_path / "c"
+    monkeypatch.setenv("TDPIPE_CACHE", str(root))
+    real_is_dir = Path.is_dir
+
+    def is_dir(self: Path) -> bool:
+        if self == root and not root.exists():
+            root.mkdir()  # the other process, just after this look
+            return False
+        return real_is_dir(self)
+
+    real_mkdir = os.mkdir
+
+    def mkdir(path, mode=0o777):  # or the other process wins the race inside mkdir itself
+        if Path(path) == root:
+            real_mkdir(path, mode)
+            raise FileExistsError(17, "File exists", str(path))
+        real_mkdir(path, mode)
+
+    monkeypatch.setattr(Path, "is_dir", is_dir)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    assert model_cache.cache_dir() == root and real_is_dir(root)
+
+
+def test_dangling_link_cache_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    monkeypatch.setenv("TDPIPE_CACHE", str(link))
+    with pytest.raises(model_cache.CacheDirError, match="is a dangling link"):
+        model_cache.cache_dir()
+
+
 # -- the step profile (td-pipe, core/step_profile.py) ----------------------------------------------------
 def fake_engine(model: Path, num_blocks: int, max_num_seqs: int = 256, budget: int | None = None,
                 pp: int = 1) -> SimpleNamespace:

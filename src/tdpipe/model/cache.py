@@ -39,17 +39,15 @@ def cache_dir() -> Path:
     root = Path(env).expanduser() if env else Path.home() / ".cache" / "tdpipe"
     what = f"TDPIPE_CACHE={env}" if env else f"the default cache {root} (set TDPIPE_CACHE to use another)"
     hint = "point TDPIPE_CACHE at a writable directory"
-    if root.is_dir():
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise CacheDirError(f"{what}: {root} is not writable; {hint}")
-        return root
-    if root.exists() or root.is_symlink():
+    try:  # no look before the leap: another process may create it between a look and mkdir (a first run
+        root.mkdir(parents=True, exist_ok=True)  # of two at once: a stage and the kernel-build thread)
+    except FileExistsError:  # there, but not a directory
         kind = "a dangling link" if root.is_symlink() and not root.exists() else "not a directory"
-        raise CacheDirError(f"{what}: {root} is {kind}; {hint}")
-    try:
-        root.mkdir(parents=True, exist_ok=True)
+        raise CacheDirError(f"{what}: {root} is {kind}; {hint}") from None
     except OSError as e:
         raise CacheDirError(f"{what}: cannot create {root} ({e.strerror or e}); {hint}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CacheDirError(f"{what}: {root} is not writable; {hint}")
     return root
 
 

@@ -130,6 +130,29 @@ def test_dangling_link_cache_is_one_clear_error(tmp_path: Path, monkeypatch: pyt
         model_cache.cache_dir()
 
 
+def test_two_threads_writing_one_json_never_fail(tmp_path: Path) -> None:
+    """The kernel-build threads and the engine share a process: a temporary name per process only would
+    let one thread's rename take the other's file away (FileNotFoundError)."""
+    import threading
+
+    path, errors = tmp_path / "p.json", []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(300):
+                model_cache.write_json(path, {"k": k, "i": i})
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and json.loads(path.read_text())["i"] == 299
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
 # -- the step profile (td-pipe, core/step_profile.py) ----------------------------------------------------
 def fake_engine(model: Path, num_blocks: int, max_num_seqs: int = 256, budget: int | None = None,
                 pp: int = 1) -> SimpleNamespace:

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,10 @@ def profiles_dir() -> Path:
 
 def write_json(path: Path, data: Any, indent: int | None = 1) -> None:
     """`data` as JSON at `path` (its folder created), written to a private temporary file and renamed into
-    place, so a reader never sees half a file. OSError propagates: the caller says what was not cached."""
+    place, so a reader never sees half a file (the temporary name is the thread's own, so two writers of one
+    path race only to the rename). OSError propagates: the caller says what was not cached."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data, indent=indent))
     tmp.replace(path)
 

@@ -1,8 +1,8 @@
-"""Where a pp = 2 run's stages sit idle, from its trace (`tdpipe bench throughput ... --trace FILE`): every gap
-between two events of a stage, named by what the stage did before and what it waited for. With half the
-lm_head on stage 0 (`--lm-head-split 0.5`), stage 0's cycle is: its layers for micro-batch B, then the head part
-of micro-batch A (which waits for A's rows from stage 1), then its layers for A's successor (which waits for
-the engine: A's result, sampling, scheduling, the next step's message and input preparation).
+"""Where a pp = 2 run's stages sit idle, from its trace (`tdpipe bench throughput ... --trace FILE`): every
+gap between two events of a stage, named by what the stage did before and what it waited for. With half the
+lm_head on stage 0 (`--lm-head-split 0.5`), stage 0's cycle is: its layers for micro-batch B, then the head
+part of micro-batch A (which waits for A's rows from stage 1), then its layers for A's successor (which waits
+for the engine: A's result, sampling, scheduling, the next step's message and input preparation).
 
   python3 bench_results/pp_efficiency/idle_breakdown.py TRACE.json[.gz] [--json OUT]
 """
@@ -41,7 +41,8 @@ def breakdown(trace: dict) -> dict:
             "busy_s": sum(e["end"] - e["start"] for e in evs),
             "gaps": {g: {"count": len(v), "total_s": sum(v), "mean_ms": 1000 * sum(v) / len(v)}
                      for g, v in sorted(gaps.items())},
-            "decode_event_ms": {"mean": 1000 * statistics.mean(dec), "p10": 1000 * statistics.quantiles(dec, n=10)[0],
+            "decode_event_ms": {"mean": 1000 * statistics.mean(dec),
+                                "p10": 1000 * statistics.quantiles(dec, n=10)[0],
                                 "p90": 1000 * statistics.quantiles(dec, n=10)[8]} if len(dec) > 1 else None,
             "decode_rows_mean": statistics.mean(e["decode_seqs"] for e in layers if kind(e) == "decode")
             if dec else None,
@@ -59,7 +60,8 @@ def main() -> None:
         res = breakdown(json.load(f))
     print(f"wall {res['wall_s']:.1f} s")
     for s in res["stages"]:
-        print(f"stage {s['stage']}: busy {s['busy_s']:.1f} s, idle {s['idle_s']:.1f} s ({s['idle_ratio']:.3f})")
+        print(f"stage {s['stage']}: busy {s['busy_s']:.1f} s, idle {s['idle_s']:.1f} s "
+              f"({s['idle_ratio']:.3f})")
         for g, v in s["gaps"].items():
             print(f"  waiting {g:<20} {v['count']:>5} x {v['mean_ms']:6.1f} ms = {v['total_s']:6.1f} s")
         if s["decode_event_ms"]:

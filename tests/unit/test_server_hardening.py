@@ -461,7 +461,8 @@ async def test_a_chat_of_100k_messages_never_freezes_the_event_loop():
     try:
         async with _client(eng) as c:
             t0 = time.monotonic()
-            big = asyncio.ensure_future(c.post(CHAT, content=body, headers={"content-type": "application/json"}))
+            big = asyncio.ensure_future(c.post(CHAT, content=body,
+                                               headers={"content-type": "application/json"}))
             gaps = []
             while not big.done():
                 t = time.monotonic()

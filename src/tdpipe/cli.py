@@ -384,9 +384,9 @@ def run() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    from tdpipe.frozen_heap import freeze_before_exit
+    from tdpipe.frozen_heap import freeze_heap
 
-    freeze_before_exit()
+    freeze_heap()  # before the interpreter's teardown
     sys.exit(code)
 
 

@@ -19,17 +19,8 @@ from __future__ import annotations
 import gc
 
 
-def _collect_and_freeze() -> None:
+def freeze_heap() -> None:
+    """Collect now, then move every surviving object out of the collector's reach: called once a server or
+    engine core is up (the model, the tokenizer, the modules) and by tdpipe's processes before they exit."""
     gc.collect()
     gc.freeze()
-
-
-def freeze_before_exit() -> None:
-    """Collect now, then move every surviving object out of the collector's reach for the teardown."""
-    _collect_and_freeze()
-
-
-def freeze_after_startup() -> None:
-    """Collect the start-up garbage, then freeze what is left (the model, the tokenizer, the modules), so
-    that full collections while serving walk only the objects requests made."""
-    _collect_and_freeze()

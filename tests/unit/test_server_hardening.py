@@ -323,7 +323,7 @@ async def test_serve_exits_1_with_one_line_when_the_core_dies_and_limits_connect
 
     monkeypatch.setattr(AsyncLLM, "start", start)
     froze = []  # the start-up heap is frozen once the engine is up (this test process's own heap is not)
-    monkeypatch.setattr(frozen_heap, "freeze_after_startup", lambda: froze.append(eng.ready))
+    monkeypatch.setattr(frozen_heap, "freeze_heap", lambda: froze.append(eng.ready))
     sock = api_server.bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     served = asyncio.ensure_future(api_server.serve(None, ServerConfig(max_connections=3, access_log=False), sock))

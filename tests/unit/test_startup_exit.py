@@ -80,12 +80,12 @@ def test_damaged_tokenizer_at_pp2_fails_once_and_stops_the_stages(tmp_path, bund
     assert stage_pids_of(os.getpid()) == []
 
 
-def test_freeze_before_exit_runs_pending_finalizers_then_freezes():
+def test_freeze_heap_runs_pending_finalizers_then_freezes():
     """Garbage in a reference cycle is collected first (its __del__ runs: a buffered file in such a cycle
     is flushed), then the survivors leave the collector's generations."""
     code = """
 import gc
-from tdpipe.frozen_heap import freeze_before_exit
+from tdpipe.frozen_heap import freeze_heap
 gc.disable()
 class Node:
     def __del__(self):
@@ -94,7 +94,7 @@ a, b = Node(), Node()
 a.other, b.other = b, a
 del a, b
 keep = [object() for _ in range(10)]
-freeze_before_exit()
+freeze_heap()
 print("frozen", gc.get_freeze_count() > 0, flush=True)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

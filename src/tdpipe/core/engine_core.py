@@ -118,9 +118,9 @@ def run_engine_core(config: Any, in_addr: str, out_addr: str, parent_pid: int) -
         from tdpipe.core.engine import LLMEngine
 
         engine = LLMEngine(config)
-        from tdpipe.frozen_heap import freeze_after_startup
+        from tdpipe.frozen_heap import freeze_heap
 
-        freeze_after_startup()  # the model's objects out of the collector's full passes (pauses in steps)
+        freeze_heap()  # the model's objects out of the collector's full passes (pauses in steps)
         sched = engine.scheduler.config
         send(READY, CoreInfo(engine.model_path, sched.max_model_len, sched.max_num_seqs,
                              engine.model_config.vocab_size, engine.block_manager.num_blocks, engine.pp))
@@ -234,6 +234,6 @@ if __name__ == "__main__":  # started by AsyncLLM: python -m tdpipe.core.engine_
     try:
         run(cfg, sys.argv[2], sys.argv[3], int(sys.argv[4]))  # are unpickled by the frontend
     finally:
-        from tdpipe.frozen_heap import freeze_before_exit
+        from tdpipe.frozen_heap import freeze_heap
 
-        freeze_before_exit()
+        freeze_heap()  # before the interpreter's teardown

@@ -430,7 +430,7 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     import uvicorn
 
     from tdpipe.core.data_parallel import start_engine_client
-    from tdpipe.frozen_heap import freeze_after_startup
+    from tdpipe.frozen_heap import freeze_heap
 
     app = build_app(None, config)
     server = uvicorn.Server(uvicorn_config(app, config))
@@ -451,7 +451,7 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     engine = start_task.result()
     engine.log_death = False  # a death is reported below, in one line
     set_engine(app, engine)
-    freeze_after_startup()  # a full collection over the start-up heap would freeze the event loop
+    freeze_heap()  # a full collection over the start-up heap would freeze the event loop
     host, port = sock.getsockname()[:2]
     print(f"tdpipe: serving {app.state.serving.served_name(engine)} on http://{host}:{port} (max_model_len "
           f"{engine.max_model_len})", file=sys.stderr, flush=True)

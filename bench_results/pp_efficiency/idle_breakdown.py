@@ -36,14 +36,14 @@ def breakdown(trace: dict) -> dict:
         idle = sum(sum(v) for v in gaps.values())
         layers = [e for e in evs if not e.get("head")]
         dec = [e["end"] - e["start"] for e in layers if kind(e) == "decode"]
+        q = statistics.quantiles(dec, n=10) if len(dec) > 1 else None
         out["stages"].append({
             "stage": k, "idle_s": idle, "idle_ratio": idle / out["wall_s"],
             "busy_s": sum(e["end"] - e["start"] for e in evs),
             "gaps": {g: {"count": len(v), "total_s": sum(v), "mean_ms": 1000 * sum(v) / len(v)}
                      for g, v in sorted(gaps.items())},
-            "decode_event_ms": {"mean": 1000 * statistics.mean(dec),
-                                "p10": 1000 * statistics.quantiles(dec, n=10)[0],
-                                "p90": 1000 * statistics.quantiles(dec, n=10)[8]} if len(dec) > 1 else None,
+            "decode_event_ms": {"mean": 1000 * statistics.mean(dec), "p10": 1000 * q[0], "p90": 1000 * q[8]}
+            if q else None,
             "decode_rows_mean": statistics.mean(e["decode_seqs"] for e in layers if kind(e) == "decode")
             if dec else None,
         })

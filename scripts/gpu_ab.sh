@@ -29,7 +29,7 @@ PY
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ -n "${TESTS:-}" ]; then
   # shellcheck disable=SC2086
-  PYTHONPATH="$SITE:$PWD/src" "$PY" -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -4
+  PYTHONPATH="$SITE:$PWD/src" "$PY" -m pytest -o addopts= -q -p no:cacheprovider $TESTS 2>&1 | tail -4
 fi
 for model in ${MODELS//,/ }; do
   for n in 1 2; do

@@ -6,7 +6,8 @@
 Columns: wall seconds inside the file's tests (setup and teardown included), the pytest process's CPU
 seconds, and the CPU seconds of the processes its tests started and reaped (CLI runs, engine cores, stages;
 a child is counted in the test that reaped it). The last lines split the suite into tests that started
-processes and tests that did not.
+processes and tests that did not, and show each pytest-xdist worker's busy seconds against the whole run's
+span (a worker idle at the end waited for the other's last tests).
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def main() -> None:
         print(f"{len(group)} tests {name}: {sum(r['wall'] for r in group):.0f} s wall, "
               f"{sum(r['cpu'] for r in group):.0f} s CPU, children {sum(r['children_cpu'] for r in group):.0f} s CPU")
     print(f"all {len(rows)} tests: {sum(r['wall'] for r in rows):.0f} s wall")
+    if all("start" in r for r in rows):  # lines written before the workers' fields were added lack them
+        span = max(r["start"] + r["wall"] for r in rows) - min(r["start"] for r in rows)
+        workers: dict[str, float] = defaultdict(float)
+        for r in rows:
+            workers[r.get("worker", "main")] += r["wall"]
+        print(f"span {span:.0f} s; busy " + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(workers.items())))
 
 
 if __name__ == "__main__":

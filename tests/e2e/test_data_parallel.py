@@ -12,7 +12,7 @@ from procs import alive
 from tdpipe import LLM, SamplingParams
 from tdpipe.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cores(2)]  # each process pinned to a core of its own
 
 PROMPTS = [f"Tell me fact number {i} about the sea." for i in range(10)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

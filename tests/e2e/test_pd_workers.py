@@ -9,7 +9,7 @@ import torch
 
 from tdpipe import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cores(2)]  # each process pinned to a core of its own
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "What is 17 * 3?",
            "Name three primary colours and say why they are primary, in one sentence each.",

@@ -162,8 +162,9 @@ def job_tests(sizes: Sizes, device: str) -> dict[str, Any]:
         return {"status": "error", "error": f"{folder} not found: run gpu-check from a checkout"}
     with tempfile.TemporaryDirectory() as d:
         xml = Path(d) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}",
-               str(folder)]
+        # -o addopts=: one process on the one GPU, whether or not pytest-xdist (the suite's -n auto) is there
+        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rfE",
+               f"--junitxml={xml}", str(folder)]
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=sizes.step_timeout_s["tests"] - 10)
         counts = _junit_counts(xml) if xml.is_file() else {}
     out = (p.stdout + p.stderr)[-3000:]

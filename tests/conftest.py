@@ -136,7 +136,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def save_random_qwen2(d, bundled_path: str):
     """A random 3-layer Qwen2 (GQA 4/2, untied, non-zero q/k/v biases so bias loading is exercised), saved
-    sharded in `d` (exercises the safetensors index) with the bundled tokenizer. Returns the HF model."""
+    sharded in `d` (exercises the safetensors index) with the bundled tokenizer and chat template. Returns
+    the HF model."""
     import shutil
 
     import torch
@@ -153,7 +154,7 @@ def save_random_qwen2(d, bundled_path: str):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.1)
     model.save_pretrained(d, max_shard_size="2MB")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the template: chat requests
         shutil.copy(f"{bundled_path}/{f}", d / f)
     return model
 

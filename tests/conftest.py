@@ -20,10 +20,11 @@ import torch  # noqa: E402
 collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 
 
-# The suite runs on one pytest-xdist worker per usable core (pyproject.toml: -n auto), each worker pinned to its
-# own core with one torch thread: a test's engine cores, stages and CLI runs inherit the pin, so two workers
-# never share a core. Left unpinned, every engine takes all the cores and the workers' OpenMP threads spin
-# against each other (the same four files took 3x the time of one process); pinned, they took 0.74x.
+# The suite runs on one pytest-xdist worker per usable core (pyproject.toml: -n auto), each worker pinned to
+# its own core with one torch thread: a test's engine cores, stages and CLI runs inherit the pin, so two
+# workers never share a core. Left unpinned, every engine takes all the cores and the workers' OpenMP threads
+# spin against each other (four end-to-end files took 3x the time of one process; pinned, 0.74x:
+# docs/benchmarks.md, "The test suite's time").
 _CORES = sorted(os.sched_getaffinity(0))  # before this process pins itself: every core the suite may use
 
 
@@ -154,7 +155,7 @@ def save_random_qwen2(d, bundled_path: str):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.1)
     model.save_pretrained(d, max_shard_size="2MB")
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the template: chat requests
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the template: for chats
         shutil.copy(f"{bundled_path}/{f}", d / f)
     return model
 
@@ -181,8 +182,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     # the longest tests first (fault injection, then the end-to-end ones; each file's tests stay in order), so
     # that the workers end on short unit tests and finish together instead of one waiting on the other
-    items.sort(key=lambda item: 0 if item.get_closest_marker("faults") else 1 if item.get_closest_marker("slow")
-               else 2)
+    items.sort(key=lambda item: 0 if item.get_closest_marker("faults")
+               else 1 if item.get_closest_marker("slow") else 2)
 
 
 def pytest_sessionstart(session):

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow  # starts a Python process that imports torch
 def test_suite_times_writes_a_line_per_test_and_the_script_sums_them(tmp_path):
     out = tmp_path / "times.jsonl"
-    r = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "--suite-times", str(out),
+    r = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider",
+                        "--suite-times", str(out),
                         "tests/unit/test_cli.py::test_version",
                         "tests/unit/test_cli.py::test_the_version_is_read_when_asked_not_at_import"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -51,14 +51,13 @@ def pytest_configure(config):
 def lend_all_cores(request):
     """A test file marked `cores(n)` (data-parallel replicas, prefill/decode workers: each process pinned to
     cores of its own) gets every core of the suite while its tests run, its module fixtures' engines included
-    (autouse: set up before them); the other worker's tests share those cores meanwhile."""
+    (autouse: set up before them); the other worker's tests share those cores meanwhile. On a machine with
+    fewer cores the tests run with what there is, as they would without workers."""
     marker = request.node.get_closest_marker("cores")
     own = os.sched_getaffinity(0)
-    if marker is None or len(own) >= marker.args[0]:
+    if marker is None or len(own) >= min(marker.args[0], len(_CORES)):
         yield
         return
-    if len(_CORES) < marker.args[0]:
-        pytest.fail(f"needs {marker.args[0]} cores; this machine lets the suite use {len(_CORES)}")
     os.sched_setaffinity(0, _CORES)
     try:
         yield

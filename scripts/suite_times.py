@@ -42,7 +42,7 @@ def main() -> None:
         span = max(r["start"] + r["wall"] for r in rows) - min(r["start"] for r in rows)
         workers: dict[str, float] = defaultdict(float)
         for r in rows:
-            workers[r.get("worker", "main")] += r["wall"]
+            workers[r["worker"]] += r["wall"]
         print(f"span {span:.0f} s; busy " + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(workers.items())))
 
 

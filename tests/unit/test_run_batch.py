@@ -2,7 +2,8 @@
 crash, and the bar: a 500-line batch killed with SIGKILL twice and resumed, every custom_id exactly once.
 
 The fast tests drive the runner against the fake engine (tests/fake_engine_client.py); the slow ones run the
-bundled model, in this process or as the `tdpipe` command in a subprocess that is killed."""
+bundled model in this process, or the tiny random model as the `tdpipe` command in a subprocess that is
+killed."""
 from __future__ import annotations
 
 import asyncio

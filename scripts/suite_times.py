@@ -7,7 +7,8 @@ Columns: wall seconds inside the file's tests (setup and teardown included), the
 seconds, and the CPU seconds of the processes its tests started and reaped (CLI runs, engine cores, stages;
 a child is counted in the test that reaped it). The last lines split the suite into tests that started
 processes and tests that did not, and show each pytest-xdist worker's busy seconds against the whole run's
-span (a worker idle at the end waited for the other's last tests).
+span (a worker idle at the end waited for the other's last tests), and how long the workers' cores sat idle
+while their tests ran (near zero: the suite is CPU-bound, and only less work makes it faster).
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def main() -> None:
         for r in rows:
             workers[r["worker"]] += r["wall"]
         print(f"span {span:.0f} s; busy " + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(workers.items())))
+    if all("idle" in r for r in rows):
+        idle: dict[str, float] = defaultdict(float)
+        for r in rows:
+            idle[r["worker"]] += r["idle"]
+        print("cores idle while tests ran: " + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(idle.items())))
 
 
 if __name__ == "__main__":

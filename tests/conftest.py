@@ -217,11 +217,24 @@ def _warm_caches() -> None:
 
 
 # --suite-times FILE: each test's wall time and CPU seconds (its own process's and those of the processes it
-# started and reaped) as one JSON line, for `python scripts/suite_times.py FILE` (where the suite's time goes)
+# started and reaped) and its cores' idle seconds as one JSON line, for `python scripts/suite_times.py FILE`
+# (where the suite's time goes; idle time on a pinned worker's core is time no test used)
+
+def _idle_seconds(cores: set[int]) -> float:
+    """Idle + iowait seconds of `cores` since boot (/proc/stat; 0 where it cannot be read)."""
+    try:
+        with open("/proc/stat") as f:
+            rows = [ln.split() for ln in f if ln.startswith("cpu") and ln[3].isdigit()]
+    except OSError:
+        return 0.0
+    ticks = sum(int(r[4]) + int(r[5]) for r in rows if int(r[0][3:]) in cores)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
 
 def pytest_addoption(parser):
     parser.addoption("--suite-times", metavar="FILE", default=None,
-                     help="append each test's wall and CPU seconds (own, children's) to FILE as JSON lines")
+                     help="append each test's wall and CPU seconds (own, children's) and its cores' idle seconds to FILE "
+                          "as JSON lines")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -233,12 +246,14 @@ def pytest_runtest_protocol(item, nextitem):
     import json
     import time
 
-    t0, c0 = time.perf_counter(), os.times()
+    cores = set(os.sched_getaffinity(0))  # the worker's own core (all of them inside a cores(n) module)
+    t0, c0, i0 = time.perf_counter(), os.times(), _idle_seconds(cores)
     yield
-    t1, c1 = time.perf_counter(), os.times()
+    t1, c1, i1 = time.perf_counter(), os.times(), _idle_seconds(cores)
     rec = {"id": item.nodeid, "worker": xdist_worker(item.config) or "main",
            "start": round(time.time() - (t1 - t0), 3), "wall": round(t1 - t0, 3),
            "cpu": round(c1.user - c0.user + c1.system - c0.system, 3),
-           "children_cpu": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 3)}
+           "children_cpu": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 3),
+           "idle": round((i1 - i0) / len(cores), 3)}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")

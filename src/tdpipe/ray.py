@@ -50,6 +50,8 @@ class ProcessorConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ProcessorConfig.{name} must be an integer >= 1, got {v!r}")
+        if "model" in self.engine_kwargs:  # else each actor dies in LLM() with "multiple values for 'model'"
+            raise ValueError("ProcessorConfig.engine_kwargs must not hold 'model': give it as ProcessorConfig.model")
 
 
 class LLMPredictor:

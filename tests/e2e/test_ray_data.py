@@ -1,6 +1,7 @@
 """tdpipe.ray on a local Ray cluster: a Ray Data job over 200 prompts answers each exactly once, with two
-CPU-only replicas. The cluster runs inside a network namespace whose only interface is the loopback (Ray
-2.60's GCS and raylets listen on every interface they have), so nothing outside the machine can reach it."""
+CPU-only replicas of the tiny random Qwen2 (the point is the Ray plumbing, not the answers). The cluster
+runs inside a network namespace whose only interface is the loopback (Ray 2.60's GCS and raylets listen on
+every interface they have), so nothing outside the machine can reach it."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ from tdpipe.ray import ProcessorConfig, build_llm_processor
 
 ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, _node_ip_address="127.0.0.1",
          log_to_driver=False, configure_logging=False)
-config = ProcessorConfig(engine_kwargs={"dtype": "auto", "kv_cache_memory": 64 << 20}, concurrency=2,
+config = ProcessorConfig(model=sys.argv[2], engine_kwargs={"dtype": "auto", "kv_cache_memory": 64 << 20},
+                         concurrency=2,
                          batch_size=100, num_cpus_per_replica=1)
 processor = build_llm_processor(
     config,
@@ -36,14 +38,14 @@ json.dump({"rows": rows, "interfaces": interfaces, "listening": listening}, open
 '''
 
 
-def test_ray_data_job_answers_200_prompts_exactly_once(tmp_path):
+def test_ray_data_job_answers_200_prompts_exactly_once(tmp_path, qwen2_tiny):
     pytest.importorskip("ray.data", reason="the test extra installs ray[data]; tdpipe itself never needs it")
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.fail("this test needs util-linux's unshare and iproute2's ip (a loopback-only network namespace)")
     job, out = tmp_path / "job.py", tmp_path / "out.json"
     job.write_text(JOB)
     cmd = ["unshare", "--net", "--map-root-user", "sh", "-c",
-           f'ip link set lo up && exec "{sys.executable}" "{job}" "{out}"']
+           f'ip link set lo up && exec "{sys.executable}" "{job}" "{out}" "{qwen2_tiny[0]}"']
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(out.read_text())

@@ -23,14 +23,15 @@ def test_suite_times_writes_a_line_per_test_and_the_script_sums_them(tmp_path):
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [row["id"].split("::")[1] for row in rows] == ["test_the_version_is_read_when_asked_not_at_import",
                                                          "test_version"]
-    assert all(set(row) == {"id", "worker", "start", "wall", "cpu", "children_cpu"} and row["wall"] >= 0
-               and row["worker"] == "main" for row in rows)
+    assert all(set(row) == {"id", "worker", "start", "wall", "cpu", "children_cpu", "idle"} and row["wall"] >= 0
+               and row["worker"] == "main" and 0 <= row["idle"] <= row["wall"] + 0.05 for row in rows)
     assert rows[0]["start"] + rows[0]["wall"] <= rows[1]["start"] + 0.01
     assert rows[1]["children_cpu"] < 0.5 < rows[0]["children_cpu"]  # the slow one starts a Python process
     s = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "suite_times.py"), str(out)],
                        capture_output=True, text=True, timeout=60)
     assert s.returncode == 0, s.stderr
     assert "tests/unit/test_cli.py" in s.stdout and "all 2 tests" in s.stdout and "1 tests starting processes" in s.stdout
+    assert "cores idle while tests ran: main" in s.stdout
 
 
 @pytest.mark.parametrize("copy", [0, 1])  # two, so that a two-worker run gives each worker one

@@ -161,9 +161,10 @@ def save_random_qwen2(d, bundled_path: str):
 
 @pytest.fixture(scope="session")
 def qwen2_tiny(tmp_path_factory, bundled_path):
-    """(folder, HF model) of save_random_qwen2's model, made once per session: for the tests whose point is
-    the engine's behaviour (interrupts, aborts, shutdown), not the bundled model's answers. It loads and
-    steps in a fraction of the bundled model's time."""
+    """(folder, HF model) of save_random_qwen2's model, made once per session (per worker) and only read: for
+    parity with transformers on a second family, the pipeline and tensor-parallel runtimes, and the tests
+    whose point is the engine's behaviour (interrupts, aborts, shutdown, faults), not the bundled model's
+    answers. It loads and steps in a fraction of the bundled model's time."""
     d = tmp_path_factory.mktemp("qwen2_tiny")
     return str(d), save_random_qwen2(d, bundled_path)
 
@@ -171,7 +172,7 @@ def qwen2_tiny(tmp_path_factory, bundled_path):
 # tests that load a model or start processes are end-to-end: `-m "not slow and not faults"` skips them. A test
 # is one when it is in tests/e2e (some there build their engine inside the test, where no fixture shows it)
 # or when it asks for a model fixture.
-_MODEL_FIXTURES = {"bundled_path", "llm_fp32", "hf_fp32", "llm_pp2", "qwen2_folder", "smol_folder",
+_MODEL_FIXTURES = {"bundled_path", "llm_fp32", "hf_fp32", "llm_pp2", "smol_folder",
                    "qwen2_tiny"}
 
 
@@ -233,8 +234,8 @@ def _idle_seconds(cores: set[int]) -> float:
 
 def pytest_addoption(parser):
     parser.addoption("--suite-times", metavar="FILE", default=None,
-                     help="append each test's wall and CPU seconds (own, children's) and its cores' idle seconds to FILE "
-                          "as JSON lines")
+                     help="append each test's wall and CPU seconds (own, children's) and its cores' idle "
+                          "seconds to FILE as JSON lines")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from conftest import hf_greedy, save_random_qwen2
+from conftest import hf_greedy
 from tdpipe import LLM, SamplingParams
 
 PROMPTS = [
@@ -57,17 +57,10 @@ def test_greedy_parity_under_preemption(bundled_path, hf_fp32):
     llm.engine.block_manager.check_no_leaks()
 
 
-@pytest.fixture(scope="module")
-def qwen2_folder(tmp_path_factory, bundled_path):
-    d = tmp_path_factory.mktemp("qwen2")
-    model = save_random_qwen2(d, bundled_path)
-    assert (d / "model.safetensors.index.json").exists()
-    return str(d), model
-
-
-def test_greedy_parity_random_qwen2(qwen2_folder):
-    path, hf = qwen2_folder
+def test_greedy_parity_random_qwen2(qwen2_tiny):
+    path, hf = qwen2_tiny
     assert json.load(open(f"{path}/config.json"))["architectures"] == ["Qwen2ForCausalLM"]
+    assert json.load(open(f"{path}/model.safetensors.index.json"))["weight_map"]  # sharded: the index is read
     rng = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 49152, (n,), generator=rng).tolist() for n in (3, 17, 1, 40, 9, 64, 25, 5)]
     for blocks in (None, 6):  # ample cache, then 6 blocks of 16 tokens: forces preemption

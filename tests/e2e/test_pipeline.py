@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import hf_greedy, save_random_qwen2
+from conftest import hf_greedy
 from procs import alive, broken_model_copy, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
@@ -125,9 +125,9 @@ def test_pp3_matches_pp1_and_hf(pp1_tokens, hf_ref, monkeypatch):
 # nor preemption at pp 1 and 2 changes transformers' greedy tokens.
 
 
-def test_pp2_under_preemption(qwen2_folder, qwen2_prompts, qwen2_ref):
+def test_pp2_under_preemption(qwen2_tiny, qwen2_prompts, qwen2_ref):
     # 8 blocks x 16 tokens = 128 slots for 6 sequences of 17..80 tokens: recompute preemption must happen
-    with LLM(model=qwen2_folder[0], dtype="float32", num_kv_blocks=8, pipeline_parallel_size=2,
+    with LLM(model=qwen2_tiny[0], dtype="float32", num_kv_blocks=8, pipeline_parallel_size=2,
              layer_partition=[2, 1]) as llm:
         assert llm.engine.partition == [(0, 2), (2, 3)]
         outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
@@ -138,9 +138,9 @@ def test_pp2_under_preemption(qwen2_folder, qwen2_prompts, qwen2_ref):
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_hybrid_small_budget(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
+def test_hybrid_small_budget(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
     # 16 tokens per micro-batch: the longer prompts are prefilled in chunks, decodes mixed in
-    with LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="hybrid",
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="hybrid",
              max_num_batched_tokens=16, pipeline_parallel_size=pp) as llm:
         outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
         assert tokens(outs) == qwen2_ref
@@ -149,9 +149,9 @@ def test_hybrid_small_budget(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_prompts_over_the_budget_run_whole(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
+def test_prompts_over_the_budget_run_whole(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
     # separate never chunks: prompts longer than the 8-token budget are prefilled alone through the stages
-    with LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="separate",
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="separate",
              max_num_batched_tokens=8, pipeline_parallel_size=pp) as llm:
         outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
         assert tokens(outs) == qwen2_ref
@@ -161,9 +161,9 @@ def test_prompts_over_the_budget_run_whole(pp, qwen2_folder, qwen2_prompts, qwen
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_td_pipe_phases(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
+def test_td_pipe_phases(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
     # TD-Pipe with small prefill batches and a tight KV cache: phases switch, tokens stay identical
-    with LLM(model=qwen2_folder[0], dtype="float32", num_kv_blocks=12, scheduler="td-pipe",
+    with LLM(model=qwen2_tiny[0], dtype="float32", num_kv_blocks=12, scheduler="td-pipe",
              max_num_batched_tokens=32, future_points=(4, 64), pipeline_parallel_size=pp) as llm:
         outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
         assert tokens(outs) == qwen2_ref
@@ -200,9 +200,9 @@ def test_td_pipe_profiles_step_costs_on_the_executor_once(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
-def test_throttle_small_prefill_budget(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
+def test_throttle_small_prefill_budget(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
     # gLLM Token Throttling with #MaxP = 16, #MinP = 4: prompts arrive in Eq. 3-sized chunks
-    with LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="throttle",
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="throttle",
              max_prefill_tokens=16, min_prefill_tokens=4, throttle_T=2.0, pipeline_parallel_size=pp) as llm:
         outs = llm.generate(qwen2_prompts, greedy(), use_tqdm=False)
         assert tokens(outs) == qwen2_ref
@@ -214,26 +214,20 @@ def test_throttle_small_prefill_budget(pp, qwen2_folder, qwen2_prompts, qwen2_re
 
 
 @pytest.fixture(scope="module")
-def qwen2_folder(tmp_path_factory, bundled_path):
-    d = tmp_path_factory.mktemp("qwen2_pp")
-    return str(d), save_random_qwen2(d, bundled_path)
-
-
-@pytest.fixture(scope="module")
 def qwen2_prompts():
     rng = torch.Generator().manual_seed(1)
     return [torch.randint(100, 49152, (n,), generator=rng).tolist() for n in (3, 17, 1, 40, 9, 64)]
 
 
 @pytest.fixture(scope="module")
-def qwen2_ref(qwen2_folder, qwen2_prompts):
-    _, hf = qwen2_folder
+def qwen2_ref(qwen2_tiny, qwen2_prompts):
+    _, hf = qwen2_tiny
     return [hf_greedy(hf, p, N_OUT) for p in qwen2_prompts]
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3])
-def test_random_qwen2(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
-    path, _ = qwen2_folder
+def test_random_qwen2(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
+    path, _ = qwen2_tiny
     llm = LLM(model=path, dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=pp)
     try:
         counts = [b - a for a, b in llm.engine.partition]
@@ -250,9 +244,9 @@ def test_random_qwen2(pp, qwen2_folder, qwen2_prompts, qwen2_ref):
     llm.shutdown()
 
 
-def test_pp_exceeding_layers_fails_before_spawning(qwen2_folder):
+def test_pp_exceeding_layers_fails_before_spawning(qwen2_tiny):
     with pytest.raises(ValueError, match=r"pipeline_parallel_size \(4\).*3 layers"):
-        LLM(model=qwen2_folder[0], dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=4)
+        LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=4)
 
 
 # --------------------------------------------------------------------------------------------- trace
@@ -351,10 +345,10 @@ def test_killed_stage_fails_generate(victim):
     assert_all_exited(procs, within=1.0)
 
 
-def test_stage_that_raises_at_startup_fails_cleanly(qwen2_folder, tmp_path):
+def test_stage_that_raises_at_startup_fails_cleanly(qwen2_tiny, tmp_path):
     """A stage whose weights are incomplete raises while loading: the engine reports the stage's error and
     leaves no process behind."""
-    broken = broken_model_copy(qwen2_folder[0], tmp_path / "broken")
+    broken = broken_model_copy(qwen2_tiny[0], tmp_path / "broken")
     before = set(stage_pids_of(os.getpid()))  # stages of other engines this test process holds
     t0 = time.time()
     with pytest.raises(PipelineError, match=r"stage 1 failed to start.*missing tensors"):
@@ -375,11 +369,11 @@ time.sleep(600)
 """
 
 
-def test_killed_engine_takes_its_stages_along(qwen2_folder, tmp_path):
+def test_killed_engine_takes_its_stages_along(qwen2_tiny, tmp_path):
     """No orphans even when the engine itself is SIGKILLed (each stage watches the engine's pidfd)."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
-    eng = subprocess.Popen([sys.executable, str(script), qwen2_folder[0]], stdout=subprocess.PIPE, text=True)
+    eng = subprocess.Popen([sys.executable, str(script), qwen2_tiny[0]], stdout=subprocess.PIPE, text=True)
     try:
         line = eng.stdout.readline()
         pids = [int(x) for x in line.split()]

@@ -21,8 +21,7 @@ from tdpipe.ray import ProcessorConfig, build_llm_processor
 ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, _node_ip_address="127.0.0.1",
          log_to_driver=False, configure_logging=False)
 config = ProcessorConfig(model=sys.argv[2], engine_kwargs={"dtype": "auto", "kv_cache_memory": 64 << 20},
-                         concurrency=2,
-                         batch_size=100, num_cpus_per_replica=1)
+                         concurrency=2, batch_size=100, num_cpus_per_replica=1)
 processor = build_llm_processor(
     config,
     preprocess=lambda row: {"id": row["id"], "prompt": f"Question {row['id']}:",

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import hf_greedy, save_random_qwen2
+from conftest import hf_greedy
 from procs import alive, stage_pids_of, torchrun_two_nodes
 
 from tdpipe import LLM, SamplingParams
@@ -84,14 +84,6 @@ def test_parallel_config_rejects_bad_tp():
 # ------------------------------------------------------------------------------------------- models
 
 @pytest.fixture(scope="module")
-def qwen2_folder(tmp_path_factory, bundled_path):
-    """Random Qwen2: 4 query / 2 KV heads (divisible by 2), q/k/v biases, untied lm_head."""
-    d = tmp_path_factory.mktemp("qwen2tp")
-    model = save_random_qwen2(d, bundled_path)
-    return str(d), model
-
-
-@pytest.fixture(scope="module")
 def llama_tied_folder(tmp_path_factory, bundled_path):
     """Random Llama with tied embeddings (the lm_head shard comes from the embedding's rows), 8 query /
     2 KV heads, an odd intermediate size (uneven MLP shards) and 4 layers (2 per stage at pp 2)."""
@@ -116,9 +108,9 @@ def _oracle(model):
 
 
 @pytest.mark.parametrize("pp,tp", [(1, 2), (2, 2)])
-@pytest.mark.parametrize("which", ["qwen2", "llama_tied"])
+@pytest.mark.parametrize("which", ["qwen2_tiny", "llama_tied_folder"], ids=["qwen2", "llama_tied"])
 def test_greedy_parity_with_transformers(request, which, pp, tp):
-    folder, model = request.getfixturevalue(f"{which}_folder")
+    folder, model = request.getfixturevalue(which)
     ref = _oracle(model)
     with LLM(folder, dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=pp,
              tensor_parallel_size=tp, threads_per_stage=1) as llm:
@@ -127,10 +119,10 @@ def test_greedy_parity_with_transformers(request, which, pp, tp):
         assert tokens(gen(llm)) == ref
 
 
-def test_logits_from_vocab_shards_match_tp1(qwen2_folder):
+def test_logits_from_vocab_shards_match_tp1(qwen2_tiny):
     """Non-greedy rows: every last-stage rank returns its vocabulary shard and the engine concatenates them;
     logprobs (and so the whole distribution) agree with T = 1 to float32 rounding."""
-    folder, _ = qwen2_folder
+    folder, _ = qwen2_tiny
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=4)
     with LLM(folder, dtype="float32", kv_cache_memory=32 << 20) as one:
         ref = gen(one, params=params)
@@ -160,10 +152,10 @@ def test_bundled_model_uneven_heads(llm_fp32):
 # ------------------------------------------------------------------------------------------- faults
 
 @pytest.mark.faults
-def test_killed_tp_rank_names_the_rank(qwen2_folder):
+def test_killed_tp_rank_names_the_rank(qwen2_tiny):
     """SIGKILL of stage 1's tp rank 1 mid-run: generate() raises PipelineError naming that rank and its pid
     within seconds, and no worker process is left."""
-    folder, _ = qwen2_folder
+    folder, _ = qwen2_tiny
     before = set(stage_pids_of(os.getpid()))
     llm = LLM(folder, dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=2,
               tensor_parallel_size=2, threads_per_stage=1)
@@ -210,10 +202,10 @@ llm.shutdown()
 """
 
 
-def test_torchrun_tensor_parallel_two_nodes(tmp_path, qwen2_folder):
+def test_torchrun_tensor_parallel_two_nodes(tmp_path, qwen2_tiny):
     """Engine + tp rank 0 on "node" 0, tp rank 1 on "node" 1 (loopback): world size 3 = 1 + P x T; the
     tensor-parallel group spans the two nodes."""
-    folder, model = qwen2_folder
+    folder, model = qwen2_tiny
     ref = _oracle(model)[:2]
     script = tmp_path / "run_tp.py"
     script.write_text(TORCHRUN_SCRIPT.format(folder=folder, prompts=PROMPT_IDS[:2], n=N_OUT))

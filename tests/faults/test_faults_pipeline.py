@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from conftest import hf_greedy, save_random_qwen2
+from conftest import hf_greedy
 from procs import alive, broken_model_copy, stage_pids_of
 
 from tdpipe import LLM, SamplingParams
@@ -31,13 +31,6 @@ pytestmark = pytest.mark.faults
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, bundled_path):
-    """(folder, HF model) of a random 3-layer Qwen2."""
-    d = tmp_path_factory.mktemp("qwen2_faults")
-    return str(d), save_random_qwen2(d, bundled_path)
 
 
 def make_llm(path: str, **kw) -> LLM:
@@ -90,7 +83,7 @@ def _key_of(rank: int, group: str) -> str:
 
 @pytest.mark.parametrize("victim, when", [(0, "spawned"), (1, "spawned"), (0, "0.5s"), (1, "0.5s"),
                                           (1, "ctrl-group"), (0, "data-group")])
-def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, when):
+def test_stage_killed_during_startup(qwen2_tiny, monkeypatch, no_stage_left, victim, when):
     """Killed before it joins, while a spawned interpreter imports, or after it published its address in the
     first or last group's rendezvous (the engine is then inside the gloo group constructor): the constructor
     fails with the stage named, within seconds, never the 10-minute rendezvous timeout."""
@@ -128,7 +121,7 @@ def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, w
     t0 = time.time()
     try:
         with pytest.raises(PipelineError) as e:
-            make_llm(tiny[0])
+            make_llm(qwen2_tiny[0])
     finally:
         guard.cancel()
     assert killed, "the start-up finished before the stage was killed"
@@ -140,7 +133,7 @@ def test_stage_killed_during_startup(tiny, monkeypatch, no_stage_left, victim, w
     assert time.time() - t0 < 60
 
 
-def test_ctrl_c_right_after_a_stage_started_stops_that_stage_too(tiny, monkeypatch, no_stage_left):
+def test_ctrl_c_right_after_a_stage_started_stops_that_stage_too(qwen2_tiny, monkeypatch, no_stage_left):
     """A Ctrl-C between a stage's start and the engine's record of it (a terminal's Ctrl-C as the stages
     come up): the start-up ends in a KeyboardInterrupt and that stage is stopped with the others, instead of
     being left in the rendezvous, unknown to the engine."""
@@ -157,7 +150,7 @@ def test_ctrl_c_right_after_a_stage_started_stops_that_stage_too(tiny, monkeypat
     guard = hang_guard(40)
     try:
         with pytest.raises(KeyboardInterrupt):
-            make_llm(tiny[0])
+            make_llm(qwen2_tiny[0])
     finally:
         guard.cancel()
 
@@ -165,8 +158,8 @@ def test_ctrl_c_right_after_a_stage_started_stops_that_stage_too(tiny, monkeypat
 # --------------------------------------------------------------------------------------------- mid-run
 
 
-def test_stage_killed_mid_run(tiny, no_stage_left):
-    llm = make_llm(tiny[0])
+def test_stage_killed_mid_run(qwen2_tiny, no_stage_left):
+    llm = make_llm(qwen2_tiny[0])
     try:
         ex = llm.engine.executor
         pid = ex.stage_pids[0]
@@ -191,10 +184,10 @@ def test_stage_killed_mid_run(tiny, no_stage_left):
         llm.shutdown()
 
 
-def test_stage_exception_reason_reaches_the_engine(tiny, monkeypatch, no_stage_left, capfd):
+def test_stage_exception_reason_reaches_the_engine(qwen2_tiny, monkeypatch, no_stage_left, capfd):
     """A stage that raises mid-run: the engine's error carries the stage's own reason (written into the
     store), and the stage prints it once at most, with no traceback."""
-    llm = make_llm(tiny[0])
+    llm = make_llm(qwen2_tiny[0])
     try:
         ex = llm.engine.executor
         # a block id far outside the cache: the stage's KV write fails
@@ -226,12 +219,12 @@ time.sleep(600)
 
 
 @pytest.mark.parametrize("when", ["running", "starting"])
-def test_killed_engine_takes_its_stages_along(tiny, tmp_path, when):
+def test_killed_engine_takes_its_stages_along(qwen2_tiny, tmp_path, when):
     """SIGKILL of the engine, after the start-up or while its stages are still starting: the stages exit
     on their own within seconds (they wait on the engine's pidfd)."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
-    eng = subprocess.Popen([sys.executable, str(script), tiny[0]], stdout=subprocess.PIPE, text=True)
+    eng = subprocess.Popen([sys.executable, str(script), qwen2_tiny[0]], stdout=subprocess.PIPE, text=True)
     try:
         if when == "running":
             assert eng.stdout.readline().strip() == "READY"
@@ -258,13 +251,13 @@ def test_killed_engine_takes_its_stages_along(tiny, tmp_path, when):
 
 
 @pytest.mark.parametrize("when", ["running", "starting"])
-def test_ctrl_c_ends_the_cli_quietly(tiny, tmp_path, when):
+def test_ctrl_c_ends_the_cli_quietly(qwen2_tiny, tmp_path, when):
     """SIGINT to the whole foreground process group, as a terminal's Ctrl-C sends it: the engine handles
     it, the stages (own process groups) are stopped, stderr has a line or two and no traceback."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"story {i} once upon a time\n" for i in range(64)))
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", tiny[0], "--pp", "2",
+    cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", qwen2_tiny[0], "--pp", "2",
            "--layer-partition", "2,1", "--dtype", "float32", "--kv-cache-memory", "16MiB",
            "--max-tokens", "32", "--max-num-seqs", "2", "--ignore-eos", "--no-progress",
            "-i", str(prompts), "-o", str(out)]
@@ -305,13 +298,13 @@ def _step(batch_id: int, seq_id: int, tokens: list[int], context: int, block: in
                      greedy_rows=[True], seq_ids=[seq_id], kv_epochs=[0])
 
 
-def test_keyboard_interrupt_in_collect_then_drain(tiny, no_stage_left):
+def test_keyboard_interrupt_in_collect_then_drain(qwen2_tiny, no_stage_left):
     """collect() waits on a stopped stage; a KeyboardInterrupt (a SIGALRM handler raising it) comes out
     within a second; after drain() a prefill and a decode give transformers' tokens. A second interrupt
     inside drain() gives up: the stages are stopped and later calls raise."""
     prompt = [11, 12, 13, 14, 15]
-    ref = hf_greedy(tiny[1], prompt, 2)
-    llm = make_llm(tiny[0])
+    ref = hf_greedy(qwen2_tiny[1], prompt, 2)
+    llm = make_llm(qwen2_tiny[0])
     ex = llm.engine.executor
     last = ex.procs[-1].pid
     fired: list[float] = []
@@ -388,12 +381,12 @@ def _listening(pid: int) -> list[tuple[str, int]]:
     return out
 
 
-def test_engine_from_a_thread_listens_on_loopback_only(tiny, no_stage_left):
+def test_engine_from_a_thread_listens_on_loopback_only(qwen2_tiny, no_stage_left):
     """Every socket the engine and its stages listen on (rendezvous store, gloo groups) is bound to
     127.0.0.1. The engine is built in a thread that then ends: the stages belong to the engine process,
     not to that thread (PR_SET_PDEATHSIG would have killed them when it ended), and still compute."""
     box = {}
-    t = threading.Thread(target=lambda: box.setdefault("llm", make_llm(tiny[0])))
+    t = threading.Thread(target=lambda: box.setdefault("llm", make_llm(qwen2_tiny[0])))
     t.start()
     t.join()
     llm = box["llm"]
@@ -414,7 +407,7 @@ def test_engine_from_a_thread_listens_on_loopback_only(tiny, no_stage_left):
             assert mine and all(ln.split()[3].startswith("127.0.0.1:") for ln in mine), ss
         assert all(p.poll() is None for p in ex.procs)
         out = llm.generate([[3, 4, 5]], greedy(4), use_tqdm=False)
-        assert out[0].outputs[0].token_ids == hf_greedy(tiny[1], [3, 4, 5], 4)
+        assert out[0].outputs[0].token_ids == hf_greedy(qwen2_tiny[1], [3, 4, 5], 4)
     finally:
         llm.shutdown()
 
@@ -422,10 +415,10 @@ def test_engine_from_a_thread_listens_on_loopback_only(tiny, no_stage_left):
 # --------------------------------------------------------------------------------------------- bad start
 
 
-def test_stage_that_cannot_start_gives_one_error(tiny, tmp_path, monkeypatch, capfd, no_stage_left):
+def test_stage_that_cannot_start_gives_one_error(qwen2_tiny, tmp_path, monkeypatch, capfd, no_stage_left):
     """Stage 1 cannot load its layers: the CLI prints the engine's one line with the stage's reason, no
     traceback, and the reason once; with TDPIPE_DEBUG=1 the stage adds its traceback."""
-    broken = broken_model_copy(tiny[0], tmp_path / "broken")
+    broken = broken_model_copy(qwen2_tiny[0], tmp_path / "broken")
     cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "--model", broken, "--pp", "2",
            "--layer-partition", "2,1", "--dtype", "float32", "--kv-cache-memory", "16MiB",
            "--max-tokens", "4", "--no-progress", "-o", str(tmp_path / "out.jsonl"), "hello"]

@@ -51,6 +51,26 @@ def test_kernel_dequantisation_is_the_torch_expression(kernel, out, bias):
     assert y.dtype == out and torch.equal(y, ref.to(out))
 
 
+def test_kernel_bf16_rounding_is_torchs_on_ties_overflow_inf_and_nan(kernel):
+    """The kernels' fp32 -> bf16 rounding (csrc/ops.cpp bf16_rne_bits, branch-free so that it vectorises):
+    round half to even on exact ties, overflow to inf, inf kept, NaN kept a NaN, as torch's cast; driven
+    through dequant_rows with unit scales, so the fp32 value is the integer itself (vector body and tail)."""
+    ties = [(1 << 8) + 1, (1 << 8) + 3, (1 << 9) + 2, (1 << 9) + 6, -((1 << 8) + 1), -((1 << 8) + 3)]
+    g = torch.Generator().manual_seed(2)
+    acc = torch.cat([torch.tensor(ties, dtype=torch.int32),
+                     torch.randint(-(1 << 30), 1 << 30, (43,), generator=g, dtype=torch.int32)]).view(1, -1)
+    n = acc.shape[1]
+    y = kernel.dequant_rows(acc, torch.ones(1), torch.ones(n), None, torch.bfloat16)
+    assert torch.equal(y, acc.float().to(torch.bfloat16))
+    assert y[0, :6].tolist() == [256.0, 260.0, 512.0, 520.0, -256.0, -260.0]  # half-way: to the even one
+    sw = torch.ones(n)
+    sw[:4] = torch.tensor([3.3e38, float("inf"), float("-inf"), float("nan")])  # 257 * 3.3e38 overflows
+    y = kernel.dequant_rows(acc, torch.ones(1), sw, None, torch.bfloat16)
+    ref = (acc.float() * sw).to(torch.bfloat16)
+    assert y[0, :3].tolist() == [float("inf"), float("inf"), float("-inf")] and torch.isnan(y[0, 3])
+    assert torch.equal(y[0, 4:], ref[0, 4:])
+
+
 def test_the_layer_approximates_the_float_linear():
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 96, bias=True)

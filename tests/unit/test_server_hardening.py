@@ -507,6 +507,47 @@ async def test_a_connection_that_sends_nothing_is_closed(monkeypatch):
         await served
 
 
+def test_idle_keep_alive_outlives_the_clients_pools():
+    """A server that closes an idle connection when the client's pool would still reuse it races it: the
+    client's next request goes out as the FIN arrives and fails with a connection error (uvicorn and httpx,
+    so the openai client, both default to 5 s). The server keeps idle connections longer than httpx's and
+    aiohttp's (15 s) pools do."""
+    assert ServerConfig().timeout_keep_alive_s > max(httpx.Limits().keepalive_expiry or 0, 15.0)
+    cfg = api_server.uvicorn_config(build_app(FakeAsyncLLM(), ServerConfig()), ServerConfig(timeout_keep_alive_s=45))
+    assert cfg.timeout_keep_alive == 45
+    with pytest.raises(ValueError, match="timeout_keep_alive_s"):
+        ServerConfig(timeout_keep_alive_s=0)
+
+
+async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout_not_before():
+    import socket
+
+    import uvicorn
+
+    cfg = api_server.uvicorn_config(build_app(FakeAsyncLLM(), ServerConfig()), ServerConfig(timeout_keep_alive_s=0.6))
+    cfg.log_level = "warning"
+    server = uvicorn.Server(cfg)
+    listen = api_server.bind("127.0.0.1", 0)
+    served = asyncio.ensure_future(server.serve(sockets=[listen]))
+    s = socket.socket()
+    s.setblocking(False)
+    loop = asyncio.get_running_loop()
+    try:
+        await _until(lambda: server.started)
+        await loop.sock_connect(s, listen.getsockname())
+        await loop.sock_sendall(s, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(loop.sock_recv(s, 4096), 10)).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):  # still open while idle for less than the timeout
+            await asyncio.wait_for(loop.sock_recv(s, 100), 0.3)
+        assert await asyncio.wait_for(loop.sock_recv(s, 100), 10) == b""  # then closed by the server
+        assert 0.55 < time.monotonic() - t0 < 3
+    finally:
+        s.close()
+        server.should_exit = True
+        await served
+
+
 async def test_async_llm_behind_uvicorn_a_stalled_stream_costs_one_slot_and_gives_its_place_back():
     """The whole chain with AsyncLLM's real output path (the core's messages fed by hand): a client that
     stops reading stalls its stream, later steps only mark its slot, and its place in the queue comes back

@@ -409,7 +409,7 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> Any:
     """uvicorn's settings for `tdpipe serve`. limit_concurrency: beyond --max-connections open connections
     (or requests in flight) uvicorn answers 503 at once. Connections that send nothing are closed after
     FIRST_REQUEST_TIMEOUT_S (uvicorn arms its keep-alive timer only after a first response), so idle sockets
-    cannot hold every place of the limit."""
+    cannot hold every place of the limit; after a response, after --timeout-keep-alive idle seconds."""
     import uvicorn
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -421,6 +421,7 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> Any:
 
     return uvicorn.Config(app, lifespan="off", access_log=config.access_log, http=IdleClosingProtocol,
                           timeout_graceful_shutdown=config.shutdown_grace_s,
+                          timeout_keep_alive=config.timeout_keep_alive_s,
                           limit_concurrency=config.max_connections, log_level="info")
 
 

@@ -24,6 +24,10 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback only unless asked
     port: int = 8000
     shutdown_grace_s: float = 30.0  # on SIGTERM/Ctrl-C: how long requests in flight may take to finish
+    # an idle keep-alive connection is closed after this; longer than the clients' pools keep one (httpx, so
+    # the openai client: 5 s; aiohttp: 15 s), or a client reuses a connection at the moment the server
+    # closes it and its request fails with a connection error (uvicorn's own default is 5 s, httpx's too)
+    timeout_keep_alive_s: float = 30.0
     access_log: bool = True  # uvicorn's one line per request
 
     def __post_init__(self) -> None:
@@ -38,6 +42,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not self.timeout_keep_alive_s > 0:
+            raise ValueError(f"timeout_keep_alive_s must be > 0, got {self.timeout_keep_alive_s}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,6 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long requests in flight may take to finish before they are "
                         f"aborted (default {d.shutdown_grace_s:g})")
+    g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
+                   help="close an idle keep-alive connection after this long; keep it above the clients' pool "
+                        "expiry (httpx and the openai client: 5 s, aiohttp: 15 s), or a request sent as the "
+                        f"server closes the connection fails (default {d.timeout_keep_alive_s:g})")
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     EngineArgs.add_cli_args(p)
     return p
@@ -87,7 +97,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         max_request_body_bytes=a.max_request_body_bytes,
                         max_prompts_per_request=a.max_prompts_per_request, max_connections=a.max_connections,
                         host=a.host, port=a.port,
-                        shutdown_grace_s=a.shutdown_grace, access_log=not a.no_access_log)
+                        shutdown_grace_s=a.shutdown_grace, timeout_keep_alive_s=a.timeout_keep_alive,
+                        access_log=not a.no_access_log)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:

@@ -1,5 +1,7 @@
-"""Automatic prefix caching on the real model: a cached prefix gives the same tokens as computing it (fp32),
-at pp = 1 and 2 and under every policy; hits are counted; nothing leaks."""
+"""Automatic prefix caching: a cached prefix gives the same tokens as computing it (fp32), at pp = 1 and 2 and
+under every policy; hits are counted; nothing leaks. These run the tiny random Qwen2 (the bundled model's
+tokenizer, so the same prompts make the same blocks): their point is the cache, the scheduler and the
+pipeline, not the answers; the last test checks the bundled model against transformers with caching on."""
 import pytest
 
 from tdpipe import LLM, SamplingParams
@@ -14,9 +16,9 @@ def _greedy(n=16):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _run(policy: str, pp: int, caching: bool, prompts: list[str], **kw) -> tuple[list[list[int]], dict]:
+def _run(model: str, policy: str, pp: int, caching: bool, prompts: list[str], **kw) -> tuple[list[list[int]], dict]:
     n_out = kw.pop("n_out", 16)
-    llm = LLM(dtype="float32", num_kv_blocks=kw.pop("num_kv_blocks", 256), scheduler=policy,
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=kw.pop("num_kv_blocks", 256), scheduler=policy,
               pipeline_parallel_size=pp, enable_prefix_caching=caching, predictor="oracle", **kw)
     try:
         first = llm.generate(prompts[:1], _greedy(n_out), use_tqdm=False)  # caches the shared prefix
@@ -36,21 +38,26 @@ TIGHT = dict(num_kv_blocks=10, max_model_len=160, n_out=32)
 
 
 @pytest.fixture(scope="module")
-def uncached(bundled_path):
-    """The reference for every policy and pp: the prompts computed without caching, once per module (greedy
-    float32 tokens do not depend on the policy or pp: tests/e2e/test_pipeline.py)."""
-    return _run("separate", 1, False, PROMPTS)
+def model(qwen2_tiny):
+    return qwen2_tiny[0]
 
 
 @pytest.fixture(scope="module")
-def uncached_tight(bundled_path):
-    return _run("separate", 1, False, TIGHT_PROMPTS, **TIGHT)
+def uncached(model):
+    """The reference for every policy and pp: the prompts computed without caching, once per module (greedy
+    float32 tokens do not depend on the policy or pp: tests/e2e/test_pipeline.py)."""
+    return _run(model, "separate", 1, False, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def uncached_tight(model):
+    return _run(model, "separate", 1, False, TIGHT_PROMPTS, **TIGHT)
 
 
 @pytest.mark.parametrize("policy", ["separate", "hybrid", "throttle", "td-pipe"])
-def test_cached_prefix_gives_the_same_tokens(uncached, policy):
+def test_cached_prefix_gives_the_same_tokens(model, uncached, policy):
     off, s_off = uncached
-    on, s_on = _run(policy, 1, True, PROMPTS)
+    on, s_on = _run(model, policy, 1, True, PROMPTS)
     assert on == off
     assert s_off["hits"] == 0 and s_off["queries"] == 0
     # every later request finds the system prompt's full blocks (~190 tokens of ~200)
@@ -58,17 +65,17 @@ def test_cached_prefix_gives_the_same_tokens(uncached, policy):
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
-def test_cached_prefix_pp2(uncached, policy):
-    on, s_on = _run(policy, 2, True, PROMPTS[:4])
+def test_cached_prefix_pp2(model, uncached, policy):
+    on, s_on = _run(model, policy, 2, True, PROMPTS[:4])
     assert on == uncached[0][:4] and s_on["hits"] > 0
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
-def test_caching_under_preemption_and_eviction(uncached_tight, policy):
+def test_caching_under_preemption_and_eviction(model, uncached_tight, policy):
     """A 10-block cache: requests evict each other's cached blocks and are preempted; a recomputed request
     hits its own earlier blocks. Outputs equal the uncached run."""
     off, s_off = uncached_tight
-    on, s_on = _run(policy, 1, True, TIGHT_PROMPTS, **TIGHT)
+    on, s_on = _run(model, policy, 1, True, TIGHT_PROMPTS, **TIGHT)
     assert on == off
     assert s_off["preemptions"] > 0 and s_on["preemptions"] > 0 and s_on["hits"] > 0
 

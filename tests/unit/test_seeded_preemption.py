@@ -1,7 +1,9 @@
 """Seeded sampling is reproducible under recompute preemption: each output position draws from a stream
 keyed by (seed, position), so nothing a preemption does (drop the KV, prefill prompt + outputs again, run
 the request in other batches) can shift a later draw. Unit checks run without a model; the end-to-end
-checks (`slow`) compare a preempting run of the bundled model with one whose cache never runs out."""
+checks (`slow`) compare a preempting run with one whose cache never runs out, on the tiny random Qwen2 (the
+bundled model's tokenizer, so the same prompts take the same blocks and preempt the same way): the point is
+the sampler's streams, not the answers."""
 from __future__ import annotations
 
 import hashlib
@@ -117,7 +119,7 @@ def test_reseeding_cost_is_small():
     assert best < 5e-3, best
 
 
-# ---------------------------------------------------------------- end to end on the bundled model
+# ---------------------------------------------------------------- end to end on the tiny random Qwen2
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "Once upon a time, in a land far away, there lived a young girl who", "def fibonacci(n):",
@@ -134,7 +136,7 @@ def _params() -> list[SamplingParams]:
             for i in range(len(PROMPTS))]
 
 
-def _run(dtype: str, num_kv_blocks: int | None, keep: dict | None = None,
+def _run(model: str, dtype: str, num_kv_blocks: int | None, keep: dict | None = None,
          replay: dict | None = None) -> tuple[list[list[int]], dict, int]:
     """Tokens per request, a digest of the logits each position was sampled from, and the preemptions.
     `keep` collects each position's logits row, keyed by (prompt ids, position); `replay` substitutes the
@@ -142,7 +144,7 @@ def _run(dtype: str, num_kv_blocks: int | None, keep: dict | None = None,
     from tdpipe import LLM
 
     kw = {"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {"kv_cache_memory": 256 << 20}
-    llm = LLM(dtype=dtype, **kw)
+    llm = LLM(model=model, dtype=dtype, **kw)
     engine = llm.engine
     seen: dict[tuple[str, int], tuple[str, int]] = {}
     inner = engine._sample
@@ -173,7 +175,7 @@ def _run(dtype: str, num_kv_blocks: int | None, keep: dict | None = None,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_seeded_tokens_survive_preemption(dtype):
+def test_seeded_tokens_survive_preemption(qwen2_tiny, dtype):
     """The same seeded requests with a cache that never runs out and with 12 blocks (~20 recompute
     preemptions, some requests preempted 3 times).
 
@@ -189,8 +191,8 @@ def test_seeded_tokens_survive_preemption(dtype):
     token of every request must match, whatever the CPU's GEMM kernels do. (A bf16 preempting run without
     the replay proved nothing more than the fp32 one does, and took 20-40 s on CPUs without bf16 units.)"""
     replay: dict | None = {} if dtype == "bfloat16" else None
-    ref, ref_logits, none = _run(dtype, None, keep=replay)
-    got, got_logits, preempted = _run(dtype, 12, replay=replay)
+    ref, ref_logits, none = _run(qwen2_tiny[0], dtype, None, keep=replay)
+    got, got_logits, preempted = _run(qwen2_tiny[0], dtype, 12, replay=replay)
     assert none == 0 and preempted > 0
     same_after_preemption = differing = 0
     for r, (a, b) in enumerate(zip(ref, got)):

@@ -16,7 +16,8 @@ def _greedy(n=16):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _run(model: str, policy: str, pp: int, caching: bool, prompts: list[str], **kw) -> tuple[list[list[int]], dict]:
+def _run(model: str, policy: str, pp: int, caching: bool, prompts: list[str],
+         **kw) -> tuple[list[list[int]], dict]:
     n_out = kw.pop("n_out", 16)
     llm = LLM(model=model, dtype="float32", num_kv_blocks=kw.pop("num_kv_blocks", 256), scheduler=policy,
               pipeline_parallel_size=pp, enable_prefix_caching=caching, predictor="oracle", **kw)

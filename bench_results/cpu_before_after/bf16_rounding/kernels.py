@@ -26,8 +26,10 @@ for M in (256, 2048):
     bench(f"quantize_rows M={M}", lambda: int8_linear.quantize_rows(x), M * 576 * 3)
     acc = torch.randint(-10000, 10000, (M, 960), dtype=torch.int32)
     sx, sw = torch.rand(M) * 1e-3, torch.rand(960)
-    bench(f"dequant_rows 960 M={M}", lambda: int8_linear.dequant_rows(acc, sx, sw, None, torch.bfloat16), M * 960 * 6)
+    bench(f"dequant_rows 960 M={M}", lambda: int8_linear.dequant_rows(acc, sx, sw, None, torch.bfloat16),
+          M * 960 * 6)
     acc2, sw2 = torch.randint(-10000, 10000, (M, 3072), dtype=torch.int32), torch.rand(3072) * 0.3
     bench(f"swiglu_quant M={M}", lambda: k.swiglu_quant(acc2, sx, sw2), M * 3072 * 4 + M * 1536)
-    q, pos, cs = torch.randn(M, 15, 64, dtype=torch.bfloat16), torch.randint(0, 300, (M,)), torch.randn(2048, 64)
+    q, pos = torch.randn(M, 15, 64, dtype=torch.bfloat16), torch.randint(0, 300, (M,))
+    cs = torch.randn(2048, 64)
     bench(f"rope q+k M={M}", lambda: cpu_ops.rope_(q, pos, cs), M * 15 * 64 * 4)

@@ -82,9 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="on SIGTERM/Ctrl-C, how long requests in flight may take to finish before they are "
                         f"aborted (default {d.shutdown_grace_s:g})")
     g.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
-                   help="close an idle keep-alive connection after this long; keep it above the clients' pool "
-                        "expiry (httpx and the openai client: 5 s, aiohttp: 15 s), or a request sent as the "
-                        f"server closes the connection fails (default {d.timeout_keep_alive_s:g})")
+                   help="close an idle keep-alive connection after this long; keep it above the clients' "
+                        "pool expiry (httpx and the openai client: 5 s, aiohttp: 15 s), or a request sent "
+                        f"as the server closes the connection fails (default {d.timeout_keep_alive_s:g})")
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
     EngineArgs.add_cli_args(p)
     return p

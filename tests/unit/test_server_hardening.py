@@ -6,6 +6,7 @@ event loop, unknown fields named without being remembered or logged raw, a dead 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -478,33 +479,41 @@ async def test_a_chat_of_100k_messages_never_freezes_the_event_loop():
     assert full_passes == [], f"{len(full_passes)} full garbage collections during the request"
 
 
-async def test_a_connection_that_sends_nothing_is_closed(monkeypatch):
+@contextlib.asynccontextmanager
+async def _raw_connection(config: ServerConfig):
+    """uvicorn serving a fake engine with `serve`'s settings for `config`, and one raw non-blocking socket
+    connected to it: yields (socket, loop, uvicorn config, port); stops the server after."""
     import socket
 
     import uvicorn
 
-    cfg = api_server.uvicorn_config(build_app(FakeAsyncLLM(), ServerConfig()), ServerConfig(max_connections=7))
-    assert cfg.limit_concurrency == 7
-    monkeypatch.setattr(api_server, "FIRST_REQUEST_TIMEOUT_S", 0.3)
+    cfg = api_server.uvicorn_config(build_app(FakeAsyncLLM(), ServerConfig()), config)
     cfg.log_level = "warning"
     server = uvicorn.Server(cfg)
     listen = api_server.bind("127.0.0.1", 0)
     served = asyncio.ensure_future(server.serve(sockets=[listen]))
     s = socket.socket()
     s.setblocking(False)
+    loop = asyncio.get_running_loop()
     try:
         await _until(lambda: server.started)
-        loop = asyncio.get_running_loop()
         await loop.sock_connect(s, listen.getsockname())
-        t0 = time.monotonic()
-        assert await asyncio.wait_for(loop.sock_recv(s, 100), 10) == b""  # closed by the server
-        assert time.monotonic() - t0 < 5
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{listen.getsockname()[1]}") as c:
-            assert (await c.get("/health")).status_code == 200  # requests are unaffected
+        yield s, loop, cfg, listen.getsockname()[1]
     finally:
         s.close()
         server.should_exit = True
         await served
+
+
+async def test_a_connection_that_sends_nothing_is_closed(monkeypatch):
+    monkeypatch.setattr(api_server, "FIRST_REQUEST_TIMEOUT_S", 0.3)
+    async with _raw_connection(ServerConfig(max_connections=7)) as (s, loop, cfg, port):
+        assert cfg.limit_concurrency == 7
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(loop.sock_recv(s, 100), 10) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+            assert (await c.get("/health")).status_code == 200  # requests are unaffected
 
 
 def test_idle_keep_alive_outlives_the_clients_pools():
@@ -521,22 +530,7 @@ def test_idle_keep_alive_outlives_the_clients_pools():
 
 
 async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout_not_before():
-    import socket
-
-    import uvicorn
-
-    cfg = api_server.uvicorn_config(build_app(FakeAsyncLLM(), ServerConfig()),
-                                    ServerConfig(timeout_keep_alive_s=1.5))
-    cfg.log_level = "warning"
-    server = uvicorn.Server(cfg)
-    listen = api_server.bind("127.0.0.1", 0)
-    served = asyncio.ensure_future(server.serve(sockets=[listen]))
-    s = socket.socket()
-    s.setblocking(False)
-    loop = asyncio.get_running_loop()
-    try:
-        await _until(lambda: server.started)
-        await loop.sock_connect(s, listen.getsockname())
+    async with _raw_connection(ServerConfig(timeout_keep_alive_s=1.5)) as (s, loop, _, _):
         await loop.sock_sendall(s, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await asyncio.wait_for(loop.sock_recv(s, 4096), 10)).startswith(b"HTTP/1.1 200")
         t0 = time.monotonic()
@@ -544,10 +538,6 @@ async def test_an_idle_connection_is_closed_after_the_keep_alive_timeout_not_bef
             await asyncio.wait_for(loop.sock_recv(s, 100), 0.5)
         assert await asyncio.wait_for(loop.sock_recv(s, 100), 10) == b""  # then closed by the server
         assert time.monotonic() - t0 < 4.5  # not uvicorn's 5 s default
-    finally:
-        s.close()
-        server.should_exit = True
-        await served
 
 
 async def test_async_llm_behind_uvicorn_a_stalled_stream_costs_one_slot_and_gives_its_place_back():

@@ -169,11 +169,17 @@ def qwen2_tiny(tmp_path_factory, bundled_path):
     return str(d), save_random_qwen2(d, bundled_path)
 
 
+@pytest.fixture(scope="session")
+def qwen2_tiny_path(qwen2_tiny) -> str:
+    """qwen2_tiny's folder alone, for tests that pass the engine a model path."""
+    return qwen2_tiny[0]
+
+
 # tests that load a model or start processes are end-to-end: `-m "not slow and not faults"` skips them. A test
 # is one when it is in tests/e2e (some there build their engine inside the test, where no fixture shows it)
 # or when it asks for a model fixture.
 _MODEL_FIXTURES = {"bundled_path", "llm_fp32", "hf_fp32", "llm_pp2", "smol_folder",
-                   "qwen2_tiny"}
+                   "qwen2_tiny", "qwen2_tiny_path"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,26 +39,21 @@ TIGHT = dict(num_kv_blocks=10, max_model_len=160, n_out=32)
 
 
 @pytest.fixture(scope="module")
-def model(qwen2_tiny):
-    return qwen2_tiny[0]
-
-
-@pytest.fixture(scope="module")
-def uncached(model):
+def uncached(qwen2_tiny_path):
     """The reference for every policy and pp: the prompts computed without caching, once per module (greedy
     float32 tokens do not depend on the policy or pp: tests/e2e/test_pipeline.py)."""
-    return _run(model, "separate", 1, False, PROMPTS)
+    return _run(qwen2_tiny_path, "separate", 1, False, PROMPTS)
 
 
 @pytest.fixture(scope="module")
-def uncached_tight(model):
-    return _run(model, "separate", 1, False, TIGHT_PROMPTS, **TIGHT)
+def uncached_tight(qwen2_tiny_path):
+    return _run(qwen2_tiny_path, "separate", 1, False, TIGHT_PROMPTS, **TIGHT)
 
 
 @pytest.mark.parametrize("policy", ["separate", "hybrid", "throttle", "td-pipe"])
-def test_cached_prefix_gives_the_same_tokens(model, uncached, policy):
+def test_cached_prefix_gives_the_same_tokens(qwen2_tiny_path, uncached, policy):
     off, s_off = uncached
-    on, s_on = _run(model, policy, 1, True, PROMPTS)
+    on, s_on = _run(qwen2_tiny_path, policy, 1, True, PROMPTS)
     assert on == off
     assert s_off["hits"] == 0 and s_off["queries"] == 0
     # every later request finds the system prompt's full blocks (~190 tokens of ~200)
@@ -66,17 +61,17 @@ def test_cached_prefix_gives_the_same_tokens(model, uncached, policy):
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
-def test_cached_prefix_pp2(model, uncached, policy):
-    on, s_on = _run(model, policy, 2, True, PROMPTS[:4])
+def test_cached_prefix_pp2(qwen2_tiny_path, uncached, policy):
+    on, s_on = _run(qwen2_tiny_path, policy, 2, True, PROMPTS[:4])
     assert on == uncached[0][:4] and s_on["hits"] > 0
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
-def test_caching_under_preemption_and_eviction(model, uncached_tight, policy):
+def test_caching_under_preemption_and_eviction(qwen2_tiny_path, uncached_tight, policy):
     """A 10-block cache: requests evict each other's cached blocks and are preempted; a recomputed request
     hits its own earlier blocks. Outputs equal the uncached run."""
     off, s_off = uncached_tight
-    on, s_on = _run(model, policy, 1, True, TIGHT_PROMPTS, **TIGHT)
+    on, s_on = _run(qwen2_tiny_path, policy, 1, True, TIGHT_PROMPTS, **TIGHT)
     assert on == off
     assert s_off["preemptions"] > 0 and s_on["preemptions"] > 0 and s_on["hits"] > 0
 

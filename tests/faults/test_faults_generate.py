@@ -25,11 +25,6 @@ N = 12
 DEADLINE = 20.0
 
 
-@pytest.fixture
-def model(qwen2_tiny) -> str:
-    return qwen2_tiny[0]
-
-
 def _cmd(out, inp, pp: int, model: str, resume: bool = False, seeded: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "tdpipe.cli", "generate", "-i", str(inp), "-o", str(out), "--model", model,
            "--max-tokens", "48", "--ignore-eos", "--max-num-seqs", "2", "--max-model-len", "512",
@@ -76,12 +71,13 @@ CASES = [(pp, victim, sig, when) for pp in (1, 2)
 
 
 @pytest.mark.parametrize("pp,victim,sig,when", CASES, ids=lambda v: getattr(v, "name", str(v)))
-def test_fault_keeps_finished_answers(tmp_path, prompts, model, pp, victim, sig, when):
+def test_fault_keeps_finished_answers(tmp_path, prompts, qwen2_tiny_path, pp, victim, sig, when):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     out = tmp_path / "out.jsonl"
-    p = subprocess.Popen(_cmd(out, prompts, pp, model), start_new_session=True, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, PYTHONFAULTHANDLER="1"))  # a hang below shows every thread's stack
+    # PYTHONFAULTHANDLER: a hang below shows every thread's stack
+    p = subprocess.Popen(_cmd(out, prompts, pp, qwen2_tiny_path), start_new_session=True,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         if when == "startup":
             if victim == "stage":  # while it loads its layers and joins the groups
@@ -123,30 +119,33 @@ def test_fault_keeps_finished_answers(tmp_path, prompts, model, pp, victim, sig,
         assert p.returncode == 1, err
         assert "Traceback" not in err and "stage" in err and f"{len(recs)} of {N} prompts answered" in err, err
     # --resume finishes exactly the rest
-    r = subprocess.run(_cmd(out, prompts, pp, model, resume=True), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(_cmd(out, prompts, pp, qwen2_tiny_path, resume=True), capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr
     assert sorted(x["index"] for x in _records(out)) == list(range(N))
 
 
-def test_resumed_answers_equal_an_uninterrupted_run(tmp_path, prompts, model):
+def test_resumed_answers_equal_an_uninterrupted_run(tmp_path, prompts, qwen2_tiny_path):
     """Seeded sampling: the answers a resumed run adds are the ones one uninterrupted run gives."""
     whole, cut = tmp_path / "whole.jsonl", tmp_path / "cut.jsonl"
-    subprocess.run(_cmd(whole, prompts, 1, model, seeded=True), check=True, capture_output=True, timeout=600)
+    subprocess.run(_cmd(whole, prompts, 1, qwen2_tiny_path, seeded=True), check=True, capture_output=True,
+                   timeout=600)
     ref = {r["index"]: r["text"] for r in _records(whole)}
     keep = [json.dumps(r) for r in _records(whole)][: 2 * N // 3]
     cut.write_text("\n".join(keep) + "\n" + keep[-1][:10])  # a run killed mid-line
-    r = subprocess.run(_cmd(cut, prompts, 1, model, resume=True, seeded=True), capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(_cmd(cut, prompts, 1, qwen2_tiny_path, resume=True, seeded=True), capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "unfinished last line" in r.stderr
     assert {x["index"]: x["text"] for x in _records(cut)} == ref
 
 
-def test_sigint_to_a_stage_alone_is_ignored(tmp_path, prompts, model):
+def test_sigint_to_a_stage_alone_is_ignored(tmp_path, prompts, qwen2_tiny_path):
     """Stages leave SIGINT to the engine (a terminal's Ctrl-C reaches the engine's process group, which the
     stages are not in): a SIGINT sent to one stage alone changes nothing, and the run completes."""
     out = tmp_path / "out.jsonl"
-    p = subprocess.Popen(_cmd(out, prompts, 2, model), start_new_session=True, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(_cmd(out, prompts, 2, qwen2_tiny_path), start_new_session=True,
+                         stderr=subprocess.PIPE, text=True)
     try:
         assert _wait_for(lambda: len(_records(out)) >= 1 or p.poll() is not None, 240)
         for s in stage_pids_of(p.pid):

@@ -31,6 +31,13 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+// A row's quantisation factors from its max |x|: 127 / amax (0 for a zero row) and the scale amax / 127, both
+// exact divisions. Not inline: ops.cpp's fast-math swiglu_quant calls it to get these same bits.
+void row_scales(float amax, float* inv, float* scale) {
+  *inv = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+}
+
 // One row: its scale, and q = round_half_even(x * (127 / amax)) clamped to [-127, 127]. The vector and scalar
 // paths give the same bits: the same fp32 product, rounded to nearest even (cvtps2dq under the default MXCSR;
 // the scalar path by adding and subtracting 1.5 * 2^23, exact for |v| < 2^22).
@@ -44,8 +51,8 @@ void quantize_row(const T* xr, int8_t* qr, float* scale, int64_t k) {
   amax = _mm512_reduce_max_ps(vmax);
 #endif
   for (; i < k; ++i) amax = std::max(amax, std::fabs(ld<T>(xr, i)));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  *scale = amax / 127.f;
+  float inv;
+  row_scales(amax, &inv, scale);
   i = 0;
 #ifdef __AVX512F__
   const __m512 vinv = _mm512_set1_ps(inv);

@@ -8,6 +8,10 @@
 #include <cstring>
 #include <tuple>
 
+namespace int8_detail {
+void row_scales(float amax, float* inv, float* scale);  // int8.cpp, built without fast-math
+}
+
 namespace {
 
 inline float bf16_to_f(uint16_t h) {
@@ -121,28 +125,34 @@ void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t inter) {
 // (acc * sx[r] * sw[n], rounded to bf16 as dequant_rows writes it), silu(gate) * up rounded as silu_mul_impl
 // rounds it, then quantised per row for down as quantize_rows does. The unfused path writes [rows, 2 inter]
 // bf16, reads it back, writes [rows, inter] bf16 and reads it twice more; this reads the int32 once and
-// writes int8.
+// writes int8. The same bits as that path, although this file has fast-math, which turns (acc * sx) * sw
+// into acc * (sx * sw) within a loop and a division into a multiplication by a reciprocal: acc * sx is
+// stored to an L1-sized row buffer by one loop and multiplied by sw in the next, and the row's two divisions
+// are int8.cpp's (row_scales), built without fast-math.
+// (A 1-ulp change of one scale moves W8A8's perplexity on the bundled model by about 0.3%.)
 void swiglu_quant_impl(const int32_t* acc, const float* sx, const float* sw, int8_t* q, float* scale, int64_t rows,
                        int64_t inter) {
 #pragma omp parallel
   {
     float* buf = new float[inter];
+    float* xs = new float[2 * inter];  // the row's acc * sx, gate then up
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const int32_t* g = acc + r * 2 * inter;
-      const int32_t* u = g + inter;
+      const int32_t* ar = acc + r * 2 * inter;
       const float s = sx[r];
+#pragma omp simd
+      for (int64_t i = 0; i < 2 * inter; ++i) xs[i] = static_cast<float>(ar[i]) * s;
       float amax = 0.f;
 #pragma omp simd reduction(max : amax)
       for (int64_t i = 0; i < inter; ++i) {
-        float a = rnd<uint16_t>(static_cast<float>(g[i]) * s * sw[i]);
-        float b = rnd<uint16_t>(static_cast<float>(u[i]) * s * sw[inter + i]);
+        float a = rnd<uint16_t>(xs[i] * sw[i]);
+        float b = rnd<uint16_t>(xs[inter + i] * sw[inter + i]);
         float h = rnd<uint16_t>(rnd<uint16_t>(silu<uint16_t>(a)) * b);
         buf[i] = h;
         amax = std::fmax(amax, std::fabs(h));
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      scale[r] = amax / 127.f;
+      float inv;
+      int8_detail::row_scales(amax, &inv, scale + r);
       int8_t* qr = q + r * inter;
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
@@ -150,6 +160,7 @@ void swiglu_quant_impl(const int32_t* acc, const float* sx, const float* sw, int
         qr[i] = static_cast<int8_t>(std::fmin(127.f, std::fmax(-127.f, v)));
       }
     }
+    delete[] xs;
     delete[] buf;
   }
 }

@@ -5,7 +5,7 @@ mostly scheduling, input preparation and output processing.
     .venv/bin/python scripts/engine_overhead.py [N]
     py-spy record -f raw -o out.raw -- .venv/bin/python scripts/engine_overhead.py   # where the time goes
 """
-import sys
+import argparse
 import time
 
 from tdpipe import LLM, SamplingParams
@@ -29,4 +29,6 @@ def main(n: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 256)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("n", nargs="?", type=int, default=256, help="sequences (default 256)")
+    main(p.parse_args().n)

@@ -12,9 +12,9 @@ rounds (tiles and warps, then stages and partition sizes for the best); --quick:
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
-import sys
 import time
 from unittest import mock
 
@@ -116,10 +116,13 @@ def timed(fn, reps: int, cuda: bool) -> float:
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv
-    fine = "--fine" in sys.argv
-    shapes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--shapes=")), list(SHAPES))
-    out_path = next((a for a in sys.argv[1:] if not a.startswith("--")), "decode_tune.json")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", nargs="?", default="decode_tune.json", help="JSON to write (default: decode_tune.json)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--fine", action="store_true", help="tiles x warps x stages at 512-key partitions")
+    p.add_argument("--quick", action="store_true", help="CPU, tiny, interpreted")
+    a = p.parse_args()
+    quick, fine, shapes, out_path = a.quick, a.fine, a.shapes.split(","), a.out
     cuda = torch.cuda.is_available() and not quick
     dev = "cuda" if cuda else "cpu"
     kern = ta._kernels(not cuda)

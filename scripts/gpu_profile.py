@@ -6,8 +6,8 @@ Writes the top ops by self CUDA time and by self CPU time, and the step counts, 
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -45,7 +45,9 @@ def run(path: str, out: Path, name: str) -> dict:
 
 
 def main() -> None:
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", nargs="?", default=".", help="folder for the profiles and profile.json (default: .)")
+    out = Path(p.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     res = [run(model_folder("bundled", "cuda")[0], out, "bundled")]
     cfg = {k: v for k, v in model_config("llama-3-8b").items() if not k.startswith("_")} | {"num_hidden_layers": 4}

@@ -7,8 +7,8 @@ Usage: python scripts/sim/pp_sb_whatif.py bench_results/sim/pp_sb_whatif_70b.jso
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import replace
 
 from tdpipe.bench import workload as wl
@@ -47,4 +47,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="where the rows go (JSON)")
+    main(p.parse_args().json)

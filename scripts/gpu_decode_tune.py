@@ -117,7 +117,7 @@ def timed(fn, reps: int, cuda: bool) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", nargs="?", default="decode_tune.json", help="JSON to write (default: decode_tune.json)")
+    p.add_argument("out", nargs="?", default="decode_tune.json", help="JSON to write (default: %(default)s)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--fine", action="store_true", help="tiles x warps x stages at 512-key partitions")
     p.add_argument("--quick", action="store_true", help="CPU, tiny, interpreted")

@@ -46,7 +46,7 @@ def run(path: str, out: Path, name: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", nargs="?", default=".", help="folder for the profiles and profile.json (default: .)")
+    p.add_argument("out", nargs="?", default=".", help="folder for the profiles and profile.json")
     out = Path(p.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     res = [run(model_folder("bundled", "cuda")[0], out, "bundled")]

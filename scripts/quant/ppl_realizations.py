@@ -1,12 +1,13 @@
 """How far W8A8's perplexity moves between equally valid roundings: the engine's W8A8 perplexity (bench/
 perplexity.py, same text and windows) with every per-row int8 scale (the activations' per token, and at load
-the weights' per output channel) multiplied by (1 + k * 2^-23), for k = 0, 1, -1, 2, -2, ... A relative change of about 1e-7 is far below bf16's precision (4e-3), so
-each k only decides which way some roundings go, the next layer's int8 ones included: one more sample of
-the quantisation's rounding noise. The spread of these runs is the resolution of any perplexity
-comparison under int8 on this model (a variant within it is not better or worse). Each run in a fresh
-process (it patches model/int8_linear.py).
+the weights' per output channel) multiplied by (1 + k * 2^-23), for k = 0, 1, -1, 2, -2, ... A relative
+change of about 1e-7 is far below bf16's precision (4e-3), so each k only decides which way some roundings
+go, the next layer's int8 ones included: one more sample of the quantisation's rounding noise. The spread
+of these runs is the resolution of any perplexity comparison under int8 on this model (a variant within it
+is not better or worse). Each run in a fresh process (it patches model/int8_linear.py).
 
-    .venv/bin/python scripts/quant/ppl_realizations.py --json bench_results/quant/ppl_realizations_smollm2.json
+    .venv/bin/python scripts/quant/ppl_realizations.py \
+        --json bench_results/quant/ppl_realizations_smollm2.json
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ print(json.dumps({"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": len(lp
 
 
 def run(q: str, k: int, max_tokens: int, model: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, q, str(k), str(max_tokens), model], capture_output=True,
-                          text=True)
+    argv = [q, str(k), str(max_tokens), model]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{q} k={k} failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -61,13 +62,13 @@ def main() -> None:
     costs = [r["vs_bf16"] for r in rows]
     summary = {"mean": statistics.mean(costs), "stdev": statistics.stdev(costs) if len(costs) > 1 else 0.0,
                "min": min(costs), "max": max(costs)}
-    print(f"w8a8 vs bf16 over {len(rows)} realizations: mean {summary['mean']:+.2%}, stdev {summary['stdev']:.2%}, "
-          f"range {summary['min']:+.2%} .. {summary['max']:+.2%}")
+    print(f"w8a8 vs bf16 over {len(rows)} realizations: mean {summary['mean']:+.2%}, "
+          f"stdev {summary['stdev']:.2%}, range {summary['min']:+.2%} .. {summary['max']:+.2%}")
     if a.json:
         with open(a.json, "w") as f:
+            method = "each run in a fresh process; k: scales x (1 + k 2^-23)"
             json.dump({"model": a.model or "bundled", "max_tokens": a.max_tokens, "bf16": base, "w8a8": rows,
-                       "w8a8_vs_bf16": summary, "method": "each run in a fresh process; k: scales x (1 + k 2^-23)"},
-                      f, indent=1)
+                       "w8a8_vs_bf16": summary, "method": method}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 
@@ -32,12 +31,11 @@ VARIANTS = {  # name -> (quantization, linears kept in bf16 besides the lm_head,
 }
 
 CHILD = r'''
-import functools, json, math, sys
+import functools, json, sys
 import torch
 import tdpipe.model.int8_linear as il
 import tdpipe.model.quantization as Q
-from tdpipe import LLM
-from tdpipe.bench.perplexity import DEFAULT_DATASET, read_text, score, windows
+from tdpipe.bench.perplexity import DEFAULT_DATASET, run  # `tdpipe bench perplexity`'s own loop
 q, keep, head, max_tokens = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 model_arg, outliers = sys.argv[5] or None, sys.argv[6]
 orig = il.quantize_linears
@@ -77,9 +75,8 @@ if outliers:
     Q.fuse_swiglu = fuse_split
 import tdpipe.worker.model_runner as mr
 mr.prepare_linears = prepare
-with LLM(model_arg, quantization=q, kv_cache_memory=1 << 30) as llm:
-    lps, _ = score(llm, windows(llm.get_tokenizer().encode(read_text(DEFAULT_DATASET)), 512, max_tokens))
-print(json.dumps({"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": len(lps)}))
+row = run(model_arg, [q], DEFAULT_DATASET, 512, max_tokens, {"kv_cache_memory": 1 << 30})["rows"][0]
+print(json.dumps({"perplexity": row["perplexity"], "tokens": row["scored_tokens"]}))
 '''
 
 

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
 
 CHILD = r'''
-import json, math, sys
+import json, sys
 import tdpipe.model.int8_linear as il
-from tdpipe import LLM
-from tdpipe.bench.perplexity import DEFAULT_DATASET, read_text, score, windows
+from tdpipe.bench.perplexity import DEFAULT_DATASET, run  # `tdpipe bench perplexity`'s own loop
 q, k, max_tokens, model_arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] or None
 exact = il.quantize_rows
 def shifted(x):
@@ -30,9 +28,8 @@ def shifted(x):
     return qx, sx * (1 + k * 2.0 ** -23)
 if k:
     il.quantize_rows = shifted  # Int8Linear (weights at load, activations per call) and the SwiGLU middle
-with LLM(model_arg, quantization=q, kv_cache_memory=1 << 30) as llm:
-    lps, _ = score(llm, windows(llm.get_tokenizer().encode(read_text(DEFAULT_DATASET)), 512, max_tokens))
-print(json.dumps({"perplexity": math.exp(-sum(lps) / len(lps)), "tokens": len(lps)}))
+row = run(model_arg, [q], DEFAULT_DATASET, 512, max_tokens, {"kv_cache_memory": 1 << 30})["rows"][0]
+print(json.dumps({"perplexity": row["perplexity"], "tokens": row["scored_tokens"]}))
 '''
 
 

@@ -259,9 +259,10 @@ def test_mixed_batch_then_resume_after_a_cut_line(tmp_path, capsys):
     assert _summary(again) == MIXED_EXPECTED
 
 
-def _big_batch(n: int, seed: int) -> tuple[list[str], set, set]:
-    """n lines: completions and chats with 2-4 tokens each, and every 50th line broken. Returns the lines, the
-    custom_ids that must be answered and the line numbers that must be reported as errors."""
+def _big_batch(n: int, seed: int, max_tokens: tuple[int, int] = (2, 4)) -> tuple[list[str], set, set]:
+    """n lines: completions and chats with `max_tokens` (a range) tokens each, and every 50th line broken.
+    Returns the lines, the custom_ids that must be answered and the line numbers that must be reported as
+    errors."""
     rng = random.Random(seed)
     lines, ids, bad = [], set(), set()
     for i in range(n):
@@ -271,7 +272,7 @@ def _big_batch(n: int, seed: int) -> tuple[list[str], set, set]:
             continue
         cid = f"req-{i}"
         ids.add(cid)
-        mt = rng.randint(2, 4)
+        mt = rng.randint(*max_tokens)
         if i % 3:
             lines.append(_req(cid, C, {"prompt": f"Item {i}:", "max_tokens": mt, "temperature": 0}))
         else:
@@ -365,7 +366,9 @@ def test_ctrl_c_then_engine_core_killed_then_resumed(tmp_path, qwen2_tiny):
     """Ctrl-C: exit 130 and the one line saying how far it got; the engine core killed mid-run: exit 1, one
     line, nothing written for the requests it took down; the third run finishes the batch (tiny model, as
     above)."""
-    lines, ids, _ = _big_batch(200, 1)
+    # answers of 2-60 tokens finish over many steps: with 2-4 each the tiny model answered the whole rest of
+    # the batch in one burst, before the kill below could land
+    lines, ids, _ = _big_batch(200, 1, max_tokens=(2, 60))
     ids_lines = [ln for ln in lines if '"custom_id": "req-' in ln]
     inp, out = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
     inp.write_text("\n".join(ids_lines) + "\n")

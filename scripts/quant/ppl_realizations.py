@@ -23,8 +23,8 @@ import tdpipe.model.int8_linear as il
 from tdpipe.bench.perplexity import DEFAULT_DATASET, run  # `tdpipe bench perplexity`'s own loop
 q, k, max_tokens, model_arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] or None
 exact = il.quantize_rows
-def shifted(x):
-    qx, sx = exact(x)
+def shifted(x, rotate=False):
+    qx, sx = exact(x, rotate)
     return qx, sx * (1 + k * 2.0 ** -23)
 if k:
     il.quantize_rows = shifted  # Int8Linear (weights at load, activations per call) and the SwiGLU middle

@@ -20,7 +20,7 @@ def test_the_ablation_script_runs_its_variants(tmp_path, qwen2_tiny_path):
     out = tmp_path / "ablation.json"
     _run("ppl_ablation.py", qwen2_tiny_path, "--only", "32 largest", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["bf16", "w8a8, down_proj's 32 largest inputs in float"]
+    assert [r["variant"] for r in rows] == ["bf16", "w8a8 unrotated, down_proj's 32 largest inputs in float"]
     assert all("error" not in r and 1 < r["perplexity"] < math.inf and r["tokens"] == 63 for r in rows), rows
 
 

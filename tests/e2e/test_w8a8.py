@@ -49,11 +49,12 @@ def test_w8a8_tracks_the_float_model_and_pp2_computes_what_pp1_does(bundled_path
 
 def test_w8a8_under_tensor_parallelism(qwen2_tiny):
     """tp = 2 splits the row-parallel linears' inputs, each rank quantising its half per token: close to
-    tp = 1, not bit-equal."""
+    tp = 1, not bit-equal. In this tiny model (hidden 64) those halves are 32 wide, too narrow for the
+    rotation's 64-wide blocks, so tp = 2 runs o_proj and down_proj unrotated where tp = 1 rotates them."""
     folder, _ = qwen2_tiny
     ids = list(range(5, 45))
     with LLM(folder, dtype="float32", quantization="w8a8", kv_cache_memory=KV) as llm:
         one = prompt_lps(llm, ids)
     with LLM(folder, dtype="float32", quantization="w8a8", tensor_parallel_size=2, kv_cache_memory=KV) as llm:
         two = prompt_lps(llm, ids)
-    assert _max_diff(one, two) < 0.05
+    assert _max_diff(one, two) < 0.1

@@ -146,3 +146,9 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
         assert k is not None, "the AVX2 build of the ops kernel failed"
     assert k.qgemm_path() == "AVX2 (no AVX-512 VNNI)"
     _same_bits_as_the_portable_loop(k)
+    # W8A8's rotation (csrc/int8.cpp rotate64) by its scalar loop: the vector path's bits
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(5)) * 7
+    x[1, 3] = 4000.0
+    q, s = k.quantize_rows(x, True)
+    q_ref, s_ref = cpu_ops.kernel().quantize_rows(x, True)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)

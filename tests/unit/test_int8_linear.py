@@ -31,10 +31,61 @@ def test_kernel_quantisation_is_the_torch_expression(kernel, dtype, k):
     x = (torch.randn(33, k, generator=g) * 4).to(dtype)
     x[3] = 0  # a zero row: scale 0, q 0
     x[5, : min(k, 4)] = torch.tensor([63.5, -63.5, 0.5, -0.5][: min(k, 4)])  # exact halves after scaling
-    q, s = kernel.quantize_rows(x.contiguous())
+    q, s = kernel.quantize_rows(x.contiguous(), False)
     rq, rs = _torch_quantize(x)
     assert torch.equal(q, rq) and torch.equal(s, rs)
     assert int(q.abs().max()) == 127 and torch.all(q[3] == 0) and s[3] == 0
+
+
+def _hadamard64() -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 64:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_rotation_is_the_blockwise_hadamard_and_the_kernel_gives_the_fallbacks_bits(kernel, dtype):
+    """quantize_rows(x, rotate): x times diag(H_64 / 8, ...) first, the butterflies of the C++ vector path and
+    of the torch fallback giving the same bits (both quantised the same way), within fp32 rounding of the
+    float64 matrix product; orthonormal, so a row's norm is kept."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(17, 192, generator=g) * 3).to(dtype)
+    x[2, 70] = 5000.0  # one massive activation: spread over its block, the other two blocks keep their scale
+    x[4] = 0
+    r = il.rotate64(x.float())
+    ref = (x.double().view(17, 3, 64) @ _hadamard64()).view(17, 192)
+    assert torch.allclose(r.double(), ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+    assert torch.allclose(r.double().norm(dim=1), x.double().norm(dim=1), rtol=1e-6)
+    assert float(r[2, 64:128].abs().min()) > 5000 / 8 - 200  # the spike is in all 64 of its block
+    q, s = kernel.quantize_rows(x.contiguous(), True)
+    rq, rs = _torch_quantize(r)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernel.quantize_rows(torch.ones(2, 96), True)
+
+
+def test_rotated_w8a8_computes_the_linear_and_takes_a_massive_activation_better():
+    """Int8Linear rotates W at load and x per call where K is a multiple of 64: y = x W^T still, and with one
+    activation 1000x the rest the rotated layer's error is a fraction of the unrotated one's."""
+    g = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=g) * 0.1)
+    x = torch.randn(8, 256, generator=g)
+    x[:, 7] = 1000.0
+    ref = lin(x).detach()
+    rotated = il.Int8Linear(lin)
+    old, il.ROTATE = il.ROTATE, 0
+    try:
+        plain = il.Int8Linear(lin)
+    finally:
+        il.ROTATE = old
+    assert rotated.rotate and not plain.rotate and "inputs rotated" in repr(rotated)
+    err_rot = float((rotated(x) - ref).norm() / ref.norm())
+    err_plain = float((plain(x) - ref).norm() / ref.norm())
+    assert err_rot < 0.02 and err_rot < err_plain / 2, (err_rot, err_plain)
+    assert not il.Int8Linear(torch.nn.Linear(96, 8)).rotate  # K not a multiple of 64
 
 
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
@@ -167,7 +218,7 @@ def test_bad_quantization_names_the_field():
 
 
 @pytest.mark.parametrize("rows,inter,spread", [(1, 96, 2.0), (33, 96, 2.0), (256, 96, 2.0), (256, 1536, 2.0),
-                                               (64, 100, 300.0)])
+                                               (64, 100, 300.0), (64, 1536, 300.0)])
 def test_the_fused_swiglu_gives_the_unfused_layers_numbers(kernel, rows, inter, spread):
     """W8A8's one-pass SwiGLU middle (int32 -> int8 for down) against dequantise, silu_and_mul, quantise: the
     same bits, although ops.cpp is built with fast-math (a 1-ulp change of one scale moves the bundled model's
@@ -180,10 +231,11 @@ def test_the_fused_swiglu_gives_the_unfused_layers_numbers(kernel, rows, inter, 
         down.weight.copy_(torch.randn(64, inter, generator=g) * 0.2)
     a, b = il.Int8Linear(gate_up), il.Int8Linear(down)
     x = (torch.randn(rows, 64, generator=g) * spread).to(torch.bfloat16)
-    qx, sx = il.quantize_rows(x)
-    hq, sh = kernel.swiglu_quant(torch._int_mm(qx, a.qweight_t), sx, a.weight_scale)
+    assert a.rotate and b.rotate == (inter % 64 == 0)  # down's input rotated (1536) and not (96, 100)
+    qx, sx = il.quantize_rows(x, a.rotate)
+    hq, sh = kernel.swiglu_quant(torch._int_mm(qx, a.qweight_t), sx, a.weight_scale, b.rotate)
     mid = cpu_ops.silu_and_mul(a(x))
-    q, s = il.quantize_rows(mid)
+    q, s = il.quantize_rows(mid, b.rotate)
     assert torch.equal(sh, s) and torch.equal(hq, q)
     fused, unfused = il.swiglu_w8a8(a, b, x), b(mid)
     assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 64)

@@ -4,6 +4,9 @@
 //   dequant_rows:   acc int32 [M, N], sx [M], sw [N], bias [N]? -> out [M, N] = acc * sx[m] * sw[n] (+ bias[n]),
 //                   fp32 math, stored as bf16 (round to nearest even) or fp32
 // One pass over memory each, where the torch expressions make four to six.
+// quantize_rows(x, rotate): with rotate, each row is first multiplied by R = diag(H_64 / 8, H_64 / 8, ...)
+// (rotate64 below): the W8A8 linears whose weights were rotated the same way at load (W R: their rows go
+// through this same pass) compute x R (W R)^T = x W^T, with the outliers of x spread over their block.
 //
 // Compiled inside ops.cpp's extension (one build, not two: each costs 10 s of gcc on torch's
 // headers), but without its fast-math: the results must be the torch fallback's bits, so no reassociation,
@@ -30,6 +33,57 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 #endif
+
+// In place: each 64-wide block of v[0, k) times H_64 / 8, H_64 Sylvester's Hadamard matrix (+-1 entries,
+// H H^T = 64 I, symmetric), so the block is rotated: its norm kept, one large entry spread over all 64. The
+// fast Walsh-Hadamard transform: six butterfly stages (a, b) -> (a + b, a - b) over pairs h = 1, 2, ..., 32
+// apart, then a multiplication by 1/8 (exact). The vector and scalar paths make the same operations in the same
+// order: the same bits, and int8_linear.rotate64's torch fallback's. k: a multiple of 64. Not inline: ops.cpp's
+// swiglu_quant calls it.
+void rotate64(float* v, int64_t k) {
+  for (int64_t b = 0; b + 64 <= k; b += 64) {
+    float* x = v + b;
+#if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
+    __m512 r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(x + 16 * i);
+    // within a register, lane j pairs with lane j ^ h: in-lane permutes for h = 1, 2, 128-bit lane swaps for
+    // 4, 8 (cheaper than a full permutation); lanes j + h of their pair take a - b
+    const __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+    for (int s = 0; s < 4; ++s) {
+      for (int i = 0; i < 4; ++i) {
+        __m512 y;
+        switch (s) {
+          case 0: y = _mm512_permute_ps(r[i], 0xB1); break;
+          case 1: y = _mm512_permute_ps(r[i], 0x4E); break;
+          case 2: y = _mm512_shuffle_f32x4(r[i], r[i], 0xB1); break;
+          default: y = _mm512_shuffle_f32x4(r[i], r[i], 0x4E); break;
+        }
+        r[i] = _mm512_mask_sub_ps(_mm512_add_ps(r[i], y), upper[s], y, r[i]);
+      }
+    }
+    for (int h = 1; h <= 2; h <<= 1) {  // registers h apart: 16 and 32 values
+      for (int i = 0; i < 4; ++i) {
+        if (i & h) continue;
+        const __m512 a = r[i], c = r[i + h];
+        r[i] = _mm512_add_ps(a, c);
+        r[i + h] = _mm512_sub_ps(a, c);
+      }
+    }
+    const __m512 eighth = _mm512_set1_ps(0.125f);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(x + 16 * i, _mm512_mul_ps(r[i], eighth));
+#else
+    for (int h = 1; h < 64; h <<= 1) {
+      for (int j = 0; j < 64; ++j) {
+        if (j & h) continue;
+        const float a = x[j], c = x[j + h];
+        x[j] = a + c;
+        x[j + h] = a - c;
+      }
+    }
+    for (int j = 0; j < 64; ++j) x[j] *= 0.125f;
+#endif
+  }
+}
 
 // A row's quantisation factors from its max |x|: 127 / amax (0 for a zero row) and the scale amax / 127, both
 // exact divisions. Not inline: ops.cpp's fast-math swiglu_quant calls it to get these same bits.
@@ -69,10 +123,32 @@ void quantize_row(const T* xr, int8_t* qr, float* scale, int64_t k) {
   }
 }
 
+// quantize_row of an fp32 row, for ops.cpp's fast-math swiglu_quant (these bits, not its compiler's)
+void quantize_float_row(const float* xr, int8_t* qr, float* scale, int64_t k) { quantize_row<float>(xr, qr, scale, k); }
+
 template <typename T>
-void quantize_impl(const T* x, int8_t* q, float* scale, int64_t rows, int64_t k) {
+void quantize_impl(const T* x, int8_t* q, float* scale, int64_t rows, int64_t k, bool rotate) {
+  if (!rotate) {
 #pragma omp parallel for schedule(static) if (rows * k > 16384)
-  for (int64_t r = 0; r < rows; ++r) quantize_row<T>(x + r * k, q + r * k, scale + r, k);
+    for (int64_t r = 0; r < rows; ++r) quantize_row<T>(x + r * k, q + r * k, scale + r, k);
+    return;
+  }
+#pragma omp parallel if (rows * k > 16384)
+  {
+    float* buf = new float[k];  // the row in fp32, rotated in place
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * k;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      for (; i + 16 <= k; i += 16) _mm512_storeu_ps(buf + i, load16(xr + i));
+#endif
+      for (; i < k; ++i) buf[i] = ld<T>(xr, i);  // ops.cpp's ld is not inlined here (other optimize flags)
+      rotate64(buf, k);
+      quantize_row<float>(buf, q + r * k, scale + r, k);
+    }
+    delete[] buf;
+  }
 }
 
 template <typename T, typename B>
@@ -94,17 +170,18 @@ void dequant_impl(const int32_t* acc, const float* sx, const float* sw, const B*
 
 }  // namespace int8_detail
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x) {
+std::tuple<at::Tensor, at::Tensor> quantize_rows(at::Tensor x, bool rotate) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "quantize_rows: contiguous [M, K]");
+  TORCH_CHECK(!rotate || x.size(1) % 64 == 0, "quantize_rows: rotate needs K a multiple of 64");
   TORCH_CHECK(x.dtype() == at::kBFloat16 || x.dtype() == at::kFloat, "quantize_rows: bf16 or fp32");
   const int64_t rows = x.size(0), k = x.size(1);
   auto q = at::empty({rows, k}, x.options().dtype(at::kChar));
   auto scale = at::empty({rows}, x.options().dtype(at::kFloat));
   if (x.dtype() == at::kBFloat16) {
     int8_detail::quantize_impl<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), q.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                            rows, k);
+                            rows, k, rotate);
   } else {
-    int8_detail::quantize_impl<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k);
+    int8_detail::quantize_impl<float>(x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows, k, rotate);
   }
   return {q, scale};
 }

@@ -4,6 +4,7 @@ layers into what executes them, for the stages and for the step-cost profile ali
   none   bf16 weights prepacked for oneDNN on CPU (model/packed_linear.py); float32 and CUDA as loaded; a
          quantised GGUF dequantised (its bf16 or float32 conversion)
   w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU,
+         both rotated by Hadamard blocks of 64 first (x R (W R)^T = x W^T: outliers spread before rounding),
          a SwiGLU MLP's middle in one pass from gate_up's int32 output to down's int8 input (fuse_swiglu);
          the lm_head as 8-bit blocks against int8 activations per block of 32 (gguf's block GEMM,
          model/block_linear.py): 1.9x the packed bf16 GEMM at its shape and 256 rows, +0.01% perplexity.

@@ -148,11 +148,15 @@ def smoothing_scales(x_max: torch.Tensor, weights: list[torch.Tensor], alpha: fl
 
 
 def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
-    """x through W8A8's own int8 round trip (model/int8_linear.quantize_rows: one symmetric scale per row)."""
-    from tdpipe.model.int8_linear import quantize_rows
+    """x through W8A8's own int8 round trip (model/int8_linear.quantize_rows: one symmetric scale per row, of
+    x R where the engine rotates; rotated back after, R being its own inverse), so that fake-quantised
+    activations times fake-quantised weights are the engine's output."""
+    from tdpipe.model import int8_linear as il
 
-    q, scale = quantize_rows(x.float().contiguous())
-    return q.float() * scale[:, None]
+    rotate = il.ROTATE == 64 and x.shape[-1] % 64 == 0
+    q, scale = il.quantize_rows(x.float().contiguous(), rotate)
+    y = q.float() * scale[:, None]
+    return il.rotate64(y) if rotate else y
 
 
 def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor,

@@ -86,7 +86,7 @@ void rotate64(float* v, int64_t k) {
 }
 
 // A row's quantisation factors from its max |x|: 127 / amax (0 for a zero row) and the scale amax / 127, both
-// exact divisions. Not inline: ops.cpp's fast-math swiglu_quant calls it to get these same bits.
+// exact divisions.
 void row_scales(float amax, float* inv, float* scale) {
   *inv = amax > 0.f ? 127.f / amax : 0.f;
   *scale = amax / 127.f;
@@ -123,7 +123,8 @@ void quantize_row(const T* xr, int8_t* qr, float* scale, int64_t k) {
   }
 }
 
-// quantize_row of an fp32 row, for ops.cpp's fast-math swiglu_quant (these bits, not its compiler's)
+// quantize_row of an fp32 row, for ops.cpp's fast-math swiglu_quant (these bits, not its compiler's; not
+// inline, so that it is compiled here, without fast-math)
 void quantize_float_row(const float* xr, int8_t* qr, float* scale, int64_t k) { quantize_row<float>(xr, qr, scale, k); }
 
 template <typename T>

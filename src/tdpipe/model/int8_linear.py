@@ -42,6 +42,11 @@ QMAX = 127  # symmetric: -127..127, so that -q is always representable
 ROTATE = 64  # the rotation's block (module docstring); 0: no rotation (the perplexity ablation's switch)
 
 
+def rotates(in_features: int) -> bool:
+    """Whether a W8A8 linear of this input width rotates its weight and inputs (module docstring)."""
+    return ROTATE == 64 and in_features % 64 == 0
+
+
 def rotate64(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 times diag(H_64 / 8, ...): csrc/int8.cpp rotate64's butterflies in the same order,
     so the same bits."""
@@ -91,7 +96,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.rotate = ROTATE == 64 and self.in_features % 64 == 0  # x R (W R)^T (module docstring)
+        self.rotate = rotates(self.in_features)  # x R (W R)^T (module docstring)
         qt, s = quantize_weight(linear.weight, self.rotate)
         self.register_buffer("qweight_t", qt)  # [K, N]: torch._int_mm's right operand, row-major
         self.register_buffer("weight_scale", s)
@@ -222,5 +227,6 @@ def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return n
 
 
-__all__ = ["Int8Head", "Int8Linear", "QMAX", "dequant_rows", "fuse_swiglu", "onednn_head_dtype", "onednn_qlinear_available",
-           "quantize_linears", "quantize_rows", "quantize_weight", "swiglu_w8a8"]
+__all__ = ["Int8Head", "Int8Linear", "QMAX", "ROTATE", "dequant_rows", "fuse_swiglu", "onednn_head_dtype",
+           "onednn_qlinear_available", "quantize_linears", "quantize_rows", "quantize_weight", "rotate64", "rotates",
+           "swiglu_w8a8"]

@@ -153,7 +153,7 @@ def fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     activations times fake-quantised weights are the engine's output."""
     from tdpipe.model import int8_linear as il
 
-    rotate = il.ROTATE == 64 and x.shape[-1] % 64 == 0
+    rotate = il.rotates(x.shape[-1])
     q, scale = il.quantize_rows(x.float().contiguous(), rotate)
     y = q.float() * scale[:, None]
     return il.rotate64(y) if rotate else y

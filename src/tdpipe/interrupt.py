@@ -10,7 +10,13 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+DROPPED_POLL_S = 0.1  # how often a wait on another thread looks for a dropped Ctrl-C
 
 
 @contextmanager
@@ -84,9 +90,24 @@ def raise_if_dropped() -> None:
         raise KeyboardInterrupt
 
 
+def result_or_interrupt(fut: "Future[T]") -> T:
+    """fut.result(), raising meanwhile the Ctrl-C the interpreter dropped. A KeyboardInterrupt dropped in
+    importlib's own weakref callback (a module lock's `cb`, between taking the global import lock and its
+    `try`) leaves that lock held by this thread: a thread that imports (the tokenizer's, importing
+    transformers) then never finishes, and a plain result() waited for it forever (a fault test's Ctrl-C at
+    start-up)."""
+    while True:
+        raise_if_dropped()
+        try:
+            return fut.result(timeout=DROPPED_POLL_S)
+        except FutureTimeout:
+            continue
+
+
 def clear_dropped() -> None:
     global _dropped
     _dropped = False
 
 
-__all__ = ["clear_dropped", "deferred_sigint", "install_sticky_sigint", "raise_if_dropped", "sticky_sigint"]
+__all__ = ["clear_dropped", "deferred_sigint", "install_sticky_sigint", "raise_if_dropped",
+           "result_or_interrupt", "sticky_sigint"]

@@ -1,10 +1,12 @@
 """Ctrl-C is never lost: a KeyboardInterrupt the interpreter drops (raised inside a __del__) is raised again at
 the next safe point (tdpipe/interrupt.py)."""
 import signal
+import threading
+from concurrent.futures import Future
 
 import pytest
 
-from tdpipe.interrupt import deferred_sigint, raise_if_dropped, sticky_sigint
+from tdpipe.interrupt import deferred_sigint, raise_if_dropped, result_or_interrupt, sticky_sigint
 
 
 @pytest.fixture
@@ -36,6 +38,47 @@ def test_a_ctrl_c_that_surfaced_is_still_raised_once(sticky):
         signal.raise_signal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):  # the caller cannot tell; the CLI exits on the first one anyway
         raise_if_dropped()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_dropped_ctrl_c_ends_a_wait_on_a_thread_the_held_import_lock_blocks(sticky):
+    """What a fault test saw at start-up: the Ctrl-C dropped in importlib's weakref callback left the global
+    import lock held by the main thread, whose wait for the tokenizer thread (importing) never ended."""
+    import _imp
+    import sys
+
+    fut: Future = Future()
+
+    def importer() -> None:  # blocks on the import lock until the main thread gives it back
+        sys.modules.pop("this", None)
+        import contextlib
+        with contextlib.redirect_stdout(None):
+            __import__("this")
+        fut.set_result("imported")
+
+    _imp.acquire_lock()
+    try:
+        t = threading.Thread(target=importer, daemon=True)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not fut.done()  # held by the lock
+        _SigintInDel()  # dropped
+        with pytest.raises(KeyboardInterrupt):
+            result_or_interrupt(fut)
+    finally:
+        _imp.release_lock()
+    t.join(10)
+    assert fut.result(0) == "imported"
+
+
+def test_a_wait_returns_the_result_and_raises_what_the_thread_raised():
+    ok: Future = Future()
+    threading.Timer(0.25, ok.set_result, ("done",)).start()  # after a few polls
+    assert result_or_interrupt(ok) == "done"
+    bad: Future = Future()
+    bad.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        result_or_interrupt(bad)
 
 
 def test_deferred_section_hands_the_ctrl_c_to_the_sticky_handler(sticky):

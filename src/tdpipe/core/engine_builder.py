@@ -33,6 +33,7 @@ from tdpipe.core.pd_parts import instance_blocks, make_pd_executor, make_pd_sche
 from tdpipe.core.scheduler import Scheduler, get_policy, make_scheduler
 from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
+from tdpipe.interrupt import result_or_interrupt
 from tdpipe.model.jit import import_build_tools
 from tdpipe.model.weights import check_model_folder, load_hf_config
 from tdpipe.pipeline import prefork, zygote
@@ -128,7 +129,8 @@ class EngineBuilder:
             self.executor = self._make_executor(num_blocks, hf)
         prefork.release()  # forked stages this process reserved and no executor took
         try:
-            self.tokenizer = self._pending_tokenizer.result() if self._pending_tokenizer is not None else None
+            pending = self._pending_tokenizer
+            self.tokenizer = result_or_interrupt(pending) if pending is not None else None
         except BaseException:
             self.executor.shutdown()  # its stages started while the tokenizer loaded
             raise

@@ -1,9 +1,9 @@
 """Where W8A8's perplexity cost comes from: a model's perplexity (bench/perplexity.py, same text) with every
-linear int8 but one kind left in bf16, one kind at a time, and with the lm_head in bf16, as 8-bit blocks
-(the engine's), int8 per call (Int8Head) or per token (Int8Linear), and with down_proj's outlier input
-channels taken out of its int8 GEMM and multiplied in float (LLM.int8()'s decomposition, Dettmers et al.,
-2022: the channels whose largest |x| in the batch passes 6, or the 32 largest). Each variant in a fresh
-process (it patches model/quantization.py).
+linear int8 but one kind left in bf16, one kind at a time, and with the lm_head in bf16, as 8-bit blocks,
+int8 per token in oneDNN (the engine's Int8Head), int8 per call (Int8Head's other mode) or per token
+(Int8Linear), and with down_proj's outlier input channels taken out of its int8 GEMM and multiplied in
+float (LLM.int8()'s decomposition, Dettmers et al., 2022: the channels whose largest |x| in the batch
+passes 6, or the 32 largest). Each variant in a fresh process (it patches model/quantization.py).
 
     .venv/bin/python scripts/quant/ppl_ablation.py --json bench_results/quant/ppl_ablation.json
     .venv/bin/python scripts/quant/ppl_ablation.py --model SMOOTHED_FOLDER --max-tokens 8192
@@ -21,7 +21,8 @@ VARIANTS = {  # name -> (quantization, linears kept in bf16 besides the lm_head,
     #   "rot:KIND:LINEARS" those linears' inputs rotated here in float64 by a whole-width Hadamard
     #   (Sylvester-Paley), a random orthogonal matrix, or Hadamard blocks of 64 ("block64"))
     "bf16": ("none", [], "bf16", ""),
-    "w8a8 (the engine's: inputs rotated, head 8-bit blocks)": ("w8a8", [], "block", "rotate"),
+    "w8a8 (the engine's: inputs rotated, head int8 per token in oneDNN)": ("w8a8", [], "per-row", "rotate"),
+    "w8a8, inputs rotated, head 8-bit blocks": ("w8a8", [], "block", "rotate"),
     "w8a8 unrotated": ("w8a8", [], "block", ""),
     "w8a8 unrotated, head bf16": ("w8a8", [], "bf16", ""),
     "w8a8 unrotated + head int8 per call (Int8Head)": ("w8a8", [], "per-call", ""),
@@ -88,9 +89,11 @@ def prepare(model, method, gguf_file="", folder=""):  # Q.prepare_linears with t
     if outliers.startswith("rot:"):
         rotate_inputs(model)
     if method == "w8a8" and head == "block":
-        Q.block_head(model)
+        from tdpipe.model.block_linear import BlockLinear
+        model.lm_head = BlockLinear.from_float(model.lm_head, 8)
     elif method == "w8a8" and head != "bf16":
-        model.lm_head = (il.Int8Head if head == "per-call" else il.Int8Linear)(model.lm_head)
+        model.lm_head = (functools.partial(il.Int8Head, per_row=False) if head == "per-call" else
+                         il.Int8Head if head == "per-row" else il.Int8Linear)(model.lm_head)
     Q.pack_linears(model)
     return n
 Q.prepare_linears = prepare

@@ -161,13 +161,15 @@ def test_int8_linear_without_vnni_sums_the_same_integers_in_float32(monkeypatch,
     assert ((q(x) - ref).norm() / ref.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("vector_gemm", [True, False])
-def test_prepare_linears_runs_the_head_as_8bit_blocks(monkeypatch, vector_gemm):
-    """Where the block GEMM has a vector kernel (VNNI, AVX2); elsewhere (its portable loop) the head stays a
-    float linear."""
+@pytest.mark.parametrize("vnni,vector_gemm", [(True, True), (False, True), (False, False)])
+def test_prepare_linears_picks_the_head(monkeypatch, vnni, vector_gemm):
+    """With VNNI: Int8Head (per token, rotated, oneDNN); without, 8-bit blocks where the block GEMM has a
+    vector kernel (AVX2); elsewhere (its portable loop) the head stays a float linear."""
     from tdpipe.model import block_linear, cpu_ops
+    from tdpipe.model import quantization as Q
     from tdpipe.model.block_linear import BlockLinear
 
+    monkeypatch.setattr(Q, "cpu_supports_vnni", lambda: vnni)
     monkeypatch.setattr(block_linear, "vector_block_gemm", lambda: vector_gemm and cpu_ops.kernel() is not None)
     m = torch.nn.Module()
     m.block = torch.nn.Module()
@@ -176,24 +178,27 @@ def test_prepare_linears_runs_the_head_as_8bit_blocks(monkeypatch, vector_gemm):
     head = m.lm_head
     assert prepare_linears(m, "w8a8") == 1
     assert isinstance(m.block.proj, il.Int8Linear) and KEEP_FLOAT == ("lm_head",)
-    if not block_linear.vector_block_gemm():  # the head stays float (oneDNN-packed): the same numbers
-        assert not isinstance(m.lm_head, BlockLinear)
-        x = torch.randn(9, 64)
-        torch.testing.assert_close(m.lm_head(x), head(x), rtol=1e-5, atol=1e-5)
-        return
-    assert isinstance(m.lm_head, BlockLinear) and m.lm_head.bits == 8
     x = torch.randn(9, 64)
     y, ref = m.lm_head(x), head(x)
-    assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # 8-bit weights, 8-bit activations per 32
+    if vnni:
+        assert isinstance(m.lm_head, il.Int8Head) and m.lm_head.per_row and m.lm_head.rotate
+    elif not block_linear.vector_block_gemm():  # the head stays float (oneDNN-packed): the same numbers
+        assert not isinstance(m.lm_head, (BlockLinear, il.Int8Head))
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        return
+    else:
+        assert isinstance(m.lm_head, BlockLinear) and m.lm_head.bits == 8
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()  # 8-bit weights, 8-bit activations
     odd = torch.nn.Module()
-    odd.lm_head = torch.nn.Linear(40, 16)  # K not a multiple of 32: stays float
+    odd.lm_head = torch.nn.Linear(40, 16)  # K not a multiple of 32: no blocks
     prepare_linears(odd, "w8a8")
     assert not isinstance(odd.lm_head, BlockLinear)
 
 
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("fp32_out_broken", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_int8_head_approximates_the_float_head(dtype, fp32_out_broken, monkeypatch):
+def test_the_int8_head_approximates_the_float_head(dtype, fp32_out_broken, per_row, monkeypatch):
     """Where oneDNN's float32 output is wrong (an AVX2 CPU without VNNI) the head asks for bf16 and casts."""
     assert il.onednn_qlinear_available()
     if fp32_out_broken:
@@ -202,11 +207,29 @@ def test_the_int8_head_approximates_the_float_head(dtype, fp32_out_broken, monke
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 500, bias=False)
     x = torch.nn.functional.rms_norm(torch.randn(7, 64), (64,))  # the final norm's output: unit RMS rows
-    q = il.Int8Head(head)
+    q = il.Int8Head(head, per_row=per_row)
     y, ref = q(x.to(dtype)), head(x)
     assert y.dtype == dtype and y.shape == (7, 500)
     assert ((y.float() - ref).norm() / ref.norm()).item() < 0.02
     assert (y.float().argmax(1) == ref.argmax(1)).float().mean() >= 6 / 7
+
+
+def test_the_int8_head_scales_each_row_and_slices_long_inputs(monkeypatch):
+    """Per row, a row 1000x smaller than its neighbours keeps its resolution (one scale per call rounds it
+    to nothing); past HEAD_ROWS rows oneDNN runs a slice at a time, with the same bits; a bias is added."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(128, 300, bias=False)
+    x = torch.randn(10, 128)
+    x[1::2] *= 1e-3
+    ref = head(x).detach()
+    per_row, per_call = il.Int8Head(head), il.Int8Head(head, per_row=False)
+    err = [((q(x) - ref).norm(dim=1) / ref.norm(dim=1)) for q in (per_row, per_call)]
+    assert float(err[0].max()) < 0.02 and float(err[1][1::2].min()) > 0.1
+    whole = per_row(x)
+    monkeypatch.setattr(il, "HEAD_ROWS", 3)
+    assert torch.equal(per_row(x), whole)
+    head.bias = torch.nn.Parameter(torch.randn(300))
+    torch.testing.assert_close(il.Int8Head(head)(x), whole + head.bias, rtol=0, atol=1e-5)
 
 
 def test_bad_quantization_names_the_field():

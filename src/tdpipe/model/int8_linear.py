@@ -40,6 +40,7 @@ from tdpipe.model.upcast_linear import slice_rows, widened_mm
 
 QMAX = 127  # symmetric: -127..127, so that -q is always representable
 ROTATE = 64  # the rotation's block (module docstring); 0: no rotation (the perplexity ablation's switch)
+HEAD_ROWS = 256  # Int8Head's rows per oneDNN call: a decode batch in one, prompt logprobs' thousands in slices
 
 
 def rotates(in_features: int) -> bool:
@@ -168,36 +169,65 @@ def onednn_head_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 
 class Int8Head(nn.Module):
-    """An lm_head as W8A8 with ONE activation scale per call (the batch's max |x| / 127), in oneDNN's
-    prepacked int8 linear, which applies both scales and writes bf16 itself: 1.7x the packed bf16 GEMM at
-    256 x 49152 x 576, where torch._int_mm's int32 output makes the per-token path slower than bf16.
-    Measured, not used by the engine: on SmolLM2 it alone cost +2.5% perplexity (one scale for rows whose
-    ranges differ after the norm weight), so `--quantization w8a8` runs the head as 8-bit blocks
-    instead (model/quantization.block_head, docs/quantization.md). `tdpipe bench gemm` times it (path w8a8-head)."""
+    """An lm_head as W8A8 in oneDNN's prepacked int8 linear (brgemm, VNNI), which applies the weight scales
+    and writes bf16 itself, where torch._int_mm's int32 output at 256 x 49152 is larger than the cache and
+    the per-token path with it slower than bf16.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    per_row (the engine's): the activations quantised per token, rotated like Int8Linear's, oneDNN run with
+    activation scale 1 and each output row then multiplied by its s_x: the roundings of Int8Linear, one bf16
+    rounding more. Not per_row: one activation scale per call (the batch's max |x| / 127), as oneDNN takes
+    it: +2.5% perplexity on SmolLM2 on its own, unrotated (rows whose ranges differ after the norm weight);
+    kept as a measured path (`tdpipe bench gemm` w8a8-head, scripts/quant/ppl_ablation.py)."""
+
+    def __init__(self, linear: nn.Linear, per_row: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, s = quantize_rows(linear.weight.detach().float().contiguous())
+        self.per_row = per_row
+        self.rotate = per_row and rotates(self.in_features)
+        q, s = quantize_rows(linear.weight.detach().float().contiguous(), self.rotate)
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)
         self.register_buffer("weight_scale", s)
         self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int64))
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        xf = x.reshape(-1, self.in_features).float()
-        amax = float(xf.abs().max()) if xf.numel() else 0.0
-        scale = amax / QMAX if amax > 0 else 1.0
-        qx = torch.round(xf * (1.0 / scale)).clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)
         out = onednn_head_dtype(x.dtype)
         if out is None:
             raise RuntimeError("Int8Head: oneDNN's int8 linear is unavailable or computes wrongly in this torch build")
-        y = torch.ops.onednn.qlinear_pointwise(qx, scale, 128, self.packed, self.weight_scale, self.weight_zero,
-                                               None, 1.0, 0, out, "none", [], "")
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if self.per_row:
+            q, sx = quantize_rows(x2, self.rotate)
+            qx, scale = q.view(torch.uint8).bitwise_xor_(0x80), 1.0  # q + 128 as uint8: oneDNN's zero point 128
+        else:
+            xf = x2.float()
+            amax = float(xf.abs().max()) if xf.numel() else 0.0
+            scale = amax / QMAX if amax > 0 else 1.0
+            qx = torch.round(xf * (1.0 / scale)).clamp_(-QMAX, QMAX).add_(128).to(torch.uint8)
+        m = qx.shape[0]
+        if m <= HEAD_ROWS:
+            y = self._gemm(qx, scale, out, sx if self.per_row else None)
+        else:  # oneDNN's scratch is ~4x its output: 20 GB at once for 8,192 rows of Gemma 3's 262k vocabulary
+            y = torch.empty(m, self.out_features, dtype=out)
+            for i in range(0, m, HEAD_ROWS):
+                y[i:i + HEAD_ROWS] = self._gemm(qx[i:i + HEAD_ROWS], scale, out,
+                                                sx[i:i + HEAD_ROWS] if self.per_row else None)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
+    def _gemm(self, qx: torch.Tensor, scale: float, out: torch.dtype, sx: torch.Tensor | None) -> torch.Tensor:
+        """oneDNN's int8 linear on rows of uint8 activations (zero point 128), then each row times sx."""
+        y = torch.ops.onednn.qlinear_pointwise(qx, scale, 128, self.packed, self.weight_scale, self.weight_zero,
+                                               None, 1.0, 0, out, "none", [], "")
+        if sx is not None:
+            y.mul_(sx[:, None])
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 (per-tensor activations)"
+        acts = ("per-token activations" + (", inputs rotated" if self.rotate else "")) if self.per_row else \
+            "per-tensor activations"
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8 ({acts})"
 
 
 def fuse_swiglu(model: nn.Module) -> int:

@@ -6,13 +6,12 @@ layers into what executes them, for the stages and for the step-cost profile ali
   w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU,
          both rotated by Hadamard blocks of 64 first (x R (W R)^T = x W^T: outliers spread before rounding),
          a SwiGLU MLP's middle in one pass from gate_up's int32 output to down's int8 input (fuse_swiglu);
-         the lm_head as 8-bit blocks against int8 activations per block of 32 (gguf's block GEMM,
-         model/block_linear.py): 1.9x the packed bf16 GEMM at its shape and 256 rows, +0.01% perplexity.
-         Per token, torch._int_mm's int32 output at that shape is slower than bf16, and Int8Head (one
-         activation scale per call) cost +2.5% perplexity (`tdpipe bench gemm`, `tdpipe bench perplexity`,
-         docs/quantization.md). Without the C++ kernel's vector block GEMM (VNNI or AVX2) the head stays
-         float. On a CPU without VNNI the int8 GEMMs run in float32 arithmetic (int8_linear.py; a notice
-         says so)
+         the lm_head int8 per token and rotated too, but in oneDNN's prepacked int8 GEMM writing bf16
+         (Int8Head: torch._int_mm's int32 output at 256 x 49152 outgrows the cache), each row scaled after;
+         without VNNI as 8-bit blocks against int8 activations per block of 32 (gguf's block GEMM,
+         model/block_linear.py, its AVX2 path), without that float (w8a8_head; `tdpipe bench gemm`,
+         `tdpipe bench perplexity`, docs/quantization.md). On a CPU without VNNI the int8 GEMMs run in
+         float32 arithmetic (int8_linear.py; a notice says so)
   gguf   a GGUF file's quantised blocks kept packed, 4-bit as 4-bit, against int8 activations per block of
          32 (model/block_linear.py, model/gguf_quantized.py), the tied embedding and lm_head included
   awq    an AWQ checkpoint folder's 4-bit weights kept packed, in the same block GEMM (model/awq.py)
@@ -31,7 +30,7 @@ from tdpipe.config import QUANTIZATIONS, cpu_supports_vnni
 from tdpipe.model.int8_linear import fuse_swiglu, quantize_linears
 from tdpipe.model.packed_linear import pack_linears
 
-KEEP_FLOAT = ("lm_head",)  # children not made Int8Linear under w8a8 (the head: block_head)
+KEEP_FLOAT = ("lm_head",)  # children not made Int8Linear under w8a8 (the head: w8a8_head)
 
 
 def check_quantization(method: str, device: str) -> None:
@@ -87,7 +86,7 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
         w8a8_notice()
         n = quantize_linears(model, skip=KEEP_FLOAT)
         fuse_swiglu(model)
-        block_head(model)
+        w8a8_head(model)
     elif method == "gguf":
         from tdpipe.model.gguf_quantized import keep_gguf_blocks, quantize_blocks_from_float
 
@@ -118,21 +117,26 @@ def w8a8_notice() -> str:
     return line
 
 
-def block_head(model: nn.Module) -> bool:
-    """W8A8's lm_head as 8-bit blocks (module docstring), where the C++ block GEMM runs it fast: CPU, the
-    kernel built with a vector path (VNNI or AVX2), K a multiple of the 32-wide block. Elsewhere the head
-    stays a float linear: the portable block loop would be its slowest layer by far. Returns whether it was
-    replaced."""
+def w8a8_head(model: nn.Module) -> str:
+    """W8A8's lm_head (module docstring): Int8Head (per-token activations, rotated, oneDNN's int8 GEMM)
+    where the CPU has VNNI and oneDNN computes right; else 8-bit blocks where the C++ block GEMM runs fast
+    (its AVX2 path; K a multiple of the 32-wide block); else the float head, where the portable block loop
+    would be the slowest layer by far. Returns which: "int8", "blocks" or "float"."""
     from tdpipe.model.block_linear import BlockLinear, vector_block_gemm
     from tdpipe.model.gguf_blocks import BLOCK
+    from tdpipe.model.int8_linear import Int8Head, onednn_head_dtype
 
     head = getattr(model, "lm_head", None)
-    if (not isinstance(head, nn.Linear) or head.weight.device.type != "cpu" or head.in_features % BLOCK
-            or not vector_block_gemm()):
-        return False
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu":
+        return "float"
+    if cpu_supports_vnni() and onednn_head_dtype(head.weight.dtype) is not None:
+        model.lm_head = Int8Head(head)
+        return "int8"
+    if head.in_features % BLOCK or not vector_block_gemm():
+        return "float"
     model.lm_head = BlockLinear.from_float(head, 8)
-    return True
+    return "blocks"
 
 
-__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "block_head", "check_quantization", "gguf_source", "prepare_linears",
-           "resolve_quantization", "w8a8_notice"]
+__all__ = ["KEEP_FLOAT", "QUANTIZATIONS", "check_quantization", "gguf_source", "prepare_linears",
+           "resolve_quantization", "w8a8_head", "w8a8_notice"]

@@ -14,16 +14,16 @@ M (decode micro-batches and a prefill chunk), the best of `--iters` timed calls 
   w8a8           the engine's W8A8 linear: per-token quantisation + torch._int_mm + scaling to bf16
                  (model/int8_linear.py, csrc/int8.cpp); without VNNI the same integer sums in float32
                  arithmetic on the widened int8 weight
-  w8a8-head      one activation scale per call in oneDNN's prepacked int8 linear writing bf16 (Int8Head):
-                 fast at the lm_head's shape, but not what the engine runs there (its perplexity cost:
-                 docs/quantization.md); under --quantization w8a8 the lm_head runs as w8a8-block
+  w8a8-head      W8A8's lm_head (Int8Head): per-token int8 activations, rotated, in oneDNN's prepacked int8
+                 linear writing bf16, each row then scaled (torch._int_mm's int32 output at the lm_head's
+                 shape outgrows the cache); on a CPU without VNNI the engine's head is w8a8-block instead
   w4a8-block     the engine's `--quantization gguf` / `awq` linear on 4-bit weights (a Q4_0 / Q4_1 / Q4_K
                  file, an AWQ folder):
                  int8 activations per block of 32 + tdpipe's block GEMM on the packed nibbles, unpacked in
                  registers (AVX-512 VNNI, AVX2 or portable loops), writing bf16 (model/block_linear.py,
                  csrc/qgemm.cpp)
   w8a8-block     the same on 8-bit blocks (a Q8_0 / Q5_0 tensor, the GGUF's embedding as the tied lm_head,
-                 W8A8's lm_head)
+                 W8A8's lm_head without VNNI)
 
 GOP/s = 2 M N K / seconds (multiply-adds count two operations, int8 or bf16 alike), same run, same threads.
 The quantisation paths for W8A8 were chosen by this measurement: see docs/quantization.md.

@@ -265,17 +265,6 @@ def test_the_fused_swiglu_gives_the_unfused_layers_numbers(kernel, rows, inter, 
     assert torch.equal(fused, unfused)
 
 
-def test_the_fused_swiglu_in_row_slices_gives_the_same_bits(kernel, monkeypatch):
-    """Past MLP_ROWS rows (a long prefill) the fused SwiGLU runs a slice at a time: row-wise, so the same."""
-    g = torch.Generator().manual_seed(1)
-    a = il.Int8Linear(torch.nn.Linear(64, 256, bias=False))
-    b = il.Int8Linear(torch.nn.Linear(128, 64, bias=False))
-    x = (torch.randn(250, 64, generator=g) * 3).to(torch.bfloat16)
-    whole = il.swiglu_w8a8(a, b, x.view(2, 125, 64))
-    monkeypatch.setattr(il, "MLP_ROWS", 100)  # slices of 100, 100, 50
-    assert torch.equal(il.swiglu_w8a8(a, b, x.view(2, 125, 64)), whole) and whole.shape == (2, 125, 64)
-
-
 def test_w8a8_gives_swiglu_mlps_the_fused_middle_and_leaves_geglu_alone():
     from types import SimpleNamespace
 

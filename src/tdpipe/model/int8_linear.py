@@ -40,8 +40,6 @@ from tdpipe.model.upcast_linear import slice_rows, widened_mm
 
 QMAX = 127  # symmetric: -127..127, so that -q is always representable
 ROTATE = 64  # the rotation's block (module docstring); 0: no rotation (the perplexity ablation's switch)
-MLP_ROWS = 2048  # rows per pass of the fused SwiGLU: gate_up's int32 output (8,192 x 3,072: 100 MB) kept near
-# the cache; 8,192-token prefill MLPs 29% faster on the bundled model (121.7 -> 86.4 ms)
 HEAD_ROWS = 256  # Int8Head's rows per oneDNN call: a decode batch in one, prompt logprobs' thousands in slices
 
 
@@ -137,20 +135,10 @@ def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch
     if k is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or gate_up.bias is not None:
         return down(cpu_ops.silu_and_mul(gate_up(x)))
     shape = x.shape
-    x2 = x.reshape(-1, gate_up.in_features).contiguous()
-    if x2.shape[0] <= MLP_ROWS:
-        y = _swiglu_rows(k, gate_up, down, x2)
-    else:  # every step is row by row: slices give the same bits
-        y = torch.empty(x2.shape[0], down.out_features, dtype=x.dtype)
-        for i in range(0, x2.shape[0], MLP_ROWS):
-            y[i:i + MLP_ROWS] = _swiglu_rows(k, gate_up, down, x2[i:i + MLP_ROWS])
-    return y.view(*shape[:-1], down.out_features)
-
-
-def _swiglu_rows(k: object, gate_up: Int8Linear, down: Int8Linear, x2: torch.Tensor) -> torch.Tensor:
-    q, sx = quantize_rows(x2, gate_up.rotate)
+    q, sx = quantize_rows(x.reshape(-1, gate_up.in_features).contiguous(), gate_up.rotate)
     hq, sh = k.swiglu_quant(gate_up.int_mm(q), sx, gate_up.weight_scale, down.rotate)
-    return dequant_rows(down.int_mm(hq), sh, down.weight_scale, down.bias, x2.dtype)
+    y = dequant_rows(down.int_mm(hq), sh, down.weight_scale, down.bias, x.dtype)
+    return y.view(*shape[:-1], down.out_features)
 
 
 @functools.cache

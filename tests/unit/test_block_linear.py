@@ -152,3 +152,12 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
     q, s = k.quantize_rows(x, True)
     q_ref, s_ref = cpu_ops.kernel().quantize_rows(x, True)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    # Int8Head's row scaling (int8.cpp scale_rows_) by its scalar loop: the vector path's and torch's bits
+    for dtype in (torch.bfloat16, torch.float32):
+        y = (torch.randn(5, 37, generator=torch.Generator().manual_seed(6)) * 50).to(dtype)
+        y[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+        sx = torch.rand(5, generator=torch.Generator().manual_seed(7))
+        a, b = y.clone(), y.clone()
+        k.scale_rows_(a, sx)
+        cpu_ops.kernel().scale_rows_(b, sx)
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())

@@ -214,6 +214,24 @@ def test_the_int8_head_approximates_the_float_head(dtype, fp32_out_broken, per_r
     assert (y.float().argmax(1) == ref.argmax(1)).float().mean() >= 6 / 7
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scale_rows_gives_torchs_bits(kernel, dtype):
+    """Int8Head's row scaling (csrc/int8.cpp scale_rows_, vector body and scalar tail) against torch's
+    y.mul_(s[:, None]): the same bits, infinities and NaNs included (a NaN stays a NaN)."""
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randn(7, 1000, generator=g) * 100).to(dtype)  # 1000: 62 vectors and a tail of 8
+    y[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
+    s = torch.rand(7, generator=g) * 3
+    s[2] = 1e30  # overflow to inf
+    a, b = y.clone(), y.clone()
+    kernel.scale_rows_(a, s)
+    b.mul_(s[:, None])
+    assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    c = y.clone()
+    il.scale_rows_(c, s)  # what Int8Head calls
+    assert torch.equal(c.nan_to_num(), b.nan_to_num())
+
+
 def test_the_int8_head_scales_each_row_and_slices_long_inputs(monkeypatch):
     """Per row, a row 1000x smaller than its neighbours keeps its resolution (one scale per call rounds it
     to nothing); past HEAD_ROWS rows oneDNN runs a slice at a time, with the same bits; a bias is added."""

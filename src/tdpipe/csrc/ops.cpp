@@ -289,6 +289,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "in-place rotary embedding (rotate_half convention)");
   m.def("quantize_rows", &quantize_rows, "per-row symmetric int8 quantisation: (q, scale)");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM output times row and column scales (+ bias), bf16 or fp32");
+  m.def("scale_rows_", &scale_rows_, "in place: each row times its fp32 scale, bf16 or fp32");
   m.def("apply_bitmask_", &apply_bitmask_, "in place: tokens a grammar's bitmask forbids -> -inf (fp32 logits)");
   m.def("quantize_blocks", &quantize_blocks, "int8 activations per block of 32: (xq, dx, cx)");
   m.def("qgemm", &qgemm, "block-quantised GEMM: packed 4- or 8-bit weights x int8 activations (VNNI)");

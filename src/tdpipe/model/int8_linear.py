@@ -84,6 +84,15 @@ def dequant_rows(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: to
     return y.to(dtype)
 
 
+def scale_rows_(y: torch.Tensor, s: torch.Tensor) -> None:
+    """In place y[m, :] *= s[m] (float32 math, stored in y's dtype): csrc/int8.cpp where built, the same bits."""
+    k = cpu_ops.kernel()
+    if k is not None and y.device.type == "cpu" and y.is_contiguous() and y.dtype in (torch.bfloat16, torch.float32):
+        k.scale_rows_(y, s)
+    else:
+        y.mul_(s[:, None])
+
+
 def quantize_weight(w: torch.Tensor, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q_w^T int8 [K, N] contiguous, s_w float32 [N]) of a [N, K] weight: per output channel; `rotate`: of
     W R, its rows rotated as the activations' are."""
@@ -219,7 +228,7 @@ class Int8Head(nn.Module):
         y = torch.ops.onednn.qlinear_pointwise(qx, scale, 128, self.packed, self.weight_scale, self.weight_zero,
                                                None, 1.0, 0, out, "none", [], "")
         if sx is not None:
-            y.mul_(sx[:, None])
+            scale_rows_(y, sx)
         if self.bias is not None:
             y.add_(self.bias)
         return y
@@ -259,4 +268,4 @@ def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
 
 __all__ = ["Int8Head", "Int8Linear", "QMAX", "ROTATE", "dequant_rows", "fuse_swiglu", "onednn_head_dtype",
            "onednn_qlinear_available", "quantize_linears", "quantize_rows", "quantize_weight", "rotate64", "rotates",
-           "swiglu_w8a8"]
+           "scale_rows_", "swiglu_w8a8"]

@@ -186,7 +186,7 @@ class Int8Head(nn.Module):
     activation scale 1 and each output row then multiplied by its s_x: the roundings of Int8Linear, one bf16
     rounding more. Not per_row: one activation scale per call (the batch's max |x| / 127), as oneDNN takes
     it: +2.5% perplexity on SmolLM2 on its own, unrotated (rows whose ranges differ after the norm weight);
-    kept as a measured path (`tdpipe bench gemm` w8a8-head, scripts/quant/ppl_ablation.py)."""
+    kept for scripts/quant/ppl_ablation.py's comparison. `tdpipe bench gemm` times the engine's (w8a8-head)."""
 
     def __init__(self, linear: nn.Linear, per_row: bool = True) -> None:
         super().__init__()

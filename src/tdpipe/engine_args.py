@@ -93,8 +93,9 @@ class EngineArgs:
     quantization: str = option(EngineConfig.quantization,
                                "how the linear layers run: none = in --dtype (bf16 weights prepacked for oneDNN "
                                "on CPU; a quantised GGUF or AWQ checkpoint dequantised); w8a8 = int8 weights per "
-                               "output channel, quantised at load, and int8 activations per token, int32 "
-                               "accumulation (CPU only; the lm_head as 8-bit blocks); gguf = a GGUF file's "
+                               "output channel, quantised at load, and int8 activations per token, both rotated "
+                               "by Hadamard blocks of 64, int32 accumulation (CPU only; the lm_head too, in "
+                               "oneDNN's int8 GEMM; 8-bit blocks without VNNI); gguf = a GGUF file's "
                                "quantised weights kept packed (4-bit as 4-bit) and multiplied against int8 "
                                "activations per block of 32 (CPU); awq = an AWQ folder's 4-bit weights kept "
                                "packed, the same way (CPU); auto = gguf for a --model .gguf file with quantised "

@@ -35,7 +35,8 @@ VARIANTS = {  # name -> (quantization, linears kept in bf16 besides the lm_head,
     "w8a8 unrotated, down_proj's 32 largest inputs in float": ("w8a8", [], "block", "top:32"),
     "w8a8, down_proj's input rotated (Hadamard)": ("w8a8", [], "block", "rot:hadamard:down_proj"),
     "w8a8, down_proj's input rotated (random orthogonal)": ("w8a8", [], "block", "rot:random:down_proj"),
-    "w8a8, down_proj's and o_proj's inputs rotated (Hadamard)": ("w8a8", [], "block", "rot:hadamard:o_proj,down_proj"),
+    "w8a8, down_proj's and o_proj's inputs rotated (Hadamard)": ("w8a8", [], "block",
+                                                                   "rot:hadamard:o_proj,down_proj"),
     "w8a8, down_proj's, qkv_proj's and gate_up_proj's inputs rotated (Hadamard)": (
         "w8a8", [], "block", "rot:hadamard:qkv_proj,gate_up_proj,down_proj"),
     "w8a8, every linear's input rotated (Hadamard)": ("w8a8", [], "block",
@@ -58,13 +59,15 @@ def rotation(n, kind):
         b = int(kind[5:])
         return torch.block_diag(*[rotation(b, "hadamard")] * (n // b))
     if kind == "random":
-        return torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(0), dtype=torch.float64))[0]
+        g = torch.Generator().manual_seed(0)
+        return torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
     h, m = torch.ones(1, 1, dtype=torch.float64), n
     for base in (12, 20):
         while m % base == 0:
             qr = {(i * i) % (base - 1) for i in range(1, base - 1)}
             chi = lambda d: 0 if d % (base - 1) == 0 else (1 if d % (base - 1) in qr else -1)
-            q = torch.tensor([[chi(j - i) for j in range(base - 1)] for i in range(base - 1)], dtype=torch.float64)
+            q = torch.tensor([[chi(j - i) for j in range(base - 1)] for i in range(base - 1)],
+                             dtype=torch.float64)
             s = torch.zeros(base, base, dtype=torch.float64)
             s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, q
             h, m = torch.kron(h, s + torch.eye(base, dtype=torch.float64)), m // base

@@ -4,10 +4,8 @@
 set -u
 cd "$(dirname "$0")/../../.."
 D=bench_results/quant/sitting_2026-11-29_int8head
-OLD=${OLD:-/work/old}
-tdp() { env ${3:+PYTHONPATH=$3/src} timeout 900 .venv/bin/tdpipe bench throughput --num-prompts 256 \
-    --input-len 128 --output-len 128 --kv-cache-memory 2GiB --quantization $1 --json $D/ab_$2.json 2>&1 |
-    grep -E "^output tok|matmul peak  "; }
+P=ab_
+. bench_results/quant/sitting.sh  # tdp, vl
 for run in head_1 blocks_1 blocks_2 head_2 head_3 blocks_3; do
     echo "$run"
     case $run in

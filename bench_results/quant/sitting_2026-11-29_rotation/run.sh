@@ -6,14 +6,8 @@
 set -u
 cd "$(dirname "$0")/../../.."
 D=bench_results/quant/sitting_2026-11-29_rotation
-OLD=${OLD:-/work/old}
-M=$(ls -d ~/.cache/tdpipe/models/SmolLM2-135M-Instruct-bf16 2>/dev/null)
-tdp() { env ${3:+PYTHONPATH=$3/src} timeout 900 .venv/bin/tdpipe bench throughput --num-prompts 256 \
-    --input-len 128 --output-len 128 --kv-cache-memory 2GiB --quantization $1 --json $D/ab_$2.json 2>&1 |
-    grep -E "^output tok|matmul peak  "; }
-vl() { VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 timeout 900 ${VLLM_VENV:-vllm-venv}/bin/python \
-    scripts/peers/vllm_throughput.py --model $M --num-prompts 256 --input-len 128 --output-len 128 \
-    --json $D/ab_vllm_$1.json 2>&1 | tail -2; }
+P=ab_
+. bench_results/quant/sitting.sh  # tdp, vl
 for run in rotated_1 unrotated_1 none_1 vllm_1 vllm_2 none_2 unrotated_2 rotated_2; do
     echo "$run"
     case $run in

@@ -5,10 +5,8 @@
 set -u
 cd "$(dirname "$0")/../../.."
 D=bench_results/quant/sitting_2026-11-29_rotation
-OLD=${OLD:-/work/old}
-tdp() { env ${2:+PYTHONPATH=$2/src} timeout 900 .venv/bin/tdpipe bench throughput --num-prompts 256 \
-    --input-len 128 --output-len 128 --kv-cache-memory 2GiB --quantization w8a8 --json $D/b_$1.json 2>&1 |
-    grep -E "^output tok|matmul peak  "; }
+P=b_
+. bench_results/quant/sitting.sh  # tdp, vl
 for run in rotated_1 unrotated_1 unrotated_2 rotated_2; do
-    echo "$run"; case $run in unrotated*) tdp "$run" "$OLD" ;; *) tdp "$run" "" ;; esac
+    echo "$run"; case $run in unrotated*) tdp w8a8 "$run" "$OLD" ;; *) tdp w8a8 "$run" "" ;; esac
 done

@@ -14,7 +14,8 @@ here as it would in decoding).
 
 A quantised run is one sample of its rounding noise: scales moved by one ulp (a change far below bf16's
 precision) move the bundled model's W8A8 perplexity over a range of 0.12% (0.4% before W8A8 rotated its
-inputs), so read smaller differences between two int8 variants as no difference (scripts/quant/ppl_realizations.py measures the spread; docs/quantization.md).
+inputs), so read smaller differences between two int8 variants as no difference
+(scripts/quant/ppl_realizations.py measures the spread; docs/quantization.md).
 
 Default text: the recorded prompts in data/history/prompts.jsonl (chatterbot-corpus lines and templated
 instructions, see data/history/README.md); a .jsonl file gives its "text" or "prompt" fields (or its

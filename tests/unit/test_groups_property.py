@@ -637,10 +637,11 @@ def test_seeded_samples_are_the_same_alone_beside_others_and_preempted(model_dir
 
 # ------------------------------------------------------------------------------------------ known bugs
 def _forked(model: str, n: int = 3, max_tokens: int = 8, **kw) -> tuple[LLMEngine, Harness, Req]:
-    """One seeded n-sample request, stepped until its samples are forked (all running)."""
+    """One seeded n-sample request, stepped until its samples are forked (all running: ignore_eos, so no
+    draw of the seed ends a sample at its fork)."""
     engine = make_engine(model, "separate", 1, num_blocks=64, block_size=4, **kw)
     h = Harness(engine, groups=False)
-    r = h.add("r", SHARED, SamplingParams(n=n, temperature=1.0, seed=7, max_tokens=max_tokens))
+    r = h.add("r", SHARED, SamplingParams(n=n, temperature=1.0, seed=7, max_tokens=max_tokens, ignore_eos=True))
     while len(r.samples) < n:
         h.step()
     assert all(not s.is_finished for s in r.samples.values())

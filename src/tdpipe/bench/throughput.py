@@ -118,6 +118,10 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
                    help="json: every request follows a JSON schema (an array of at least 1,000 records of an "
                         "integer id and a string name, so no grammar can end before the forced output length), "
                         "sampled through xgrammar's token masks; none: unconstrained (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="every request sampled at temperature T over the whole vocabulary (the exponential race "
+                        "of the engine's sampler; vLLM's benchmark_throughput samples at 1.0); 0: greedy "
+                        "(default: %(default)s)")
     p.add_argument("--compare-unconstrained", action="store_true",
                    help="with --structured-output json: also run the same workload unconstrained and report "
                         "the throughput ratio; every run, of either side, in a fresh process of its own")
@@ -175,11 +179,11 @@ RECORDS_SCHEMA = {"type": "array", "minItems": 1000, "items": {
     "required": ["id", "name"]}}
 
 
-def _params(output_len: int, structured: str = "none") -> Any:
+def _params(output_len: int, structured: str = "none", temperature: float = 0.0) -> Any:
     from tdpipe.sampling.params import SamplingParams
 
     so = {"json": RECORDS_SCHEMA} if structured == "json" else None
-    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len, structured_outputs=so)
+    return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=output_len, structured_outputs=so)
 
 
 def preflight(a: argparse.Namespace) -> None:
@@ -203,6 +207,10 @@ def run(a: argparse.Namespace, parser: argparse.ArgumentParser | None = None) ->
         raise ValueError(f"--hf-batch-size must be >= 1, got {a.hf_batch_size}")
     if a.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
+    if not a.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {a.temperature}")
+    if a.temperature > 0 and (a.compare_hf or a.hf_only):
+        raise ValueError("--compare-hf runs transformers greedy: use it with --temperature 0")
     if a.hf_only:
         res = run_hf_side(a, fresh.flag_value(parser, a, "--threads") if parser else None)
     elif a.compare_pp1 or a.compare_hf or a.compare_unconstrained or a.compare_dp1:
@@ -244,11 +252,11 @@ def _replicated_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
     client = llm.replicas.client
     name, reqs = build_workload(a, client.vocab_size, client.max_model_len, client.tokenizer)
     warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2 * len(client.replicas)]]
-    llm.generate(warm, [_params(2, a.structured_output) for _ in warm], use_tqdm=False)
+    llm.generate(warm, [_params(2, a.structured_output, a.temperature) for _ in warm], use_tqdm=False)
     before = [s["generation_tokens"] for s in client.stats()["replicas"]]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, [_params(r.output_len, a.structured_output) for r in reqs],
+    outs = llm.generate(prompts, [_params(r.output_len, a.structured_output, a.temperature) for r in reqs],
                         use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - t0
     errors = [o.error for o in outs if o.error]
@@ -265,7 +273,8 @@ def _replicated_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
         "total_output_tokens": out_tok, "data_parallel_size": len(client.replicas),
         "replica_cpus": [r.cpus for r in client.replicas], "replica_output_tokens": per,
         "threads": sum(len(r.cpus) for r in client.replicas), "dtype": a.dtype,
-        "structured_output": a.structured_output, "machine": machine_info(), "pid": os.getpid(),
+        "structured_output": a.structured_output, "temperature": a.temperature, "machine": machine_info(),
+        "pid": os.getpid(),
         "model": client.replicas[0].config.model, "workload": {"name": name, "seed": a.workload_seed,
                                                               **wl.summarize(reqs)},
         "engine": engine_kwargs(a) | {"max_model_len": client.max_model_len},
@@ -283,7 +292,7 @@ def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
     peak = measure_matmul_peak_fresh(engine.dtype, threads)  # the peak of every core the stages use
     print(f"matmul peak ({dtype_name}, {threads} threads): {peak:.1f} GFLOP/s", file=sys.stderr, flush=True)
 
-    timed = _timed_run(llm, reqs, a.structured_output)
+    timed = _timed_run(llm, reqs, a.structured_output, a.temperature)
     elapsed, outs, s = timed["elapsed"], timed["outs"], timed["stats"]
 
     errors = [o.error for o in outs if o.error]
@@ -337,7 +346,7 @@ def _engine_result(a: argparse.Namespace, llm: Any) -> dict[str, Any]:
         "mfu_formula": MFU_FORMULA,
         "dtype": dtype_name,
         "threads": threads,
-        "structured_output": a.structured_output,
+        "structured_output": a.structured_output, "temperature": a.temperature,
         "machine": machine_info(),
         "pid": os.getpid(),
         "model": engine.model_path,
@@ -477,14 +486,15 @@ def _step_costs(engine: Any) -> dict[str, Any] | None:
     return {"d0": c.d0, "d1": c.d1, "p0": c.p0, "p1": c.p1, "peak_batch": c.peak_batch, "source": c.source}
 
 
-def _timed_run(llm: Any, reqs: list[wl.BenchRequest], structured: str = "none") -> dict[str, Any]:
+def _timed_run(llm: Any, reqs: list[wl.BenchRequest], structured: str = "none",
+               temperature: float = 0.0) -> dict[str, Any]:
     """Warm up (kernel JIT, allocator, worker start-up stay out of the timing), then run the whole workload
     at once; returns the elapsed time, outputs, step counts and the trace summary (bubble ratios)."""
     from tdpipe.viz.timeline import summarize
 
     engine = llm.engine
     warm = [{"prompt_token_ids": r.prompt_token_ids[:8]} for r in reqs[:2]]
-    llm.generate(warm, [_params(2, structured) for _ in warm], use_tqdm=False)  # the grammar compiled too
+    llm.generate(warm, [_params(2, structured, temperature) for _ in warm], use_tqdm=False)  # the grammar too
     st = engine.stats
     sched = engine.scheduler
     model = _learned(engine)  # every prediction the model made, batched or one by one
@@ -493,7 +503,8 @@ def _timed_run(llm: Any, reqs: list[wl.BenchRequest], structured: str = "none") 
               model.seconds if model else 0.0, model.count if model else 0, st.predicted)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} | ({"prompt": r.text} if r.text else {}) for r in reqs]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, [_params(r.output_len, structured) for r in reqs], use_tqdm=sys.stderr.isatty())
+    outs = llm.generate(prompts, [_params(r.output_len, structured, temperature) for r in reqs],
+                        use_tqdm=sys.stderr.isatty())
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = (spec.read_stats(sched), st.prefill_steps, st.decode_steps, st.mixed_steps,
              model.seconds if model else 0.0, model.count if model else 0, st.predicted)
@@ -638,6 +649,8 @@ def format_table(r: dict[str, Any]) -> str:
                               + ("each run in its own process" if cmp else "pp=1 after pp=n in one process: biased")
                               + f"{_per_repeat(r, 'ratio_vs_pp1_per_repeat')})"),
         ]
+    if r.get("temperature", 0.0) > 0:
+        rows.append(("sampling", f"temperature {r['temperature']:g}, whole vocabulary"))
     if r.get("structured_output", "none") != "none":
         rows.append(("structured output", f"{r['structured_output']}: every request under a JSON schema's "
                                           "token masks"))

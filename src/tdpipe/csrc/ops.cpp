@@ -279,6 +279,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 #include "int8.cpp"  // W8A8's quantise / scale passes (model/int8_linear.py), built without fast-math
 #include "bitmask.cpp"  // structured output's token masks (sampling/grammar.py), built without fast-math
+#include "race.cpp"  // random sampling's exponential race (sampling/race.py), built without fast-math
 #include "qgemm.cpp"  // GGUF weights kept packed: W4A8 / W8A8 per block of 32 (model/gguf_linear.py)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -295,5 +296,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "block-quantised GEMM: packed 4- or 8-bit weights x int8 activations (VNNI)");
   m.def("qgemm_portable", &qgemm_portable, "qgemm by the portable loop, whatever the CPU (tests)");
   m.def("qgemm_path", &qgemm_path, "which code path qgemm was compiled to");
+  m.def("race_rows", &race_rows, "exponential race per row: argmax p / q, q ~ Exp(1) hashed from (key, column)");
   m.def("masked_argmax_rows", &masked_argmax_rows, "row-wise argmax over the tokens a bitmask allows (-1: none)");
 }

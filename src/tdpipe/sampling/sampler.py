@@ -15,6 +15,7 @@ import torch
 from tdpipe.sampling.token_masks import apply_bitmask, masked_argmax
 from tdpipe.sampling.metadata import RowRandom, SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
+from tdpipe.sampling.race import race, signed64
 from tdpipe.sampling.seeds import draw_key, draw_keys, sample_seed  # noqa: F401 (re-exported)
 
 # (token id, logprob, rank) triples, the sampled token first (tdpipe.core.delta.TokenLogprobs)
@@ -146,11 +147,8 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 class Sampler:
-    """The per-row state it needs (history, random keys, bans) comes in a `SamplingMetadata`. Its one
-    generator is scratch: reseeded from a row's key before every draw, so it carries nothing from call to call."""
-
-    def __init__(self) -> None:
-        self._scratch = torch.Generator(device="cpu")
+    """The per-row state it needs (history, random keys, bans) comes in a `SamplingMetadata`; it keeps none
+    between calls."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> list[int]:
         """`sample(...)`'s tokens only."""
@@ -327,27 +325,27 @@ class Sampler:
         return tokens
 
     def _race(self, probs: torch.Tensor, generators: list[RowRandom]) -> list[int]:
-        """Exponential race: argmax(p / q), q ~ Exp(1), picks column j with probability p_j. A seeded row
-        draws its noise (one value per column) from the scratch generator reseeded with its key, so its
-        draw depends on nothing but (seed, output index) and the number of columns. Robust to logits a few
-        ulps apart (the same request in a batch of another shape): the winner changes only on a near tie of
-        p / q. Inverse-CDF sampling (one uniform per row) was tried and is ~4x cheaper, but in vocabulary order
-        a draw landing among tail tokens moves with any ulp-level shift of the cumulative sum, so a seeded
-        request's tokens then depended on what shared its batch."""
-        q = torch.empty(probs.shape, dtype=probs.dtype)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if len(unseeded) == len(generators):
-            q.exponential_()
-        elif unseeded:
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype).exponential_()
-        for i, g in enumerate(generators):
-            if g is None:
-                continue
-            if not isinstance(g, torch.Generator):
-                g = self._scratch.manual_seed(g)
-            q[i].exponential_(generator=g)  # a contiguous row of q: drawn in place, as one stream
-        q = q.to(probs.device).clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw would make 0/0 = NaN
-        return (probs / q).argmax(dim=-1).tolist()
+        """Exponential race: argmax(p / q), q ~ Exp(1), picks column j with probability p_j (sampling/race.py).
+        A seeded row's noise is hashed from its key and the column, so its draw depends on nothing but (seed,
+        output index) and the number of columns; an unseeded row's key is drawn from torch's global generator
+        (torch.manual_seed repeats a run). Robust to logits a few ulps apart (the same request in a batch of
+        another shape): the winner changes only on a near tie of p / q. Inverse-CDF sampling (one uniform per
+        row) needs one pass too, but in vocabulary order a draw landing among tail tokens moves with any
+        ulp-level shift of the cumulative sum, so a seeded request's tokens then depended on what shared its
+        batch. A torch.Generator (a caller's own stream) draws its row's noise from it with `exponential_`."""
+        own = [i for i, g in enumerate(generators) if isinstance(g, torch.Generator)]
+        keys = [0 if isinstance(g, torch.Generator) else g for g in generators]
+        unseeded = [i for i, g in enumerate(keys) if g is None]
+        if unseeded:  # one draw of the global generator per call, mixed per row
+            base = int(torch.randint(0, 1 << 62, ()))
+            for i, key in zip(unseeded, draw_keys([base] * len(unseeded), unseeded)):
+                keys[i] = key
+        tokens = race(probs, torch.tensor([signed64(k) for k in keys], dtype=torch.int64)).tolist()
+        for i in own:
+            q = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generators[i])
+            q = q.to(probs.device).clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw would make 0/0 = NaN
+            tokens[i] = int((probs[i] / q).argmax())
+        return tokens
 
     def _sample_full(self, logits: torch.Tensor, params: list[SamplingParams],
                      generators: list[RowRandom]) -> list[int]:

@@ -1,0 +1,153 @@
+"""The exponential race with hashed noise (sampling/race.py, csrc/race.cpp): the kernel and the torch reference
+give the same tokens bit for bit, the tokens follow the probabilities, and the sampler's seeded rows depend on
+their key alone."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tdpipe.model import cpu_ops
+from tdpipe.sampling import race as R
+from tdpipe.sampling.metadata import SamplingMetadata
+from tdpipe.sampling.params import SamplingParams
+from tdpipe.sampling.sampler import Sampler
+from tdpipe.sampling.seeds import draw_key
+
+
+def _keys(n: int, seed: int) -> torch.Tensor:
+    return torch.tensor([R.signed64(draw_key(seed, i)) for i in range(n)], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 7), (5, 16), (4, 33), (64, 1000), (2, 40000)])
+def test_kernel_gives_the_reference_bits(rows, cols):
+    k = cpu_ops.kernel()
+    if k is None:
+        pytest.skip("no C++ kernel on this machine")
+    g = torch.Generator().manual_seed(rows * cols)
+    p = (torch.randn(rows, cols, generator=g) * 4).softmax(-1)
+    p[0, : cols // 2] = 0.0  # banned tokens: probability 0
+    keys = _keys(rows, cols)
+    keys[-1] = -(1 << 63)  # the extreme keys too
+    want = R.race_reference(p, keys)
+    assert torch.equal(k.race_rows(p, keys), want)
+    assert torch.equal(R.race(p, keys), want)
+    # the scores themselves, column for column: race_scores is what both compute
+    assert (want >= 0).all() and (want < cols).all()
+
+
+def test_reference_chunks_agree_with_one_pass():
+    """race_reference scores a wide row in column chunks: the winner is the one of one pass over the row."""
+    g = torch.Generator().manual_seed(3)
+    p = (torch.randn(3, 5000, generator=g) * 3).softmax(-1)
+    keys = _keys(3, 9)
+    one = R.race_scores(p, keys).argmax(-1)
+    old = R.REFERENCE_ELEMENTS
+    try:
+        R.REFERENCE_ELEMENTS = 512
+        assert torch.equal(R.race_reference(p, keys), one)
+    finally:
+        R.REFERENCE_ELEMENTS = old
+
+
+def test_zero_rows_and_nan_rows_pick_as_torch_argmax_would():
+    """All-zero probabilities: index 0 (every score 0, the first wins); a NaN (a row of -inf logits softmaxed):
+    the first NaN, as torch's argmax picks; both in the kernel and the reference."""
+    p = torch.zeros(3, 40)
+    p[1, 5:] = float("nan")
+    p[2, 17] = 1.0
+    keys = _keys(3, 1)
+    for got in (R.race_reference(p, keys), R.race(p, keys)):
+        assert got.tolist() == [0, 5, 17]
+
+
+def test_tokens_follow_the_probabilities():
+    """20,000 rows of one 10-token distribution, each row keyed differently: the counts pass a chi-square test
+    at p = 1e-4 (df 9: 33.7); the keys are fixed, so the test is deterministic. A 1e-3 token is drawn about
+    20 times, a 1e-9 token never."""
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.03, 0.019, 0.001])
+    probs = torch.cat([probs * (1 - 1e-9), torch.tensor([1e-9])])
+    n = 20000
+    p = probs.expand(n, -1).contiguous()
+    got = R.race(p, _keys(n, 12345))
+    counts = torch.bincount(got, minlength=11).double()
+    expected = probs.double() * n
+    chi2 = float(((counts[:10] - expected[:10]) ** 2 / expected[:10]).sum())
+    assert chi2 < 33.7, (chi2, counts.tolist())
+    assert 5 <= counts[9] <= 40 and counts[10] == 0
+
+
+def test_columns_and_rows_draw_independently():
+    """Uniform over 64 tokens, 64,000 draws: every column drawn about 1,000 times (chi-square df 63 at
+    p = 1e-4: 112), and consecutive rows' tokens uncorrelated (the pair counts of (token_i, token_i+1) mod 4:
+    chi-square df 15 at p = 1e-4: 42.3)."""
+    n, v = 64000, 64
+    got = R.race(torch.full((n, v), 1.0 / v), _keys(n, 777))
+    counts = torch.bincount(got, minlength=v).double()
+    assert float(((counts - n / v) ** 2 / (n / v)).sum()) < 112
+    a, b = got[:-1] % 4, got[1:] % 4
+    pairs = torch.bincount(a * 4 + b, minlength=16).double()
+    e = (n - 1) / 16
+    assert float(((pairs - e) ** 2 / e).sum()) < 42.3
+
+
+def _meta(params: list[SamplingParams], keys: list) -> SamplingMetadata:
+    return SamplingMetadata(params, [[] for _ in params], [[] for _ in params], keys, None, [None] * len(params))
+
+
+def test_seeded_rows_draw_the_same_alone_and_in_any_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3000, generator=g) * 2
+    params = [SamplingParams(temperature=0.9, seed=i) for i in range(6)]
+    keys = [draw_key(i, 4) for i in range(6)]
+    s = Sampler()
+    together = s.sample(logits, _meta(params, keys))[0]
+    alone = [s.sample(logits[i:i + 1], _meta(params[i:i + 1], keys[i:i + 1]))[0][0] for i in range(6)]
+    reversed_ = s.sample(logits.flip(0), _meta(params[::-1], keys[::-1]))[0][::-1]
+    assert together == alone == reversed_
+
+
+def test_unseeded_rows_repeat_under_torch_manual_seed_and_differ_without():
+    logits = torch.zeros(64, 1000)  # uniform: any draw is plausible, so equal draws are not by chance
+    params = [SamplingParams(temperature=1.0)] * 64
+    s = Sampler()
+    torch.manual_seed(5)
+    a = s.sample(logits, _meta(params, [None] * 64))[0]
+    torch.manual_seed(5)
+    b = s.sample(logits, _meta(params, [None] * 64))[0]
+    c = s.sample(logits, _meta(params, [None] * 64))[0]
+    assert a == b and a != c
+    assert len(set(a)) > 40  # 64 rows, 1,000 tokens: rows draw independently
+
+
+def test_a_callers_generator_still_draws_from_its_own_stream():
+    """A torch.Generator row (a caller driving one stream) keeps exponential_ from that stream: the same
+    generator state gives the same token, whatever the other rows are."""
+    logits = torch.zeros(3, 500)
+    params = [SamplingParams(temperature=1.0)] * 3
+    s = Sampler()
+    tok = []
+    for other in (11, 99):
+        gen = torch.Generator().manual_seed(42)
+        tok.append(s.sample(logits, _meta(params, [draw_key(other, 0), gen, None]))[0][1])
+    assert tok[0] == tok[1]
+
+
+def test_log_unit_is_ln_to_float32_precision():
+    y = torch.tensor([1e-30, 1e-7, 0.01, 0.3, 0.5, 0.70710678, 0.9, 0.99999, 1.0])
+    got = R._log_unit(y).double()
+    want = torch.log(y.double())
+    assert ((got - want).abs() <= 4e-7 * want.abs().clamp_min(1.0)).all(), (got - want).tolist()
+    assert float(R._log_unit(torch.zeros(1))) < -87  # 0: a large finite negative, a loser's noise
+
+
+def test_exponential_noise_has_mean_one_and_the_right_tail():
+    """q = -ln(1 - v) over 2^20 columns of one key: mean 1 (sd of the mean ~0.001), P(q < 1e-3) ~ 1e-3 (the
+    small-v series), P(q > 5) ~ e^-5."""
+    n = 1 << 20
+    p = torch.ones(1, n)
+    q = 1.0 / R.race_scores(p, _keys(1, 3))[0].double()
+    assert abs(float(q.mean()) - 1.0) < 0.005
+    assert abs(float((q < 1e-3).double().mean()) - (1 - math.exp(-1e-3))) < 2e-4
+    assert abs(float((q > 5).double().mean()) - math.exp(-5)) < 1e-3

@@ -164,6 +164,8 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
     # the sampler's exponential race (race.cpp) by its scalar score(): the vector path's and torch's bits
     from tdpipe.sampling import race
 
-    p = (torch.randn(7, 1000, generator=torch.Generator().manual_seed(8)) * 3).softmax(-1)
+    x = torch.randn(7, 1000, generator=torch.Generator().manual_seed(8)) * 3
     keys = torch.randint(-(1 << 63), (1 << 63) - 1, (7,), generator=torch.Generator().manual_seed(9))
-    assert torch.equal(k.race_rows(p, keys), race.race_reference(p, keys))
+    rows, temps = torch.arange(7), torch.rand(7, generator=torch.Generator().manual_seed(10)) + 0.1
+    for t in (x, x.bfloat16()):
+        assert torch.equal(k.race_rows(t, rows, temps, keys), race.race_reference(t, keys, rows, temps))

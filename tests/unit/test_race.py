@@ -1,6 +1,6 @@
-"""The exponential race with hashed noise (sampling/race.py, csrc/race.cpp): the kernel and the torch reference
-give the same tokens bit for bit, the tokens follow the probabilities, and the sampler's seeded rows depend on
-their key alone."""
+"""The exponential race with hashed noise on logits (sampling/race.py, csrc/race.cpp): the kernel and the torch
+reference give the same tokens bit for bit, the tokens follow the probabilities and the temperature, and the
+sampler's seeded rows depend on their key alone."""
 from __future__ import annotations
 
 import math
@@ -20,57 +20,63 @@ def _keys(n: int, seed: int) -> torch.Tensor:
     return torch.tensor([R.signed64(draw_key(seed, i)) for i in range(n)], dtype=torch.int64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,cols", [(1, 1), (3, 7), (5, 16), (4, 33), (64, 1000), (2, 40000)])
-def test_kernel_gives_the_reference_bits(rows, cols):
+def test_kernel_gives_the_reference_bits(rows, cols, dtype):
+    """Listed rows of a wider tensor, each with its own temperature, fp32 and bf16 logits, masked tokens."""
     k = cpu_ops.kernel()
     if k is None:
         pytest.skip("no C++ kernel on this machine")
     g = torch.Generator().manual_seed(rows * cols)
-    p = (torch.randn(rows, cols, generator=g) * 4).softmax(-1)
-    p[0, : cols // 2] = 0.0  # banned tokens: probability 0
+    x = (torch.randn(rows + 3, cols, generator=g) * 4).to(dtype)
+    x[1, : cols // 2] = float("-inf")  # banned tokens
+    idx = torch.randperm(rows + 3, generator=g)[:rows]
+    temps = torch.rand(rows, generator=g) * 1.5 + 0.05
     keys = _keys(rows, cols)
     keys[-1] = -(1 << 63)  # the extreme keys too
-    want = R.race_reference(p, keys)
-    assert torch.equal(k.race_rows(p, keys), want)
-    assert torch.equal(R.race(p, keys), want)
-    # the scores themselves, column for column: race_scores is what both compute
+    want = R.race_reference(x, keys, idx, temps)
+    assert torch.equal(k.race_rows(x, idx, temps, keys), want)
+    assert torch.equal(R.race(x, keys, idx, temps), want)
     assert (want >= 0).all() and (want < cols).all()
+    # in place with temperatures = a float32 copy divided first, raced without them
+    xs = x[idx].float() / temps[:, None]
+    assert torch.equal(R.race(xs, keys), want) and torch.equal(R.race_reference(xs, keys), want)
 
 
 def test_reference_chunks_agree_with_one_pass():
     """race_reference scores a wide row in column chunks: the winner is the one of one pass over the row."""
     g = torch.Generator().manual_seed(3)
-    p = (torch.randn(3, 5000, generator=g) * 3).softmax(-1)
+    x = torch.randn(3, 5000, generator=g) * 3
     keys = _keys(3, 9)
-    one = R.race_scores(p, keys).argmax(-1)
+    one = R.race_scores(x, keys).argmax(-1)
     old = R.REFERENCE_ELEMENTS
     try:
         R.REFERENCE_ELEMENTS = 512
-        assert torch.equal(R.race_reference(p, keys), one)
+        assert torch.equal(R.race_reference(x, keys), one)
     finally:
         R.REFERENCE_ELEMENTS = old
 
 
-def test_zero_rows_and_nan_rows_pick_as_torch_argmax_would():
-    """All-zero probabilities: index 0 (every score 0, the first wins); a NaN (a row of -inf logits softmaxed):
-    the first NaN, as torch's argmax picks; both in the kernel and the reference."""
-    p = torch.zeros(3, 40)
-    p[1, 5:] = float("nan")
-    p[2, 17] = 1.0
+def test_masked_rows_and_nan_rows_pick_as_torch_argmax_would():
+    """A row with nothing allowed (all -inf): index 0, every score -inf; a NaN logit wins, the first one, as
+    torch's argmax picks; one allowed token is always the one drawn; in the kernel and the reference."""
+    x = torch.full((3, 40), float("-inf"))
+    x[1, 5:] = float("nan")
+    x[2, 17] = 3.0
     keys = _keys(3, 1)
-    for got in (R.race_reference(p, keys), R.race(p, keys)):
+    for got in (R.race_reference(x, keys), R.race(x, keys)):
         assert got.tolist() == [0, 5, 17]
 
 
 def test_tokens_follow_the_probabilities():
-    """20,000 rows of one 10-token distribution, each row keyed differently: the counts pass a chi-square test
-    at p = 1e-4 (df 9: 33.7); the keys are fixed, so the test is deterministic. A 1e-3 token is drawn about
-    20 times, a 1e-9 token never."""
+    """20,000 rows of one 10-token distribution (as logits: ln p), each row keyed differently: the counts pass
+    a chi-square test at p = 1e-4 (df 9: 33.7); the keys are fixed, so the test is deterministic. A 1e-3
+    token is drawn about 20 times, a 1e-9 token never."""
     probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.05, 0.03, 0.019, 0.001])
     probs = torch.cat([probs * (1 - 1e-9), torch.tensor([1e-9])])
     n = 20000
-    p = probs.expand(n, -1).contiguous()
-    got = R.race(p, _keys(n, 12345))
+    x = probs.log().expand(n, -1).contiguous()
+    got = R.race(x, _keys(n, 12345))
     counts = torch.bincount(got, minlength=11).double()
     expected = probs.double() * n
     chi2 = float(((counts[:10] - expected[:10]) ** 2 / expected[:10]).sum())
@@ -78,12 +84,23 @@ def test_tokens_follow_the_probabilities():
     assert 5 <= counts[9] <= 40 and counts[10] == 0
 
 
+def test_temperature_flattens_and_sharpens():
+    """Two tokens with logits 0 and ln 3 (p = 1/4, 3/4): at t = 2 the second has p = sqrt 3 / (1 + sqrt 3) =
+    0.634, at t = 0.5 p = 9 / 10; 20,000 draws each within 4 standard deviations."""
+    n = 20000
+    x = torch.tensor([[0.0, math.log(3.0)]]).expand(n, -1).contiguous()
+    for t, p in ((2.0, 3 ** 0.5 / (1 + 3 ** 0.5)), (0.5, 0.9)):
+        got = R.race(x, _keys(n, 31), torch.arange(n), torch.full((n,), t))
+        share = float(got.double().mean())
+        assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / n), (t, share, p)
+
+
 def test_columns_and_rows_draw_independently():
     """Uniform over 64 tokens, 64,000 draws: every column drawn about 1,000 times (chi-square df 63 at
     p = 1e-4: 112), and consecutive rows' tokens uncorrelated (the pair counts of (token_i, token_i+1) mod 4:
     chi-square df 15 at p = 1e-4: 42.3)."""
     n, v = 64000, 64
-    got = R.race(torch.full((n, v), 1.0 / v), _keys(n, 777))
+    got = R.race(torch.zeros(n, v), _keys(n, 777))
     counts = torch.bincount(got, minlength=v).double()
     assert float(((counts - n / v) ** 2 / (n / v)).sum()) < 112
     a, b = got[:-1] % 4, got[1:] % 4
@@ -134,20 +151,42 @@ def test_a_callers_generator_still_draws_from_its_own_stream():
     assert tok[0] == tok[1]
 
 
-def test_log_unit_is_ln_to_float32_precision():
-    y = torch.tensor([1e-30, 1e-7, 0.01, 0.3, 0.5, 0.70710678, 0.9, 0.99999, 1.0])
-    got = R._log_unit(y).double()
+def test_ln_is_ln_to_float32_precision():
+    y = torch.tensor([1e-30, 1e-7, 0.01, 0.3, 0.5, 0.70710678, 0.9, 0.99999, 1.0, 1.5, 7.0, 88.0, 3e30])
+    got = R._ln(y).double()
     want = torch.log(y.double())
     assert ((got - want).abs() <= 4e-7 * want.abs().clamp_min(1.0)).all(), (got - want).tolist()
-    assert float(R._log_unit(torch.zeros(1))) < -87  # 0: a large finite negative, a loser's noise
+    assert float(R._ln(torch.zeros(1))) < -87  # 0: a large finite negative, a loser's noise
 
 
 def test_exponential_noise_has_mean_one_and_the_right_tail():
-    """q = -ln(1 - v) over 2^20 columns of one key: mean 1 (sd of the mean ~0.001), P(q < 1e-3) ~ 1e-3 (the
-    small-v series), P(q > 5) ~ e^-5."""
+    """q = -ln(1 - v) over 2^20 columns of one key (the score of a zero logit is -ln q): mean 1 (sd of the
+    mean ~0.001), P(q < 1e-3) ~ 1e-3 (the small-v series), P(q > 5) ~ e^-5."""
     n = 1 << 20
-    p = torch.ones(1, n)
-    q = 1.0 / R.race_scores(p, _keys(1, 3))[0].double()
+    q = torch.exp(-R.race_scores(torch.zeros(1, n), _keys(1, 3))[0].double())
     assert abs(float(q.mean()) - 1.0) < 0.005
     assert abs(float((q < 1e-3).double().mean()) - (1 - math.exp(-1e-3))) < 2e-4
     assert abs(float((q > 5).double().mean()) - math.exp(-5)) < 1e-3
+
+
+def test_plain_rows_race_in_place_with_the_copied_rows_bits():
+    """Plain temperature rows race where their logits lie (the caller's bf16 tensor, or the changed copy of the
+    rows with bans or penalties), dividing by the temperature inside the kernel. A min_p of 1e-12 masks
+    nothing here (logits within +-10) but sends a row through the copied, divided path: the same tokens."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(8, 3000, generator=g) * 2).bfloat16()
+    keys = [draw_key(i, 3) for i in range(8)]
+
+    def params(min_p: float) -> list[SamplingParams]:
+        return [SamplingParams(temperature=0.5 + 0.1 * i, seed=i, min_p=min_p,
+                               repetition_penalty=1.3 if i % 3 == 0 else 1.0) for i in range(8)]
+
+    def meta(ps: list[SamplingParams]) -> SamplingMetadata:
+        return SamplingMetadata(ps, [[1, 2, 3]] * 8, [[4, 5]] * 8, keys, [[7]] * 8,
+                                [None] * 8)
+
+    s = Sampler()
+    in_place = s.sample(logits, meta(params(0.0)))[0]
+    copied = s.sample(logits, meta(params(1e-12)))[0]
+    assert in_place == copied
+    assert all(t != 7 for t in in_place)  # the banned token

@@ -1,5 +1,7 @@
-"""The exponential race with counter-based noise: the token of each row of `probs` is argmax_j p_j / q_j, q_j ~ Exp(1)
-i.i.d., which picks column j with probability p_j (the race of independent exponential clocks of rates p_j).
+"""The exponential race with counter-based noise, on logits: the token of row r is argmax_j x_j / t - ln q_j,
+q_j ~ Exp(1) i.i.d. That is argmax_j p_j / q_j with p = softmax(x / t), which picks column j with probability p_j
+(the race of independent exponential clocks of rates p_j), taken in logs: no softmax, and the rows are read
+where they lie (the caller's logits, fp32 or bf16, a list of row indices and a temperature per row).
 
 The noise is a hash of (row key, column j), not a generator's stream: a row's draw depends on its key and the
 number of columns alone, never on which rows share the batch or the order they are drawn in, and the rows
@@ -11,7 +13,8 @@ in the same order in torch (any device), so both give the same tokens bit for bi
 Per column: a = fmix32(j * 0x9e3779b9 + k0), hi = fmix32(a ^ k1), lo = fmix32(a + k1 + 0x632be5ab) with
 (k0, k1) the key's 32-bit halves and fmix32 murmur3's finaliser; v = hi 2^-32 + (lo + 1/2) 2^-64 in (0, 1);
 q = -ln(1 - v) (by its series below v = 2^-7, where 1 - v in float32 would drop the bits that decide the
-race; ln by 2 atanh((m - 1) / (m + 1)) on the mantissa), then p / q.
+race); ln by 2 atanh((m - 1) / (m + 1)) on the mantissa m; score x / t - ln q. A row of -inf (nothing allowed)
+gives column 0; a NaN logit wins (torch's argmax rule).
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _log_unit(y: torch.Tensor) -> torch.Tensor:
-    """race.cpp's log_unit: ln y for float32 y in [0, 1]."""
+def _ln(y: torch.Tensor) -> torch.Tensor:
+    """race.cpp's ln: ln y for a positive normal float32 y (0 gives about -88)."""
     c = {k: torch.tensor(v, dtype=torch.float32, device=y.device) for k, v in _C.items()}
     b = y.view(torch.int32).to(torch.int64) & M32
     e = ((b >> 23) & 0xFF) - 127
@@ -69,13 +72,14 @@ def _log_unit(y: torch.Tensor) -> torch.Tensor:
     return e.to(torch.float32) * c["ln2"] + lnm
 
 
-def race_scores(probs: torch.Tensor, keys: torch.Tensor, col0: int = 0) -> torch.Tensor:
-    """p / q for `probs` [R, C] (float32; columns col0 .. col0 + C of their rows) with the rows' int64 `keys`."""
-    dev = probs.device
+def race_scores(x: torch.Tensor, keys: torch.Tensor, col0: int = 0) -> torch.Tensor:
+    """x - ln q for float32 `x` [R, C] (already divided by the temperature; columns col0 .. col0 + C of their
+    rows) with the rows' int64 `keys`."""
+    dev = x.device
     c = {k: torch.tensor(v, dtype=torch.float32, device=dev) for k, v in _C.items()}
     k = keys.to(device=dev, dtype=torch.int64)
     k0, k1 = (k & M32)[:, None], ((k >> 32) & M32)[:, None]
-    j = torch.arange(col0, col0 + probs.shape[1], dtype=torch.int64, device=dev)[None, :]
+    j = torch.arange(col0, col0 + x.shape[1], dtype=torch.int64, device=dev)[None, :]
     a = _fmix32(((j * 0x9E3779B9) + k0) & M32)
     hi = _fmix32(a ^ k1)
     lo = _fmix32((a + k1 + 0x632BE5AB) & M32)
@@ -88,41 +92,52 @@ def race_scores(probs: torch.Tensor, keys: torch.Tensor, col0: int = 0) -> torch
     s = s * v
     s = s + 1.0
     q_small = v * s
-    q_log = -_log_unit(1.0 - v)
+    q_log = 0.0 - _ln(1.0 - v)
     q = torch.where(v < c["small"], q_small, q_log)
-    return probs / q
+    return x - _ln(q)
 
 
-def race_reference(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: each row's first index of the largest p / q (torch's argmax: the first NaN wins), in chunks
-    of rows and columns so the temporaries stay ~100 MiB whatever the vocabulary."""
-    rows, cols = probs.shape
-    out = torch.empty(rows, dtype=torch.int64, device=probs.device)
+def race_reference(x: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None,
+                   temps: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [R]: race.cpp's race_rows in torch, on any device. Each listed row's (all rows: None) first index
+    of the largest x / t - ln q (torch's argmax: the first NaN wins), in chunks of rows and columns so the
+    temporaries stay ~100 MiB whatever the vocabulary."""
+    idx = torch.arange(x.shape[0]) if rows is None else rows
+    n, cols = len(idx), x.shape[1]
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
     step_c = min(cols, REFERENCE_ELEMENTS)
     step_r = max(1, REFERENCE_ELEMENTS // step_c)
-    for r0 in range(0, rows, step_r):
-        p, k = probs[r0:r0 + step_r], keys[r0:r0 + step_r]
-        best = idx = None
+    for r0 in range(0, n, step_r):
+        sub = idx[r0:r0 + step_r].to(x.device)
+        k = keys[r0:r0 + step_r]
+        t = None if temps is None else temps[r0:r0 + step_r].to(device=x.device, dtype=torch.float32)[:, None]
+        best = at = None
         for c0 in range(0, cols, step_c):
-            s = race_scores(p[:, c0:c0 + step_c], k, c0)
+            xs = x[sub, c0:c0 + step_c].to(torch.float32)
+            s = race_scores(xs if t is None else xs / t, k, c0)  # x / 1 is x: no division without temps
             m, i = s.max(dim=-1)  # first index of the maximum, NaN first
             i = i + c0
             if best is None:
-                best, idx = m, i
+                best, at = m, i
             else:  # a later chunk wins only strictly, or with a NaN where the earlier had none
                 take = (m > best) | (m.isnan() & ~best.isnan())
-                best, idx = torch.where(take, m, best), torch.where(take, i, idx)
-        out[r0:r0 + step_r] = idx
+                best, at = torch.where(take, m, best), torch.where(take, i, at)
+        out[r0:r0 + step_r] = at
     return out
 
 
-def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """int64 [R] tokens of `probs` [R, V] (float32) keyed by `keys` [R] (int64): csrc/race.cpp on CPU where
-    built, else `race_reference` (the same bits)."""
-    k = cpu_ops.kernel() if probs.device.type == "cpu" else None
-    if k is not None and probs.dtype == torch.float32 and probs.is_contiguous():
-        return k.race_rows(probs, keys.to(torch.int64).contiguous())
-    return race_reference(probs.to(torch.float32), keys)
+def race(x: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None,
+         temps: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [R] tokens of the listed `rows` of logits `x` [N, V] (float32 or bf16; all rows: None), each divided
+    by its temperature `temps` [R] (None: already divided), keyed by `keys` [R] (int64): csrc/race.cpp on CPU
+    where built, else `race_reference` (the same bits)."""
+    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
+    if kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+        n = x.shape[0] if rows is None else len(rows)
+        r = torch.arange(n, dtype=torch.int64) if rows is None else rows.to(torch.int64).contiguous()
+        t = torch.ones(n, dtype=torch.float32) if temps is None else temps.to(torch.float32).contiguous()
+        return kern.race_rows(x, r, t, keys.to(torch.int64).contiguous())
+    return race_reference(x, keys, rows, temps)
 
 
 def signed64(key: int) -> int:

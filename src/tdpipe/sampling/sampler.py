@@ -241,8 +241,22 @@ class Sampler:
         for i, p in enumerate(params):  # the other greedy rows: an argmax of each row where it lies, no copy
             if p.is_greedy and i not in fix_at and i not in direct_set:
                 tokens[i] = int(logits[i].argmax())
+        def race_in_place(rows: list[int], temps: torch.Tensor, keys: torch.Tensor) -> list[int]:
+            """The race over these rows of the processed logits where they lie (the caller's tensor, or the
+            changed copy), each divided by its temperature inside the kernel: the bits of take + race."""
+            out = [0] * len(rows)
+            for src, at in ((logits, [(j, i) for j, i in enumerate(rows) if i not in fix_at]),
+                            (fixed if fix_rows else None, [(j, fix_at[i]) for j, i in enumerate(rows) if i in fix_at])):
+                if at:
+                    js = [j for j, _ in at]
+                    got = race(src, keys[js], torch.tensor([r for _, r in at]), temps[js]).tolist()
+                    for j, tok in zip(js, got):
+                        out[j] = tok
+            return out
+
         if rows:
             sampled = self._sample(lambda js, temps: take([rows[j] for j in js], temps),
+                                   lambda js, temps, keys: race_in_place([rows[j] for j in js], temps, keys),
                                    [params[i] for i in rows], [meta.keys[i] for i in rows])
             for i, tok in zip(rows, sampled):
                 tokens[i] = tok
@@ -285,11 +299,14 @@ class Sampler:
                 entry += [(t, v, r + 1) for r, (t, v) in enumerate(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))]
             out[i] = entry
 
-    def _sample(self, take: Callable[[list[int], torch.Tensor], torch.Tensor], params: list[SamplingParams],
+    def _sample(self, take: Callable[[list[int], torch.Tensor], torch.Tensor],
+                in_place: Callable[[list[int], torch.Tensor, torch.Tensor], list[int]], params: list[SamplingParams],
                 generators: list[RowRandom]) -> list[int]:
         """Temperature, then top-k / top-p / min-p on the candidate fast path where a row has top-k or top-p
-        and its survivors lie within its top CANDIDATES tokens; every other row takes the full path.
-        `take(rows, temps)`: those rows' logits divided by their temperatures, a new float32 tensor."""
+        and its survivors lie within its top CANDIDATES tokens; the plain rows (temperature alone, a key) race
+        where their logits lie; every other row takes the full path. `take(rows, temps)`: those rows' logits
+        divided by their temperatures, a new float32 tensor; `in_place(rows, temps, keys)`: their race
+        without that copy (the same tokens)."""
         n = len(params)
 
         def scaled(rows: list[int]) -> torch.Tensor:
@@ -307,8 +324,8 @@ class Sampler:
                 torch.tensor([p.top_p for p in sub]), torch.tensor([p.min_p for p in sub]))
             rows = [j for j, c in enumerate(covered.tolist()) if c]
             if rows:
-                probs = vals[rows].masked_fill(~keep[rows], float("-inf")).softmax(-1)
-                picked = self._race(probs, [generators[fast[j]] for j in rows])
+                picked = self._race(vals[rows].masked_fill(~keep[rows], float("-inf")),
+                                    [generators[fast[j]] for j in rows])
                 for j, c in zip(rows, picked):
                     tokens[fast[j]] = int(ids[j, c])
             done = {fast[j] for j in rows}
@@ -317,34 +334,49 @@ class Sampler:
             if len(left) == len(rest):  # the rows left are all uncovered fast rows: reuse their scaled logits
                 rest_x = x if len(left) == len(fast) else x[left]
             del x
+        plain = [i for i in rest if params[i].top_k <= 0 and params[i].top_p >= 1 and params[i].min_p <= 0
+                 and not isinstance(generators[i], torch.Generator)]
+        if plain:
+            keys = self._keys([generators[i] for i in plain])
+            temps = torch.tensor([params[i].temperature for i in plain], dtype=torch.float32)
+            for i, t in zip(plain, in_place(plain, temps, keys)):
+                tokens[i] = t
+            gone = set(plain)
+            rest = [i for i in rest if i not in gone]
         if rest:
-            sub = rest_x if rest_x is not None else scaled(rest)
+            sub = rest_x if rest_x is not None else scaled(rest)  # rest_x: no plain row among them
             del rest_x
             for i, t in zip(rest, self._sample_full(sub, [params[i] for i in rest], [generators[i] for i in rest])):
                 tokens[i] = t
         return tokens
 
-    def _race(self, probs: torch.Tensor, generators: list[RowRandom]) -> list[int]:
-        """Exponential race: argmax(p / q), q ~ Exp(1), picks column j with probability p_j (sampling/race.py).
-        A seeded row's noise is hashed from its key and the column, so its draw depends on nothing but (seed,
-        output index) and the number of columns; an unseeded row's key is drawn from torch's global generator
-        (torch.manual_seed repeats a run). Robust to logits a few ulps apart (the same request in a batch of
-        another shape): the winner changes only on a near tie of p / q. Inverse-CDF sampling (one uniform per
-        row) needs one pass too, but in vocabulary order a draw landing among tail tokens moves with any
-        ulp-level shift of the cumulative sum, so a seeded request's tokens then depended on what shared its
-        batch. A torch.Generator (a caller's own stream) draws its row's noise from it with `exponential_`."""
-        own = [i for i, g in enumerate(generators) if isinstance(g, torch.Generator)]
+    @staticmethod
+    def _keys(generators: list[RowRandom]) -> torch.Tensor:
+        """int64 race keys of rows whose randomness is a key (seeded) or None (unseeded: one draw of torch's
+        global generator per call, mixed per row, so torch.manual_seed repeats a run); 0 for a Generator row."""
         keys = [0 if isinstance(g, torch.Generator) else g for g in generators]
         unseeded = [i for i, g in enumerate(keys) if g is None]
-        if unseeded:  # one draw of the global generator per call, mixed per row
+        if unseeded:
             base = int(torch.randint(0, 1 << 62, ()))
             for i, key in zip(unseeded, draw_keys([base] * len(unseeded), unseeded)):
                 keys[i] = key
-        tokens = race(probs, torch.tensor([signed64(k) for k in keys], dtype=torch.int64)).tolist()
-        for i in own:
-            q = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generators[i])
-            q = q.to(probs.device).clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw would make 0/0 = NaN
-            tokens[i] = int((probs[i] / q).argmax())
+        return torch.tensor([signed64(k) for k in keys], dtype=torch.int64)
+
+    def _race(self, x: torch.Tensor, generators: list[RowRandom]) -> list[int]:
+        """Exponential race on float32 logits already divided by their temperatures (masked tokens -inf):
+        argmax(x - ln q), q ~ Exp(1), picks column j with probability softmax(x)_j (sampling/race.py). A seeded
+        row's noise is hashed from its key and the column, so its draw depends on nothing but (seed, output
+        index) and the number of columns. Robust to logits a few ulps apart (the same request in a batch of
+        another shape): the winner changes only on a near tie. Inverse-CDF sampling (one uniform per row)
+        needs one pass too, but in vocabulary order a draw landing among tail tokens moves with any ulp-level
+        shift of the cumulative sum, so a seeded request's tokens then depended on what shared its batch. A
+        torch.Generator (a caller's own stream) draws its row's noise from it with `exponential_`."""
+        tokens = race(x, self._keys(generators)).tolist()
+        for i, g in enumerate(generators):
+            if isinstance(g, torch.Generator):
+                q = torch.empty(x.shape[1], dtype=torch.float32).exponential_(generator=g)
+                q = q.to(x.device).clamp_min_(torch.finfo(q.dtype).tiny)  # a zero draw: ln 0 = -inf
+                tokens[i] = int((x[i].float() - q.log()).argmax())
         return tokens
 
     def _sample_full(self, logits: torch.Tensor, params: list[SamplingParams],
@@ -353,7 +385,7 @@ class Sampler:
         value per column as it always has). A top-k / top-p row's masks come from its WIDE_CANDIDATES top
         tokens where they hold its survivors, the other rows' from a full sort."""
         vocab = logits.shape[-1]
-        probs: torch.Tensor | None = None
+        xs: torch.Tensor | None = None  # the rows' logits after their masks (-inf), what the race reads
         rest = list(range(len(params)))
         for k in WIDE_CANDIDATES:
             wide = [i for i in rest if params[i].top_k > 0 or params[i].top_p < 1]
@@ -366,11 +398,11 @@ class Sampler:
                 torch.tensor([p.min_p for p in sub]), k=k)
             hit = covered.nonzero().squeeze(1)
             if hit.numel():
-                got = vals[hit].masked_fill(~keep[hit], float("-inf")).softmax(-1)
-                if probs is None:
-                    probs = torch.zeros_like(logits)
+                got = vals[hit].masked_fill(~keep[hit], float("-inf"))
+                if xs is None:
+                    xs = torch.full_like(logits, float("-inf"))
                 at = torch.tensor(wide)[hit]
-                probs[at] = torch.zeros(len(at), vocab).scatter_(1, ids[hit], got)
+                xs[at] = torch.full((len(at), vocab), float("-inf")).scatter_(1, ids[hit], got)
                 done = set(at.tolist())
                 rest = [i for i in rest if i not in done]
         if rest:
@@ -382,8 +414,8 @@ class Sampler:
             x = apply_top_k_top_p(x, top_k, top_p)
             if any(p.min_p > 0 for p in sub):
                 x = apply_min_p(x, torch.tensor([p.min_p for p in sub]))
-            if probs is None:
-                probs = x.softmax(dim=-1)
+            if xs is None:
+                xs = x
             else:
-                probs[rest] = x.softmax(dim=-1)
-        return self._race(probs, generators)
+                xs[rest] = x
+        return self._race(xs, generators)

@@ -26,20 +26,24 @@ from tdpipe.sampling.sampler import Sampler
 from tdpipe.sampling.seeds import draw_key
 
 
-def workload(batch: int, vocab: int, flat_every: int = 8,
-             seed: int = 0) -> tuple[torch.Tensor, SamplingMetadata]:
-    """The logits and per-row sampling inputs described in the module docstring."""
+MIXES = ("mixed", "temperature")  # --mix: the module docstring's rows, or every row temperature 1 alone
+
+
+def workload(batch: int, vocab: int, flat_every: int = 8, seed: int = 0,
+             mix: str = "mixed") -> tuple[torch.Tensor, SamplingMetadata]:
+    """The logits and per-row sampling inputs described in the module docstring (mix "temperature": every row
+    at temperature 1 over the whole vocabulary, no top-k / top-p, as an RL rollout samples)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, vocab, generator=gen)
     flat = [bool(flat_every) and i % flat_every == flat_every - 1 for i in range(batch)]
     sigma = torch.tensor([2.5 if f else 5.0 for f in flat])
     logits.mul_(sigma[:, None])
-    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
-             SamplingParams(temperature=1.0, top_k=50)]
+    kinds = ([SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=50)] if mix == "mixed" else [SamplingParams(temperature=1.0)])
     params, keys, lps = [], [], []
     for i in range(batch):
-        base = kinds[i % 3]
-        seeded = not base.is_greedy and (i // 3) % 2 == 0
+        base = kinds[i % len(kinds)]
+        seeded = not base.is_greedy and (i // len(kinds)) % 2 == 0
         p = SamplingParams(temperature=base.temperature, top_p=base.top_p, top_k=base.top_k,
                            seed=i if seeded else None, logprobs=5 if i % 16 == 0 else None)
         params.append(p)
@@ -50,12 +54,12 @@ def workload(batch: int, vocab: int, flat_every: int = 8,
 
 
 def run(batch: int = 256, vocab: int = 262144, hidden: int = 640, iters: int = 5, flat_every: int = 8,
-        threads: int = 0) -> dict[str, Any]:
+        threads: int = 0, mix: str = "mixed") -> dict[str, Any]:
     """Best and median seconds of `Sampler.sample` on the workload, the lm_head matmul's, and the digest of
     the sampled tokens (unseeded rows draw from torch's global generator, reseeded before every call)."""
     if threads:
         torch.set_num_threads(threads)
-    logits, meta = workload(batch, vocab, flat_every)
+    logits, meta = workload(batch, vocab, flat_every, mix=mix)
     sampler = Sampler()
     times, digest = [], ""
     for it in range(iters + 1):
@@ -73,14 +77,14 @@ def run(batch: int = 256, vocab: int = 262144, hidden: int = 640, iters: int = 5
         t0 = time.perf_counter()
         torch.nn.functional.linear(h, w)
         head.append(time.perf_counter() - t0)
-    return {"batch": batch, "vocab": vocab, "threads": torch.get_num_threads(), "sample_best_s": min(times),
+    return {"batch": batch, "vocab": vocab, "mix": mix, "threads": torch.get_num_threads(), "sample_best_s": min(times),
             "sample_median_s": statistics.median(times), "lm_head_best_s": min(head[1:]), "digest": digest}
 
 
 def report(r: dict[str, Any]) -> str:
     share = r["sample_best_s"] / (r["sample_best_s"] + r["lm_head_best_s"])
-    return (f"sampler, {r['batch']} rows x {r['vocab']} columns, {r['threads']} threads: best "
-            f"{r['sample_best_s'] * 1e3:.1f} ms, median {r['sample_median_s'] * 1e3:.1f} ms; lm_head (bf16) "
+    return (f"sampler ({r.get('mix', 'mixed')} rows), {r['batch']} rows x {r['vocab']} columns, "
+            f"{r['threads']} threads: best {r['sample_best_s'] * 1e3:.1f} ms, median {r['sample_median_s'] * 1e3:.1f} ms; lm_head (bf16) "
             f"{r['lm_head_best_s'] * 1e3:.1f} ms; sampler / (sampler + lm_head) {share:.0%}; tokens digest "
             f"{r['digest']}")
 
@@ -93,11 +97,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flat-every", type=int, default=8,
                    help="every n-th row has a flat distribution (0: none)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--mix", choices=MIXES, default="mixed",
+                   help="mixed: greedy, top-p and top-k rows, some seeded, some with logprobs (module docstring); "
+                        "temperature: every row at temperature 1 over the whole vocabulary, half of them seeded "
+                        "(default: %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
 
 
 def cmd(a: argparse.Namespace) -> int:
-    r = run(a.batch, a.vocab, a.hidden, a.iters, a.flat_every, a.threads)
+    r = run(a.batch, a.vocab, a.hidden, a.iters, a.flat_every, a.threads, a.mix)
     print(report(r))
     if a.json:
         write_json(a.json, r)

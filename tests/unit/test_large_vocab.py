@@ -108,14 +108,27 @@ def test_tensor_parallel_greedy_ids_on_a_large_vocabulary():
 
 
 def test_device_sampler_perturbs_in_place_with_the_same_values():
+    """On CPU the stage's noise is the race's hashed noise, keyed per row by (seed, salt, row): the kernel's
+    values are race.race_scores' (the torch reference), bit for bit."""
+    from tdpipe.sampling import race
+    from tdpipe.sampling.seeds import draw_key, draw_keys
+
     x = _logits(4, 5)[:, :4096]
     temps = [0.0, 0.7, 1.3, 0.0]
     got = DeviceSampler().perturb(x, temps, 11, 2)
-    e = torch.empty(2, 4096).exponential_(generator=DeviceSampler().generator(x.device, 11, 2))
+    keys = torch.tensor([race.signed64(k) for k in draw_keys([draw_key(11, 2)] * 2, [1, 2])])
     want = x.clone()
-    noise = e.clamp_min(torch.finfo(e.dtype).tiny).log()
-    want[[1, 2]] = x[[1, 2]] / torch.tensor([0.7, 1.3])[:, None] - noise
+    want[[1, 2]] = race.race_scores(x[[1, 2]] / torch.tensor([0.7, 1.3])[:, None], keys)
     assert torch.equal(got, want)
+    assert torch.equal(race.perturb_(x[[1, 2]].clone(), torch.tensor([0.7, 1.3]), keys), want[[1, 2]])
+    # the reference path (no kernel) of perturb_, in row chunks
+    old = race.REFERENCE_ELEMENTS
+    try:
+        race.REFERENCE_ELEMENTS = 4096
+        ref = race.perturb_(x[[1, 2]].clone().t().contiguous().t(), torch.tensor([0.7, 1.3]), keys)
+    finally:
+        race.REFERENCE_ELEMENTS = old
+    assert torch.equal(ref, want[[1, 2]])
 
 
 def test_sampler_bench_runs():

@@ -190,3 +190,15 @@ def test_plain_rows_race_in_place_with_the_copied_rows_bits():
     copied = s.sample(logits, meta(params(1e-12)))[0]
     assert in_place == copied
     assert all(t != 7 for t in in_place)  # the banned token
+
+
+def test_perturbed_scores_argmax_is_the_race():
+    """race_perturb_ writes the scores race_rows maximises: their argmax is its token, and a shard of columns
+    hashed from col0 on holds the same scores as those columns of the whole row."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 700, generator=g) * 3
+    keys, temps = _keys(5, 6), torch.rand(5, generator=g) + 0.2
+    whole = R.perturb_(x.clone(), temps, keys)
+    assert torch.equal(whole.argmax(-1), R.race(x, keys, torch.arange(5), temps))
+    part = R.perturb_(x[:, 300:].contiguous(), temps, keys, col0=300)
+    assert torch.equal(part, whole[:, 300:])

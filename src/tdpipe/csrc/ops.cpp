@@ -296,6 +296,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm", &qgemm, "block-quantised GEMM: packed 4- or 8-bit weights x int8 activations (VNNI)");
   m.def("qgemm_portable", &qgemm_portable, "qgemm by the portable loop, whatever the CPU (tests)");
   m.def("qgemm_path", &qgemm_path, "which code path qgemm was compiled to");
-  m.def("race_rows", &race_rows, "exponential race per row: argmax p / q, q ~ Exp(1) hashed from (key, column)");
+  m.def("race_rows", &race_rows, "exponential race per row: argmax x / t - ln q, q ~ Exp(1) hashed from (key, column)");
+  m.def("race_perturb_", &race_perturb_, "in place: x / t - ln q, the race's scores (Gumbel-max noise)");
   m.def("masked_argmax_rows", &masked_argmax_rows, "row-wise argmax over the tokens a bitmask allows (-1: none)");
 }

@@ -4,6 +4,8 @@
 // row's draw depends on its key and the number of columns alone, so rows split over threads freely.
 //   race_rows:  x fp32 / bf16 [N, V] contiguous, rows int64 [R] (indices into x), temps fp32 [R], keys int64 [R]
 //               -> int64 [R]
+//   race_perturb_: x fp32 [R, V] in place -> x / t - ln q (hashed as columns col0 ..): the scores themselves, for
+//               the last stage's Gumbel-max over a vocabulary shard (sampling/device_sampler.py)
 // torch's exponential_ (a sequential Mersenne twister and a libm log per value) took 240 ms for 256 x 49,152
 // here, and the softmax and the scaled copy before it 25 ms each; this is one pass over the logits. race.py's
 // torch reference makes the same float32 operations in the same order: the same bits, so a seeded request's
@@ -157,16 +159,17 @@ inline __m512 vscore(__m512 x, __m512 t, uint32_t j0, uint32_t k0, uint32_t k1) 
 }
 #endif
 
-// s[0, n) = score of columns c0 .. c0 + n - 1 of row `xr`
+// s[0, n) = score of columns c0 .. c0 + n - 1 of row `xr`, hashed as columns j0 + c0 ..
 template <typename T>
-inline void score_tile(const T* xr, float t, float* s, int64_t c0, int64_t n, uint32_t k0, uint32_t k1) {
+inline void score_tile(const T* xr, float t, float* s, int64_t c0, int64_t n, uint32_t k0, uint32_t k1,
+                       int64_t j0 = 0) {
   int64_t i = 0;
 #if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
   const __m512 vt = _mm512_set1_ps(t);
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(s + i, vscore(vload(xr + c0 + i), vt, static_cast<uint32_t>(c0 + i), k0, k1));
+    _mm512_storeu_ps(s + i, vscore(vload(xr + c0 + i), vt, static_cast<uint32_t>(j0 + c0 + i), k0, k1));
 #endif
-  for (; i < n; ++i) s[i] = score(to_f(xr[c0 + i]), t, static_cast<uint32_t>(c0 + i), k0, k1);
+  for (; i < n; ++i) s[i] = score(to_f(xr[c0 + i]), t, static_cast<uint32_t>(j0 + c0 + i), k0, k1);
 }
 
 template <typename T>
@@ -207,6 +210,22 @@ void race_impl(const T* x, const int64_t* rows, const float* temps, const int64_
   }
 }
 
+// In place: x[r, j] = x[r, j] / t[r] - ln q(key[r], col0 + j), the race's scores (the stage's Gumbel-max noise)
+void perturb_impl(float* x, const float* temps, const int64_t* keys, int64_t n, int64_t v, int64_t col0) {
+#pragma omp parallel for schedule(dynamic, 1) if (n * v > 65536)
+  for (int64_t r = 0; r < n; ++r) {
+    float* xr = x + r * v;
+    const uint64_t key = static_cast<uint64_t>(keys[r]);
+    const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+    float s[kTile];
+    for (int64_t c0 = 0; c0 < v; c0 += kTile) {
+      const int64_t m_n = v - c0 < kTile ? v - c0 : kTile;
+      score_tile(xr, temps[r], s, c0, m_n, k0, k1, col0);
+      std::memcpy(xr + c0, s, sizeof(float) * m_n);
+    }
+  }
+}
+
 }  // namespace race_detail
 
 at::Tensor race_rows(at::Tensor x, at::Tensor rows, at::Tensor temps, at::Tensor keys) {
@@ -228,6 +247,15 @@ at::Tensor race_rows(at::Tensor x, at::Tensor rows, at::Tensor temps, at::Tensor
                            keys.data_ptr<int64_t>(), out.data_ptr<int64_t>(), n, x.size(1));
   }
   return out;
+}
+
+void race_perturb_(at::Tensor x, at::Tensor temps, at::Tensor keys, int64_t col0) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "race_perturb_: contiguous fp32 [R, V]");
+  const int64_t n = x.size(0);
+  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n, "race_perturb_: fp32 temps [R]");
+  TORCH_CHECK(keys.dtype() == at::kLong && keys.is_contiguous() && keys.numel() == n, "race_perturb_: int64 keys [R]");
+  TORCH_CHECK(col0 >= 0 && col0 + x.size(1) <= (int64_t{1} << 32), "race_perturb_: columns within 2^32");
+  race_detail::perturb_impl(x.data_ptr<float>(), temps.data_ptr<float>(), keys.data_ptr<int64_t>(), n, x.size(1), col0);
 }
 
 #pragma GCC pop_options

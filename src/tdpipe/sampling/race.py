@@ -140,10 +140,26 @@ def race(x: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None,
     return race_reference(x, keys, rows, temps)
 
 
+def perturb_(x: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, col0: int = 0) -> torch.Tensor:
+    """In place on float32 `x` [R, V]: x / t - ln q, each row with its temperature and key, its columns hashed
+    as col0, col0 + 1, ... (the race's scores, i.e. Gumbel-max's perturbed logits: their argmax is the race's
+    token). csrc/race.cpp on CPU where built, else race_scores (the same bits). Returns x."""
+    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
+    t = temps.to(device=x.device, dtype=torch.float32).contiguous()
+    if kern is not None and x.dtype == torch.float32 and x.is_contiguous():
+        kern.race_perturb_(x, t.cpu(), keys.to(torch.int64).contiguous(), col0)
+        return x
+    step = max(1, REFERENCE_ELEMENTS // max(1, x.shape[1]))
+    for r0 in range(0, x.shape[0], step):
+        part = x[r0:r0 + step]
+        part.copy_(race_scores(part / t[r0:r0 + step, None], keys[r0:r0 + step], col0))
+    return x
+
+
 def signed64(key: int) -> int:
     """A uint64 key as the int64 with the same bits (torch has no uint64 arithmetic)."""
     key &= (1 << 64) - 1
     return key - (1 << 64) if key >= 1 << 63 else key
 
 
-__all__ = ["race", "race_reference", "race_scores", "signed64"]
+__all__ = ["perturb_", "race", "race_reference", "race_scores", "signed64"]

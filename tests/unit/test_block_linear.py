@@ -169,3 +169,6 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
     rows, temps = torch.arange(7), torch.rand(7, generator=torch.Generator().manual_seed(10)) + 0.1
     for t in (x, x.bfloat16()):
         assert torch.equal(k.race_rows(t, rows, temps, keys), race.race_reference(t, keys, rows, temps))
+    # the top-p rows' normaliser (lse.cpp) by its scalar loop: the vector path's to float rounding
+    top = x.amax(-1)
+    torch.testing.assert_close(k.row_lse(x, rows, top), cpu_ops.kernel().row_lse(x, rows, top), rtol=1e-6, atol=0)

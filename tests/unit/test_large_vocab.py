@@ -70,11 +70,21 @@ def test_mixed_batch_bf16_logits_and_caller_tensor():
 
 
 def test_logsumexp_from_the_known_maximum_is_torchs():
+    """csrc/lse.cpp's one pass (its own exp) is torch's logsumexp to float rounding; the torch fallback (a
+    non-contiguous view here) gives torch's bits."""
     x = _logits(3, 3, flat=(1,))
     x[2, 7:] = float("-inf")
     top = x.topk(1, dim=-1).values
-    assert torch.equal(S._logsumexp(x, top), x.logsumexp(-1))
-    assert torch.equal(S._logsumexp(x, top[[2, 0]], torch.tensor([2, 0])), x[[2, 0]].logsumexp(-1))
+    torch.testing.assert_close(S._logsumexp(x, top), x.logsumexp(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(S._logsumexp(x, top[[2, 0]], torch.tensor([2, 0])), x[[2, 0]].logsumexp(-1),
+                               rtol=1e-6, atol=1e-6)
+    view = torch.cat([x, torch.zeros(3, 5)], dim=1)[:, :x.shape[1]]
+    assert torch.equal(S._logsumexp(view, top), x.logsumexp(-1))
+    assert torch.equal(S._logsumexp(view, top[[2, 0]], torch.tensor([2, 0])), x[[2, 0]].logsumexp(-1))
+    # a row whose largest value is +inf (top taken as 0): +inf, as torch's
+    y = x.clone()
+    y[1, 4] = float("inf")
+    assert S._logsumexp(y, y.topk(1, dim=-1).values)[1] == float("inf")
 
 
 def test_tensor_parallel_greedy_ids_on_a_large_vocabulary():

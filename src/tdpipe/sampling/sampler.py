@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from tdpipe.model import cpu_ops
 from tdpipe.sampling.token_masks import apply_bitmask, masked_argmax
 from tdpipe.sampling.metadata import RowRandom, SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
@@ -106,8 +107,13 @@ PROMPT_LOGPROBS_CHUNK = 1 << 25  # logits elements per prompt_logprobs chunk: it
 def _logsumexp(x: torch.Tensor, top: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """x[rows].logsumexp(-1) (all rows: None) when the rows' maxima `top` [R, 1] are known (the first top-k
     value): the same operations as torch's (max, sum of exp of the difference, log, add back), less the
-    pass for the max; the gathered rows are the one temporary."""
+    pass for the max; one pass of csrc/lse.cpp per row on CPU where built (its own exp: float rounding
+    apart), else torch's with the gathered rows the one temporary."""
     top = top.masked_fill(top.abs() == float("inf"), 0.0)
+    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
+    if kern is not None and x.dtype == torch.float32 and x.is_contiguous():
+        idx = torch.arange(x.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
+        return kern.row_lse(x, idx, top.squeeze(1).to(torch.float32).contiguous())
     y = x - top if rows is None else x[rows].sub_(top)
     return y.exp_().sum(-1).log_().add_(top.squeeze(1))
 

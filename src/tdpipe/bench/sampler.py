@@ -84,8 +84,8 @@ def run(batch: int = 256, vocab: int = 262144, hidden: int = 640, iters: int = 5
 def report(r: dict[str, Any]) -> str:
     share = r["sample_best_s"] / (r["sample_best_s"] + r["lm_head_best_s"])
     return (f"sampler ({r.get('mix', 'mixed')} rows), {r['batch']} rows x {r['vocab']} columns, "
-            f"{r['threads']} threads: best {r['sample_best_s'] * 1e3:.1f} ms, median {r['sample_median_s'] * 1e3:.1f} ms; lm_head (bf16) "
-            f"{r['lm_head_best_s'] * 1e3:.1f} ms; sampler / (sampler + lm_head) {share:.0%}; tokens digest "
+            f"{r['threads']} threads: best {r['sample_best_s'] * 1e3:.1f} ms, median "
+            f"{r['sample_median_s'] * 1e3:.1f} ms; lm_head (bf16) {r['lm_head_best_s'] * 1e3:.1f} ms; sampler / (sampler + lm_head) {share:.0%}; tokens digest "
             f"{r['digest']}")
 
 

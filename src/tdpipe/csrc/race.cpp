@@ -100,7 +100,8 @@ inline float score(float x, float t, uint32_t j, uint32_t k0, uint32_t k1) {
 #if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
 inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 vload(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 inline __m512i vfmix32(__m512i h) {
@@ -113,7 +114,8 @@ inline __m512i vfmix32(__m512i h) {
 
 inline __m512 vln(__m512 y) {  // ln() on 16 lanes: the same operations
   const __m512i b = _mm512_castps_si512(y);
-  __m512i e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(0xff)), _mm512_set1_epi32(127));
+  __m512i e = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(0xff)),
+                               _mm512_set1_epi32(127));
   __m512 m = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0x007fffff)),
                                                  _mm512_set1_epi32(0x3f800000)));
   const __mmask16 big = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0x1.6a09e6p+0f), _CMP_GT_OQ);
@@ -233,7 +235,8 @@ at::Tensor race_rows(at::Tensor x, at::Tensor rows, at::Tensor temps, at::Tensor
               "race_rows: contiguous fp32 / bf16 logits [N, V]");
   const int64_t n = rows.numel();
   TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous(), "race_rows: int64 rows [R]");
-  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n, "race_rows: fp32 temps [R]");
+  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n,
+              "race_rows: fp32 temps [R]");
   TORCH_CHECK(keys.dtype() == at::kLong && keys.is_contiguous() && keys.numel() == n, "race_rows: int64 keys [R]");
   TORCH_CHECK(x.size(1) > 0 && x.size(1) <= (int64_t{1} << 32), "race_rows: 1 to 2^32 columns");
   const int64_t* r = rows.data_ptr<int64_t>();

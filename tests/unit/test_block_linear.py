@@ -172,3 +172,8 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
     # the top-p rows' normaliser (lse.cpp) by its scalar loop: the vector path's to float rounding
     top = x.amax(-1)
     torch.testing.assert_close(k.row_lse(x, rows, top), cpu_ops.kernel().row_lse(x, rows, top), rtol=1e-6, atol=0)
+    # the top-k / top-p candidates (topk.cpp) by its scalar pass: the vector path's
+    wide = torch.randn(5, 9000, generator=torch.Generator().manual_seed(11)).bfloat16().float()
+    wide[2, 40] = float("nan")
+    for a, b in zip(k.top_candidates(wide, 64), cpu_ops.kernel().top_candidates(wide, 64)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -202,3 +202,42 @@ def test_perturbed_scores_argmax_is_the_race():
     assert torch.equal(whole.argmax(-1), R.race(x, keys, torch.arange(5), temps))
     part = R.perturb_(x[:, 300:].contiguous(), temps, keys, col0=300)
     assert torch.equal(part, whole[:, 300:])
+
+
+@pytest.mark.parametrize("k", [1, 50, 256, 300])
+def test_top_candidates_are_a_stable_sorts(k):
+    """csrc/topk.cpp against the fallback (a stable descending sort, forced by a non-contiguous view): the same
+    values and ids, ties by the lower column, on rows with many ties (bf16-rounded), masked tails, a NaN
+    (first, as torch's sort puts it), -0 beside +0, all equal, and rows narrower than the estimate needs."""
+    from tdpipe.sampling.sampler import top_candidates
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(9, 20000, generator=g) * 4
+    x[1] = x[1].bfloat16().float()
+    x[2, 50:] = float("-inf")
+    x[3, 77], x[3, 9000] = float("nan"), float("inf")
+    x[4, 5], x[4, 6], x[4, 7:] = -0.0, 0.0, -5.0
+    x[5] = 1.0
+    x[6, ::3] = -0.0
+    x[6, 1::3] = 0.0
+    for t in (x, x[:, :300].contiguous()):
+        if k > t.shape[1]:
+            continue
+        view = torch.cat([t, torch.zeros(t.shape[0], 3)], dim=1)[:, :t.shape[1]]
+        got, ref = top_candidates(t, k), top_candidates(view, k)
+        want_v, want_i = t.sort(dim=-1, descending=True, stable=True)
+        for v, i in (got, ref):
+            assert torch.equal(i, want_i[:, :k])
+            assert torch.equal(v.nan_to_num(), want_v[:, :k].nan_to_num())
+
+
+def test_seeded_top_k_rows_draw_the_same_with_or_without_the_kernels(monkeypatch):
+    """The kernels (race, candidates) and their torch fallbacks give a seeded request the same tokens."""
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(6, 5000, generator=g) * 3).bfloat16().float()  # ties among the candidates
+    params = [SamplingParams(temperature=0.7, top_k=40, seed=i) if i % 2 else SamplingParams(temperature=1.2, seed=i)
+              for i in range(6)]
+    keys = [draw_key(i, 2) for i in range(6)]
+    with_kernels = Sampler().sample(logits, _meta(params, keys))[0]
+    monkeypatch.setattr(cpu_ops, "kernel", lambda: None)
+    assert Sampler().sample(logits, _meta(params, keys))[0] == with_kernels

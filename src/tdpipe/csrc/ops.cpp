@@ -279,6 +279,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 #include "int8.cpp"  // W8A8's quantise / scale passes (model/int8_linear.py), built without fast-math
 #include "bitmask.cpp"  // structured output's token masks (sampling/grammar.py), built without fast-math
+#include "topk.cpp"  // the top-k / top-p rows' candidates in a fixed order (sampling/sampler.py)
 #include "lse.cpp"  // the top-p rows' normaliser over a whole row (sampling/sampler.py)
 #include "race.cpp"  // random sampling's exponential race (sampling/race.py), built without fast-math
 #include "qgemm.cpp"  // GGUF weights kept packed: W4A8 / W8A8 per block of 32 (model/gguf_linear.py)
@@ -298,6 +299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qgemm_portable", &qgemm_portable, "qgemm by the portable loop, whatever the CPU (tests)");
   m.def("qgemm_path", &qgemm_path, "which code path qgemm was compiled to");
   m.def("race_rows", &race_rows, "exponential race per row: argmax x / t - ln q, q ~ Exp(1) hashed from (key, column)");
+  m.def("top_candidates", &top_candidates, "per row: the k largest values, descending, ties by lower column");
   m.def("row_lse", &row_lse, "per listed row: ln sum exp(x - top) + top (one pass)");
   m.def("race_perturb_", &race_perturb_, "in place: x / t - ln q, the race's scores (Gumbel-max noise)");
   m.def("masked_argmax_rows", &masked_argmax_rows, "row-wise argmax over the tokens a bitmask allows (-1: none)");

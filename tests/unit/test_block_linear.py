@@ -171,9 +171,13 @@ def test_the_avx2_path_gives_the_portable_bits_on_any_x86_cpu() -> None:
         assert torch.equal(k.race_rows(t, rows, temps, keys), race.race_reference(t, keys, rows, temps))
     # the top-p rows' normaliser (lse.cpp) by its scalar loop: the vector path's to float rounding
     top = x.amax(-1)
-    torch.testing.assert_close(k.row_lse(x, rows, top), cpu_ops.kernel().row_lse(x, rows, top), rtol=1e-6, atol=0)
+    for t in (x, x.bfloat16()):
+        torch.testing.assert_close(k.row_lse(t, rows, temps, top), cpu_ops.kernel().row_lse(t, rows, temps, top),
+                                   rtol=1e-6, atol=0)
     # the top-k / top-p candidates (topk.cpp) by its scalar pass: the vector path's
     wide = torch.randn(5, 9000, generator=torch.Generator().manual_seed(11)).bfloat16().float()
     wide[2, 40] = float("nan")
-    for a, b in zip(k.top_candidates(wide, 64), cpu_ops.kernel().top_candidates(wide, 64)):
-        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    r5, t5 = torch.tensor([4, 2, 0]), torch.tensor([0.7, 1.0, 1.3])
+    for w in (wide, wide.bfloat16()):
+        for a, b in zip(k.top_candidates(w, r5, t5, 64), cpu_ops.kernel().top_candidates(w, r5, t5, 64)):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())

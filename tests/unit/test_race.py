@@ -229,14 +229,23 @@ def test_top_candidates_are_a_stable_sorts(k):
         for v, i in (got, ref):
             assert torch.equal(i, want_i[:, :k])
             assert torch.equal(v.nan_to_num(), want_v[:, :k].nan_to_num())
+        # listed rows divided by their temperatures, fp32 and bf16, read where they lie: the scaled copy's
+        rows, temps = torch.tensor([6, 0, 3, 1]), torch.tensor([0.5, 1.0, 1.7, 0.9])
+        for src in (t, t.bfloat16()):
+            scaled = src[rows].float() / temps[:, None]
+            want_v, want_i = scaled.sort(dim=-1, descending=True, stable=True)
+            for v, i in (top_candidates(src, k, rows, temps), top_candidates(src[:, :].t().contiguous().t(), k, rows,
+                                                                            temps)):
+                assert torch.equal(i, want_i[:, :k]) and torch.equal(v.nan_to_num(), want_v[:, :k].nan_to_num())
 
 
 def test_seeded_top_k_rows_draw_the_same_with_or_without_the_kernels(monkeypatch):
-    """The kernels (race, candidates) and their torch fallbacks give a seeded request the same tokens."""
+    """The kernels (race, candidates) and their torch fallbacks give a seeded request the same tokens, the
+    rows read in place (top-k and plain rows) or from the changed copy (a repetition penalty)."""
     g = torch.Generator().manual_seed(8)
     logits = (torch.randn(6, 5000, generator=g) * 3).bfloat16().float()  # ties among the candidates
-    params = [SamplingParams(temperature=0.7, top_k=40, seed=i) if i % 2 else SamplingParams(temperature=1.2, seed=i)
-              for i in range(6)]
+    params = [SamplingParams(temperature=0.7, top_k=40, seed=i, repetition_penalty=1.2 if i == 3 else 1.0)
+              if i % 2 else SamplingParams(temperature=1.2, seed=i) for i in range(6)]
     keys = [draw_key(i, 2) for i in range(6)]
     with_kernels = Sampler().sample(logits, _meta(params, keys))[0]
     monkeypatch.setattr(cpu_ops, "kernel", lambda: None)

@@ -4,29 +4,48 @@
 // [rows, V] float32 and a temporary of that size; this is one pass per row. Its exp is tdpipe's own (2^z by
 // a degree-7 polynomial, scalef for the exponent, ~1e-7 relative), so the sum differs from torch's by float
 // rounding: a top-p row's nucleus can differ only where its mass lands within ~1e-6 of top_p.
-//   row_lse:  x fp32 [N, V] contiguous, rows int64 [R], top fp32 [R] -> fp32 [R]
+//   row_lse:  x fp32 / bf16 [N, V] contiguous, rows int64 [R], temps fp32 [R], top fp32 [R] -> fp32 [R]: of
+//             x[rows[r]] / temps[r] (the sampler's scaled rows, without their copy)
 #include "torch_bind.h"
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 namespace lse_detail {
 
-double row_sum_exp(const float* x, int64_t v, float top) {
+#if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+inline float to_f(float x) { return x; }
+inline float to_f(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+double row_sum_exp(const T* x, int64_t v, float t, float top) {
   int64_t i = 0;
   double total = 0.0;
 #if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
   static const float poly[] = {1.525273380405984e-05f, 1.5403530393381608e-04f, 1.3333558146428443e-03f,
                                9.618129107628477e-03f, 5.550410866482158e-02f, 2.402265069591007e-01f,
                                6.931471805599453e-01f, 1.0f};  // 2^f on [-0.5, 0.5], highest first
-  const __m512 vt = _mm512_set1_ps(top), l2e = _mm512_set1_ps(1.4426950408889634f);
+  const __m512 vt = _mm512_set1_ps(top), tt = _mm512_set1_ps(t), l2e = _mm512_set1_ps(1.4426950408889634f);
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (; i + 64 <= v; i += 64) {
     for (int u = 0; u < 4; ++u) {
-      __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16 * u), vt), l2e);
+      const __m512 y = _mm512_div_ps(load16(x + i + 16 * u), tt);
+      __m512 z = _mm512_mul_ps(_mm512_sub_ps(y, vt), l2e);
       z = _mm512_min_ps(_mm512_max_ps(z, _mm512_set1_ps(-200.0f)), _mm512_set1_ps(200.0f));  // -inf -> 0
       const __m512 n = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512 f = _mm512_sub_ps(z, n);
@@ -38,26 +57,33 @@ double row_sum_exp(const float* x, int64_t v, float top) {
   total = static_cast<double>(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
                                                                  _mm512_add_ps(acc[2], acc[3]))));
 #endif
-  for (; i < v; ++i) total += std::exp(static_cast<double>(x[i]) - top);
+  for (; i < v; ++i) total += std::exp(static_cast<double>(to_f(x[i]) / t) - top);
   return total;
 }
 
 }  // namespace lse_detail
 
-at::Tensor row_lse(at::Tensor x, at::Tensor rows, at::Tensor top) {
-  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "row_lse: contiguous fp32 [N, V]");
+at::Tensor row_lse(at::Tensor x, at::Tensor rows, at::Tensor temps, at::Tensor top) {
+  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
+              "row_lse: contiguous fp32 / bf16 [N, V]");
   const int64_t n = rows.numel();
   TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous(), "row_lse: int64 rows [R]");
+  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n, "row_lse: fp32 temps [R]");
   TORCH_CHECK(top.dtype() == at::kFloat && top.is_contiguous() && top.numel() == n, "row_lse: fp32 top [R]");
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "row_lse: row index out of range");
   auto out = at::empty({n}, top.options());
-  const float* xp = x.data_ptr<float>();
   const float* tp = top.data_ptr<float>();
+  const float* te = temps.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t v = x.size(1);
+  const bool bf16 = x.dtype() == at::kBFloat16;
+  const void* xp = x.data_ptr();
 #pragma omp parallel for schedule(dynamic, 1) if (n * v > 65536)
-  for (int64_t i = 0; i < n; ++i)
-    op[i] = static_cast<float>(std::log(lse_detail::row_sum_exp(xp + r[i] * v, v, tp[i])) + tp[i]);
+  for (int64_t i = 0; i < n; ++i) {
+    const double s = bf16 ? lse_detail::row_sum_exp(static_cast<const uint16_t*>(xp) + r[i] * v, v, te[i], tp[i])
+                          : lse_detail::row_sum_exp(static_cast<const float*>(xp) + r[i] * v, v, te[i], tp[i]);
+    op[i] = static_cast<float>(std::log(s) + tp[i]);
+  }
   return out;
 }

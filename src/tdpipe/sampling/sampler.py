@@ -104,44 +104,61 @@ PROMPT_LOGPROBS_CHUNK = 1 << 25  # logits elements per prompt_logprobs chunk: it
 # (a 2048-token chunk of a 262k vocabulary at once needed ~5 GiB of float32 copies; 32k tokens went OOM)
 
 
-def _logsumexp(x: torch.Tensor, top: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x[rows].logsumexp(-1) (all rows: None) when the rows' maxima `top` [R, 1] are known (the first top-k
-    value): the same operations as torch's (max, sum of exp of the difference, log, add back), less the
-    pass for the max; one pass of csrc/lse.cpp per row on CPU where built (its own exp: float rounding
-    apart), else torch's with the gathered rows the one temporary."""
+def _logsumexp(x: torch.Tensor, top: torch.Tensor, rows: torch.Tensor | None = None,
+               temps: torch.Tensor | None = None) -> torch.Tensor:
+    """(x[rows] / temps).logsumexp(-1) (all rows: None; no division: None) when the rows' maxima `top` [R, 1]
+    are known (the first top-k value): the same operations as torch's (max, sum of exp of the difference,
+    log, add back), less the pass for the max; one pass of csrc/lse.cpp per row on CPU where built (its own
+    exp: float rounding apart; the rows read where they lie), else torch's with the gathered rows the one
+    temporary."""
     top = top.masked_fill(top.abs() == float("inf"), 0.0)
     kern = cpu_ops.kernel() if x.device.type == "cpu" else None
-    if kern is not None and x.dtype == torch.float32 and x.is_contiguous():
+    if kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
         idx = torch.arange(x.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
-        return kern.row_lse(x, idx, top.squeeze(1).to(torch.float32).contiguous())
+        t = torch.ones(len(idx)) if temps is None else temps.to(torch.float32).contiguous()
+        return kern.row_lse(x, idx, t, top.squeeze(1).to(torch.float32).contiguous())
+    if temps is not None:
+        x = (x if rows is None else x[rows]).to(torch.float32).div_(temps.unsqueeze(1))
+        rows = None
     y = x - top if rows is None else x[rows].sub_(top)
     return y.exp_().sum(-1).log_().add_(top.squeeze(1))
 
 
-def top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) [R, k]: each row's k largest, descending, equal values by the lower column (the order of a
-    stable descending sort). torch.topk orders equal values arbitrarily, and a seeded row's draw is keyed by
-    its candidates' positions, so the order is fixed: csrc/topk.cpp on CPU where built (a threshold estimated
-    from every 16th value, one vector pass: ~9 ms for 256 x 49,152 where topk took ~23), else a stable sort
-    in slices of rows (the same tensors; slow)."""
+def top_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+                   temps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [R, k]: the k largest of each row of x[rows] / temps (all rows: None; no division:
+    None), descending, equal values by the lower column (the order of a stable descending sort). torch.topk
+    orders equal values arbitrarily, and a seeded row's draw is keyed by its candidates' positions, so the
+    order is fixed: csrc/topk.cpp on CPU where built (the rows read where they lie, a threshold estimated from
+    every 16th value, one vector pass: ~9 ms for 256 x 49,152 where topk took ~23), else a stable sort in
+    slices of rows (the same tensors; slow)."""
     kern = cpu_ops.kernel() if x.device.type == "cpu" else None
-    if kern is not None and x.dtype == torch.float32 and x.is_contiguous():
-        return kern.top_candidates(x, k)
+    if kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
+        idx = torch.arange(x.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
+        t = torch.ones(len(idx)) if temps is None else temps.to(torch.float32).contiguous()
+        return kern.top_candidates(x, idx, t, k)
+    if rows is not None or temps is not None or x.dtype != torch.float32:
+        x = (x if rows is None else x[rows]).to(torch.float32)
+        x = x if temps is None else x.div(temps.unsqueeze(1))
     step = max(1, PROMPT_LOGPROBS_CHUNK // max(1, x.shape[-1]))
     parts = [x[r0:r0 + step].sort(dim=-1, descending=True, stable=True) for r0 in range(0, x.shape[0], step)]
     return (torch.cat([v[:, :k] for v, _ in parts]), torch.cat([i[:, :k] for _, i in parts]))
 
 
+Masks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # candidate_masks' (vals, ids, keep, covered)
+
+
 def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                    k: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    k: int = CANDIDATES, rows: torch.Tensor | None = None, temps: torch.Tensor | None = None) -> Masks:
     """Top-k / top-p / min-p on each row's `k` most likely tokens instead of a sort of the whole vocabulary
     (a [128, 49152] sort takes ~0.7 s on one core; topk(256) ~0.05 s). Returns (values, ids, keep, covered):
     the candidates in descending order, which of them survive the masks, and whether the candidates hold
     every survivor (top_k <= k, or the nucleus reaches top_p inside them). Same masks as
-    `apply_top_k_top_p` + `apply_min_p` for covered rows; the others need the full path."""
-    b, vocab = logits.shape
+    `apply_top_k_top_p` + `apply_min_p` for covered rows; the others need the full path. `rows` / `temps`:
+    the rows are logits[rows] / temps, read where they lie (no copy)."""
+    b, vocab = (logits.shape[0] if rows is None else len(rows)), logits.shape[1]
     k = min(k, vocab)
-    vals, ids = top_candidates(logits, k)
+    vals, ids = top_candidates(logits, k, rows, temps)
     limit = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B] tokens top-k keeps
     keep = torch.arange(k).unsqueeze(0) < limit.unsqueeze(1)
     within = limit <= k  # top-k alone keeps the row inside the candidates
@@ -152,7 +169,11 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         lse = vals.masked_fill(~keep, float("-inf")).logsumexp(-1)
         whole = ((top_p < 1) & ~within).nonzero().squeeze(1)
         if whole.numel():
-            lse[whole] = _logsumexp(logits, vals[whole, :1], None if whole.numel() == b else whole)
+            if rows is None and temps is None:
+                lse[whole] = _logsumexp(logits, vals[whole, :1], None if whole.numel() == b else whole)
+            else:
+                sub = torch.arange(b)[whole] if rows is None else rows[whole]
+                lse[whole] = _logsumexp(logits, vals[whole, :1], sub, None if temps is None else temps[whole])
         lse = lse.unsqueeze(1)
         p = (vals - lse).exp() * keep
         above = p.cumsum(-1) - p  # mass of the tokens ranked above each candidate
@@ -274,9 +295,18 @@ class Sampler:
                         out[j] = tok
             return out
 
+        def source(rows: list[int]) -> tuple[torch.Tensor, list[int]] | None:
+            """Where these rows lie unscaled, when in one tensor: (tensor, their indices in it); else None."""
+            if not any(i in fix_at for i in rows):
+                return logits, rows
+            if all(i in fix_at for i in rows):
+                return fixed, [fix_at[i] for i in rows]
+            return None
+
         if rows:
             sampled = self._sample(lambda js, temps: take([rows[j] for j in js], temps),
                                    lambda js, temps, keys: race_in_place([rows[j] for j in js], temps, keys),
+                                   lambda js: source([rows[j] for j in js]),
                                    [params[i] for i in rows], [meta.keys[i] for i in rows])
             for i, tok in zip(rows, sampled):
                 tokens[i] = tok
@@ -320,13 +350,15 @@ class Sampler:
             out[i] = entry
 
     def _sample(self, take: Callable[[list[int], torch.Tensor], torch.Tensor],
-                in_place: Callable[[list[int], torch.Tensor, torch.Tensor], list[int]], params: list[SamplingParams],
+                in_place: Callable[[list[int], torch.Tensor, torch.Tensor], list[int]],
+                source: Callable[[list[int]], tuple[torch.Tensor, list[int]] | None], params: list[SamplingParams],
                 generators: list[RowRandom]) -> list[int]:
         """Temperature, then top-k / top-p / min-p on the candidate fast path where a row has top-k or top-p
         and its survivors lie within its top CANDIDATES tokens; the plain rows (temperature alone, a key) race
         where their logits lie; every other row takes the full path. `take(rows, temps)`: those rows' logits
         divided by their temperatures, a new float32 tensor; `in_place(rows, temps, keys)`: their race
-        without that copy (the same tokens)."""
+        without that copy (the same tokens); `source(rows)`: the tensor they lie in unscaled and their indices
+        there, when one holds them all (the candidates are then taken without the copy)."""
         n = len(params)
 
         def scaled(rows: list[int]) -> torch.Tensor:
@@ -337,11 +369,15 @@ class Sampler:
         fast = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1]
         if fast:
             sub = [params[i] for i in fast]
-            x = scaled(fast)
-            vocab = x.shape[-1]
-            vals, ids, keep, covered = candidate_masks(
-                x, torch.tensor([min(p.top_k, vocab) for p in sub]),
-                torch.tensor([p.top_p for p in sub]), torch.tensor([p.min_p for p in sub]))
+            temps = torch.tensor([p.temperature for p in sub], dtype=torch.float32)
+            src = source(fast)
+            # the rows where they lie, divided inside the kernels; a scaled copy where they lie in two tensors
+            x = scaled(fast) if src is None else None
+            vocab = (x if x is not None else src[0]).shape[-1]
+            masks = (torch.tensor([min(p.top_k, vocab) for p in sub]), torch.tensor([p.top_p for p in sub]),
+                     torch.tensor([p.min_p for p in sub]))
+            vals, ids, keep, covered = (candidate_masks(x, *masks) if x is not None else
+                                        candidate_masks(src[0], *masks, rows=torch.tensor(src[1]), temps=temps))
             rows = [j for j, c in enumerate(covered.tolist()) if c]
             if rows:
                 picked = self._race(vals[rows].masked_fill(~keep[rows], float("-inf")),
@@ -351,7 +387,7 @@ class Sampler:
             done = {fast[j] for j in rows}
             left = [j for j in range(len(fast)) if fast[j] not in done]
             rest = [i for i in range(n) if i not in done]
-            if len(left) == len(rest):  # the rows left are all uncovered fast rows: reuse their scaled logits
+            if x is not None and len(left) == len(rest):  # all uncovered fast rows: reuse their scaled logits
                 rest_x = x if len(left) == len(fast) else x[left]
             del x
         plain = [i for i in rest if params[i].top_k <= 0 and params[i].top_p >= 1 and params[i].min_p <= 0

@@ -30,6 +30,11 @@ inline uint32_t order_key(float f) {
   return (u >> 31) ? ~u : (u | 0x80000000u);
 }
 
+// (key, -column) in one integer: a larger one ranks first, equal values by the lower column
+inline uint64_t packed(float f, int64_t j) {
+  return (static_cast<uint64_t>(order_key(f)) << 32) | (0xffffffffu - static_cast<uint32_t>(j));
+}
+
 // The candidates at or above `thr` (all of them when thr is -inf) as packed (key, -column), appended to cand;
 // returns whether the row holds a NaN (never >= thr)
 inline bool collect(const float* x, int64_t v, float thr, std::vector<uint64_t>& cand) {
@@ -46,15 +51,14 @@ inline bool collect(const float* x, int64_t v, float thr, std::vector<uint64_t>&
     const __mmask16 m = _mm512_cmp_ps_mask(xv, vt, _CMP_GE_OQ);
     if (!m) continue;
     _mm512_mask_compressstoreu_epi32(idx, m, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j))));
-    for (int i = 0, n = __builtin_popcount(m); i < n; ++i)
-      cand.push_back((static_cast<uint64_t>(order_key(x[idx[i]])) << 32) | (0xffffffffu - static_cast<uint32_t>(idx[i])));
+    for (int i = 0, n = __builtin_popcount(m); i < n; ++i) cand.push_back(packed(x[idx[i]], idx[i]));
   }
   nan = unord != 0;
 #endif
   for (; j < v; ++j) {
     nan |= x[j] != x[j];
     if (x[j] >= thr)
-      cand.push_back((static_cast<uint64_t>(order_key(x[j])) << 32) | (0xffffffffu - static_cast<uint32_t>(j)));
+      cand.push_back(packed(x[j], j));
   }
   return nan;
 }
@@ -81,7 +85,7 @@ void row_top(const float* x, int64_t v, int64_t k, float* vals, int64_t* ids, st
   if (static_cast<int64_t>(cand.size()) < k || any_nan) {
     cand.clear();
     for (int64_t j = 0; j < v; ++j)
-      cand.push_back((static_cast<uint64_t>(order_key(x[j])) << 32) | (0xffffffffu - static_cast<uint32_t>(j)));
+      cand.push_back(packed(x[j], j));
   }
   std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), std::greater<uint64_t>());
   std::sort(cand.begin(), cand.begin() + k, std::greater<uint64_t>());

@@ -5,11 +5,12 @@
 #                              src first on PYTHONPATH (an older commit's git worktree) when given
 #   vl NAME                    vLLM's CPU engine (its venv: VLLM_VENV) on the same token ids, in bf16, into
 #                              $D/${P}vllm_$NAME.json
+# ARGS (empty unless set): more flags for both commands, e.g. ARGS="--temperature 1.0"
 OLD=${OLD:-/work/old}
 M=$(ls -d ~/.cache/tdpipe/models/SmolLM2-135M-Instruct-bf16 2>/dev/null)
 tdp() { env ${3:+PYTHONPATH=$3/src} timeout 900 .venv/bin/tdpipe bench throughput --num-prompts 256 \
-    --input-len 128 --output-len 128 --kv-cache-memory 2GiB --quantization $1 --json $D/$P$2.json 2>&1 |
+    --input-len 128 --output-len 128 --kv-cache-memory 2GiB --quantization $1 $ARGS --json $D/$P$2.json 2>&1 |
     grep -E "^output tok|matmul peak  "; }
 vl() { VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 timeout 900 ${VLLM_VENV:-vllm-venv}/bin/python \
     scripts/peers/vllm_throughput.py --model $M --num-prompts 256 --input-len 128 --output-len 128 \
-    --json $D/${P}vllm_$1.json 2>&1 | grep "^{"; }
+    $ARGS --json $D/${P}vllm_$1.json 2>&1 | grep "^{"; }

@@ -8,14 +8,8 @@
 D=$1
 mkdir -p $D
 source bench_results/quant/sitting.sh
-tt() {  # tt TEMPERATURE NAME [CHECKOUT]
-  env ${3:+PYTHONPATH=$3/src} timeout 900 .venv/bin/tdpipe bench throughput --num-prompts 256 --input-len 128 \
-      --output-len 128 --kv-cache-memory 2GiB --quantization none --temperature $1 --json $D/$2.json 2>&1 |
-      grep -E "^output tok|matmul peak  "; }
-vt() {  # vt TEMPERATURE NAME
-  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=4 timeout 900 ${VLLM_VENV:-vllm-venv}/bin/python \
-      scripts/peers/vllm_throughput.py --model $M --num-prompts 256 --input-len 128 --output-len 128 \
-      --temperature $1 --json $D/vllm_$2.json 2>&1 | grep "^{"; }
+tt() { ARGS="--temperature $1" tdp none $2 $3; }  # tt TEMPERATURE NAME [CHECKOUT]: sitting.sh's tdp
+vt() { ARGS="--temperature $1" vl $2; }  # vt TEMPERATURE NAME: sitting.sh's vl
 sb() {  # sb NAME VOCAB MIX [CHECKOUT]
   env ${4:+PYTHONPATH=$4/src} timeout 900 .venv/bin/tdpipe bench sampler --vocab $2 --mix $3 --threads 2 \
       --json $D/sampler_$1.json 2>&1 | tail -1; }

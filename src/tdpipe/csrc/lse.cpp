@@ -6,31 +6,24 @@
 // rounding: a top-p row's nucleus can differ only where its mass lands within ~1e-6 of top_p.
 //   row_lse:  x fp32 / bf16 [N, V] contiguous, rows int64 [R], temps fp32 [R], top fp32 [R] -> fp32 [R]: of
 //             x[rows[r]] / temps[r] (the sampler's scaled rows, without their copy)
+// Compiled inside ops.cpp's extension after race.cpp (its row checks and bf16 conversions), with its options.
 #include "torch_bind.h"
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")  // race.cpp's options, so its helpers inline here
+
 namespace lse_detail {
 
+using race_detail::to_f;
 #if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using int8_detail::load16;
 #endif
-inline float to_f(float x) { return x; }
-inline float to_f(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 template <typename T>
 double row_sum_exp(const T* x, int64_t v, float t, float top) {
@@ -64,26 +57,20 @@ double row_sum_exp(const T* x, int64_t v, float t, float top) {
 }  // namespace lse_detail
 
 at::Tensor row_lse(at::Tensor x, at::Tensor rows, at::Tensor temps, at::Tensor top) {
-  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
-              "row_lse: contiguous fp32 / bf16 [N, V]");
-  const int64_t n = rows.numel();
-  TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous(), "row_lse: int64 rows [R]");
-  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n, "row_lse: fp32 temps [R]");
+  race_detail::check_rows(x, rows, temps, "row_lse");
+  const int64_t n = rows.numel(), v = x.size(1);
   TORCH_CHECK(top.dtype() == at::kFloat && top.is_contiguous() && top.numel() == n, "row_lse: fp32 top [R]");
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "row_lse: row index out of range");
   auto out = at::empty({n}, top.options());
+  const int64_t* r = rows.data_ptr<int64_t>();
   const float* tp = top.data_ptr<float>();
   const float* te = temps.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t v = x.size(1);
-  const bool bf16 = x.dtype() == at::kBFloat16;
-  const void* xp = x.data_ptr();
+  race_detail::with_data(x, [&](const auto* xp) {
 #pragma omp parallel for schedule(dynamic, 1) if (n * v > 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    const double s = bf16 ? lse_detail::row_sum_exp(static_cast<const uint16_t*>(xp) + r[i] * v, v, te[i], tp[i])
-                          : lse_detail::row_sum_exp(static_cast<const float*>(xp) + r[i] * v, v, te[i], tp[i]);
-    op[i] = static_cast<float>(std::log(s) + tp[i]);
-  }
+    for (int64_t i = 0; i < n; ++i)
+      op[i] = static_cast<float>(std::log(lse_detail::row_sum_exp(xp + r[i] * v, v, te[i], tp[i])) + tp[i]);
+  });
   return out;
 }
+
+#pragma GCC pop_options

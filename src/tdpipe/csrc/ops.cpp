@@ -279,9 +279,9 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 #include "int8.cpp"  // W8A8's quantise / scale passes (model/int8_linear.py), built without fast-math
 #include "bitmask.cpp"  // structured output's token masks (sampling/grammar.py), built without fast-math
+#include "race.cpp"  // random sampling's exponential race (sampling/race.py), built without fast-math
 #include "topk.cpp"  // the top-k / top-p rows' candidates in a fixed order (sampling/sampler.py)
 #include "lse.cpp"  // the top-p rows' normaliser over a whole row (sampling/sampler.py)
-#include "race.cpp"  // random sampling's exponential race (sampling/race.py), built without fast-math
 #include "qgemm.cpp"  // GGUF weights kept packed: W4A8 / W8A8 per block of 32 (model/gguf_linear.py)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -98,11 +98,7 @@ inline float score(float x, float t, uint32_t j, uint32_t k0, uint32_t k1) {
 }
 
 #if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
-inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 vload(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using int8_detail::load16;  // 16 fp32 / bf16 values as fp32 (int8.cpp, built with these options)
 
 inline __m512i vfmix32(__m512i h) {
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
@@ -169,7 +165,7 @@ inline void score_tile(const T* xr, float t, float* s, int64_t c0, int64_t n, ui
 #if defined(__AVX512F__) && !defined(TDPIPE_NO_AVX512)
   const __m512 vt = _mm512_set1_ps(t);
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(s + i, vscore(vload(xr + c0 + i), vt, static_cast<uint32_t>(j0 + c0 + i), k0, k1));
+    _mm512_storeu_ps(s + i, vscore(load16(xr + c0 + i), vt, static_cast<uint32_t>(j0 + c0 + i), k0, k1));
 #endif
   for (; i < n; ++i) s[i] = score(to_f(xr[c0 + i]), t, static_cast<uint32_t>(j0 + c0 + i), k0, k1);
 }
@@ -228,27 +224,40 @@ void perturb_impl(float* x, const float* temps, const int64_t* keys, int64_t n, 
   }
 }
 
+// The checks the row-listing kernels (race_rows, top_candidates, row_lse) share: x fp32 / bf16 [N, V]
+// contiguous, rows int64 [R] within N, temps fp32 [R]
+void check_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& temps, const char* name) {
+  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(), name,
+              ": contiguous fp32 / bf16 [N, V]");
+  const int64_t n = rows.numel();
+  TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous(), name, ": int64 rows [R]");
+  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n, name, ": fp32 temps [R]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), name, ": row index out of range");
+}
+
+// f(p) with x's data as const float* or const uint16_t* (bf16)
+template <typename F>
+void with_data(const at::Tensor& x, F&& f) {
+  if (x.dtype() == at::kFloat) {
+    f(x.data_ptr<float>());
+  } else {
+    f(reinterpret_cast<const uint16_t*>(x.data_ptr()));
+  }
+}
+
 }  // namespace race_detail
 
 at::Tensor race_rows(at::Tensor x, at::Tensor rows, at::Tensor temps, at::Tensor keys) {
-  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
-              "race_rows: contiguous fp32 / bf16 logits [N, V]");
+  race_detail::check_rows(x, rows, temps, "race_rows");
   const int64_t n = rows.numel();
-  TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous(), "race_rows: int64 rows [R]");
-  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n,
-              "race_rows: fp32 temps [R]");
   TORCH_CHECK(keys.dtype() == at::kLong && keys.is_contiguous() && keys.numel() == n, "race_rows: int64 keys [R]");
   TORCH_CHECK(x.size(1) > 0 && x.size(1) <= (int64_t{1} << 32), "race_rows: 1 to 2^32 columns");
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), "race_rows: row index out of range");
   auto out = at::empty({n}, keys.options());
-  if (x.dtype() == at::kFloat) {
-    race_detail::race_impl(x.data_ptr<float>(), r, temps.data_ptr<float>(), keys.data_ptr<int64_t>(),
+  race_detail::with_data(x, [&](const auto* p) {
+    race_detail::race_impl(p, rows.data_ptr<int64_t>(), temps.data_ptr<float>(), keys.data_ptr<int64_t>(),
                            out.data_ptr<int64_t>(), n, x.size(1));
-  } else {
-    race_detail::race_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), r, temps.data_ptr<float>(),
-                           keys.data_ptr<int64_t>(), out.data_ptr<int64_t>(), n, x.size(1));
-  }
+  });
   return out;
 }
 

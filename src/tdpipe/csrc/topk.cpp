@@ -5,7 +5,7 @@
 // this order is fixed. Every 16th value estimates a threshold with about 2k values above it; one vector pass
 // collects them (every column when fewer than k, or with a NaN), and nth_element and a sort of k order them by
 // (an order-preserving uint32 key, -column). -0 counts as +0; a NaN ranks above +inf, as torch's sort puts it.
-// Compiled inside ops.cpp's extension without its fast-math.
+// Compiled inside ops.cpp's extension without its fast-math, after race.cpp (its row checks and bf16 loads).
 #include "torch_bind.h"
 #include <omp.h>
 #include <algorithm>
@@ -18,7 +18,7 @@
 #endif
 
 #pragma GCC push_options
-#pragma GCC optimize("no-fast-math")  // NaN tests and -inf comparisons must hold (ops.cpp builds with fast-math)
+#pragma GCC optimize("no-fast-math", "fp-contract=off")  // NaN tests must hold; race.cpp's options (its helpers)
 
 namespace topk_detail {
 
@@ -101,44 +101,29 @@ void row_top(const float* x, int64_t v, int64_t k, float* vals, int64_t* ids, st
 // x fp32 / bf16 [N, V] contiguous, rows int64 [R], temps fp32 [R]: the candidates of x[rows[r]] / temps[r] (the
 // division in float32, as the sampler's scaled copy makes it), each row scaled into a thread's buffer
 std::tuple<at::Tensor, at::Tensor> top_candidates(at::Tensor x, at::Tensor rows, at::Tensor temps, int64_t k) {
-  TORCH_CHECK((x.dtype() == at::kFloat || x.dtype() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
-              "top_candidates: contiguous fp32 / bf16 [N, V]");
+  race_detail::check_rows(x, rows, temps, "top_candidates");
   const int64_t n = rows.numel(), v = x.size(1);
-  TORCH_CHECK(rows.dtype() == at::kLong && rows.is_contiguous(), "top_candidates: int64 rows [R]");
-  TORCH_CHECK(temps.dtype() == at::kFloat && temps.is_contiguous() && temps.numel() == n,
-              "top_candidates: fp32 temps [R]");
   TORCH_CHECK(k >= 1 && k <= v && v < (int64_t{1} << 32), "top_candidates: 1 <= k <= V < 2^32");
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < x.size(0), "top_candidates: row out of range");
   auto vals = at::empty({n, k}, x.options().dtype(at::kFloat));
   auto ids = at::empty({n, k}, x.options().dtype(at::kLong));
-  const bool bf16 = x.dtype() == at::kBFloat16;
-  const void* xp = x.data_ptr();
+  const int64_t* rp = rows.data_ptr<int64_t>();
   const float* tp = temps.data_ptr<float>();
   float* vp = vals.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
+  race_detail::with_data(x, [&](const auto* xp) {
 #pragma omp parallel if (n * v > 65536)
-  {
-    std::vector<float> y(v), sample;
-    std::vector<uint64_t> cand;
+    {
+      std::vector<float> y(v), sample;
+      std::vector<uint64_t> cand;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t r = 0; r < n; ++r) {
-      const float t = tp[r];
-      if (bf16) {
-        const uint16_t* xr = static_cast<const uint16_t*>(xp) + rp[r] * v;
-        for (int64_t j = 0; j < v; ++j) {
-          const uint32_t u = static_cast<uint32_t>(xr[j]) << 16;
-          float f;
-          std::memcpy(&f, &u, 4);
-          y[j] = f / t;
-        }
-      } else {
-        const float* xr = static_cast<const float*>(xp) + rp[r] * v;
-        for (int64_t j = 0; j < v; ++j) y[j] = xr[j] / t;
+      for (int64_t r = 0; r < n; ++r) {
+        const auto* xr = xp + rp[r] * v;
+        const float t = tp[r];  // a local: y's stores could alias temps, and the loop would not vectorise
+        for (int64_t j = 0; j < v; ++j) y[j] = race_detail::to_f(xr[j]) / t;
+        topk_detail::row_top(y.data(), v, k, vp + r * k, ip + r * k, sample, cand);
       }
-      topk_detail::row_top(y.data(), v, k, vp + r * k, ip + r * k, sample, cand);
     }
-  }
+  });
   return {vals, ids};
 }
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tdpipe.sampling.race import perturb_, signed64
+from tdpipe.sampling.race import key_tensor, perturb_
 from tdpipe.sampling.seeds import draw_key, draw_keys
 
 
@@ -51,7 +51,7 @@ class DeviceSampler:
         temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32, device=dev)
         if dev.type == "cpu":
             base = draw_key(seed, salt)
-            keys = torch.tensor([signed64(k) for k in draw_keys([base] * len(hot), hot)], dtype=torch.int64)
+            keys = key_tensor(draw_keys([base] * len(hot), hot))
             sub = perturb_(sub.contiguous(), temps, keys)
         else:
             e = torch.empty_like(sub).exponential_(generator=self.generator(dev, seed, salt))

@@ -126,17 +126,44 @@ def race_reference(x: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | Non
     return out
 
 
+def row_kernel(x: torch.Tensor) -> object | None:
+    """The C++ kernels (csrc/ops.cpp) where they read `x` in place, the way the row-listing ones take it (CPU,
+    contiguous float32 or bf16), else None: the caller's torch path."""
+    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
+    ok = kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
+    return kern if ok else None
+
+
+def kernel_rows(x: torch.Tensor, rows: torch.Tensor | None,
+                temps: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rows, temps) arguments of the row-listing kernels (race_rows, top_candidates, row_lse): every row
+    of x for None, a temperature of 1 (x / 1 is x) for None."""
+    n = x.shape[0] if rows is None else len(rows)
+    r = torch.arange(n, dtype=torch.int64) if rows is None else rows.to(torch.int64).contiguous()
+    t = torch.ones(n, dtype=torch.float32) if temps is None else temps.to(torch.float32).contiguous()
+    return r, t
+
+
+def scaled_rows(x: torch.Tensor, rows: torch.Tensor | None, temps: torch.Tensor | None) -> torch.Tensor:
+    """x[rows] / temps in float32 (all rows: None; no division: None), what the kernels read in place: the torch
+    paths' copy (the division the kernels make, so the same values)."""
+    y = (x if rows is None else x[rows]).to(torch.float32)
+    return y if temps is None else y / temps.to(device=y.device, dtype=torch.float32).unsqueeze(1)
+
+
+def key_tensor(keys: list[int]) -> torch.Tensor:
+    """int64 [R] of uint64 race keys (seeds.draw_key's), the same bits."""
+    return torch.tensor([signed64(k) for k in keys], dtype=torch.int64)
+
+
 def race(x: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor | None = None,
          temps: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R] tokens of the listed `rows` of logits `x` [N, V] (float32 or bf16; all rows: None), each divided
     by its temperature `temps` [R] (None: already divided), keyed by `keys` [R] (int64): csrc/race.cpp on CPU
     where built, else `race_reference` (the same bits)."""
-    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
-    if kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
-        n = x.shape[0] if rows is None else len(rows)
-        r = torch.arange(n, dtype=torch.int64) if rows is None else rows.to(torch.int64).contiguous()
-        t = torch.ones(n, dtype=torch.float32) if temps is None else temps.to(torch.float32).contiguous()
-        return kern.race_rows(x, r, t, keys.to(torch.int64).contiguous())
+    kern = row_kernel(x)
+    if kern is not None:
+        return kern.race_rows(x, *kernel_rows(x, rows, temps), keys.to(torch.int64).contiguous())
     return race_reference(x, keys, rows, temps)
 
 
@@ -147,7 +174,7 @@ def perturb_(x: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, col0: int
     kern = cpu_ops.kernel() if x.device.type == "cpu" else None
     t = temps.to(device=x.device, dtype=torch.float32).contiguous()
     if kern is not None and x.dtype == torch.float32 and x.is_contiguous():
-        kern.race_perturb_(x, t.cpu(), keys.to(torch.int64).contiguous(), col0)
+        kern.race_perturb_(x, t, keys.to(torch.int64).contiguous(), col0)
         return x
     step = max(1, REFERENCE_ELEMENTS // max(1, x.shape[1]))
     for r0 in range(0, x.shape[0], step):
@@ -162,4 +189,5 @@ def signed64(key: int) -> int:
     return key - (1 << 64) if key >= 1 << 63 else key
 
 
-__all__ = ["perturb_", "race", "race_reference", "race_scores", "signed64"]
+__all__ = ["key_tensor", "kernel_rows", "perturb_", "race", "race_reference", "race_scores", "row_kernel",
+           "scaled_rows", "signed64"]

@@ -12,11 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from tdpipe.model import cpu_ops
 from tdpipe.sampling.token_masks import apply_bitmask, masked_argmax
 from tdpipe.sampling.metadata import RowRandom, SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.sampling.race import race, signed64
+from tdpipe.sampling.race import key_tensor, kernel_rows, race, row_kernel, scaled_rows
 from tdpipe.sampling.seeds import draw_key, draw_keys, sample_seed  # noqa: F401 (re-exported)
 
 # (token id, logprob, rank) triples, the sampled token first (tdpipe.core.delta.TokenLogprobs)
@@ -112,14 +111,11 @@ def _logsumexp(x: torch.Tensor, top: torch.Tensor, rows: torch.Tensor | None = N
     exp: float rounding apart; the rows read where they lie), else torch's with the gathered rows the one
     temporary."""
     top = top.masked_fill(top.abs() == float("inf"), 0.0)
-    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
-    if kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
-        idx = torch.arange(x.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
-        t = torch.ones(len(idx)) if temps is None else temps.to(torch.float32).contiguous()
-        return kern.row_lse(x, idx, t, top.squeeze(1).to(torch.float32).contiguous())
+    kern = row_kernel(x)
+    if kern is not None:
+        return kern.row_lse(x, *kernel_rows(x, rows, temps), top.squeeze(1).to(torch.float32).contiguous())
     if temps is not None:
-        x = (x if rows is None else x[rows]).to(torch.float32).div_(temps.unsqueeze(1))
-        rows = None
+        x, rows = scaled_rows(x, rows, temps), None
     y = x - top if rows is None else x[rows].sub_(top)
     return y.exp_().sum(-1).log_().add_(top.squeeze(1))
 
@@ -132,14 +128,10 @@ def top_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None,
     order is fixed: csrc/topk.cpp on CPU where built (the rows read where they lie, a threshold estimated from
     every 16th value, one vector pass: ~9 ms for 256 x 49,152 where topk took ~23), else a stable sort in
     slices of rows (the same tensors; slow)."""
-    kern = cpu_ops.kernel() if x.device.type == "cpu" else None
-    if kern is not None and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous():
-        idx = torch.arange(x.shape[0]) if rows is None else rows.to(torch.int64).contiguous()
-        t = torch.ones(len(idx)) if temps is None else temps.to(torch.float32).contiguous()
-        return kern.top_candidates(x, idx, t, k)
-    if rows is not None or temps is not None or x.dtype != torch.float32:
-        x = (x if rows is None else x[rows]).to(torch.float32)
-        x = x if temps is None else x.div(temps.unsqueeze(1))
+    kern = row_kernel(x)
+    if kern is not None:
+        return kern.top_candidates(x, *kernel_rows(x, rows, temps), k)
+    x = scaled_rows(x, rows, temps)
     step = max(1, PROMPT_LOGPROBS_CHUNK // max(1, x.shape[-1]))
     parts = [x[r0:r0 + step].sort(dim=-1, descending=True, stable=True) for r0 in range(0, x.shape[0], step)]
     return (torch.cat([v[:, :k] for v, _ in parts]), torch.cat([i[:, :k] for _, i in parts]))
@@ -169,11 +161,8 @@ def candidate_masks(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
         lse = vals.masked_fill(~keep, float("-inf")).logsumexp(-1)
         whole = ((top_p < 1) & ~within).nonzero().squeeze(1)
         if whole.numel():
-            if rows is None and temps is None:
-                lse[whole] = _logsumexp(logits, vals[whole, :1], None if whole.numel() == b else whole)
-            else:
-                sub = torch.arange(b)[whole] if rows is None else rows[whole]
-                lse[whole] = _logsumexp(logits, vals[whole, :1], sub, None if temps is None else temps[whole])
+            at = (None if whole.numel() == b else whole) if rows is None else rows[whole]
+            lse[whole] = _logsumexp(logits, vals[whole, :1], at, None if temps is None else temps[whole])
         lse = lse.unsqueeze(1)
         p = (vals - lse).exp() * keep
         above = p.cumsum(-1) - p  # mass of the tokens ranked above each candidate
@@ -282,26 +271,29 @@ class Sampler:
         for i, p in enumerate(params):  # the other greedy rows: an argmax of each row where it lies, no copy
             if p.is_greedy and i not in fix_at and i not in direct_set:
                 tokens[i] = int(logits[i].argmax())
+        def where(rows: list[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+            """Where these rows lie unscaled: (tensor, their positions in `rows`, their indices in the tensor)
+            for the caller's logits and the changed copy, each where it holds any."""
+            mine = [j for j, i in enumerate(rows) if i not in fix_at]
+            copied = [j for j, i in enumerate(rows) if i in fix_at]
+            parts = [(logits, mine, [rows[j] for j in mine])]
+            if copied:
+                parts.append((fixed, copied, [fix_at[rows[j]] for j in copied]))
+            return [p for p in parts if p[1]]
+
         def race_in_place(rows: list[int], temps: torch.Tensor, keys: torch.Tensor) -> list[int]:
-            """The race over these rows of the processed logits where they lie (the caller's tensor, or the
-            changed copy), each divided by its temperature inside the kernel: the bits of take + race."""
+            """The race over these rows of the processed logits where they lie, each divided by its temperature
+            inside the kernel: the bits of take + race."""
             out = [0] * len(rows)
-            for src, at in ((logits, [(j, i) for j, i in enumerate(rows) if i not in fix_at]),
-                            (fixed if fix_rows else None, [(j, fix_at[i]) for j, i in enumerate(rows) if i in fix_at])):
-                if at:
-                    js = [j for j, _ in at]
-                    got = race(src, keys[js], torch.tensor([r for _, r in at]), temps[js]).tolist()
-                    for j, tok in zip(js, got):
-                        out[j] = tok
+            for src, js, idx in where(rows):
+                for j, tok in zip(js, race(src, keys[js], torch.tensor(idx), temps[js]).tolist()):
+                    out[j] = tok
             return out
 
         def source(rows: list[int]) -> tuple[torch.Tensor, list[int]] | None:
             """Where these rows lie unscaled, when in one tensor: (tensor, their indices in it); else None."""
-            if not any(i in fix_at for i in rows):
-                return logits, rows
-            if all(i in fix_at for i in rows):
-                return fixed, [fix_at[i] for i in rows]
-            return None
+            parts = where(rows)
+            return (parts[0][0], parts[0][2]) if len(parts) == 1 else None
 
         if rows:
             sampled = self._sample(lambda js, temps: take([rows[j] for j in js], temps),
@@ -416,7 +408,7 @@ class Sampler:
             base = int(torch.randint(0, 1 << 62, ()))
             for i, key in zip(unseeded, draw_keys([base] * len(unseeded), unseeded)):
                 keys[i] = key
-        return torch.tensor([signed64(k) for k in keys], dtype=torch.int64)
+        return key_tensor(keys)
 
     def _race(self, x: torch.Tensor, generators: list[RowRandom]) -> list[int]:
         """Exponential race on float32 logits already divided by their temperatures (masked tokens -inf):

@@ -91,9 +91,10 @@ def test_kernel_rejects_bad_block_ids(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv(kernel, dtype):
+@pytest.mark.parametrize("t", [30, 128])  # 128 x 3 x 64: past the kernel's threshold for two threads
+def test_store_kv(kernel, dtype, t):
     gen = torch.Generator().manual_seed(1)
-    nb, hkv, bs, d, t = 9, 3, 8, 64, 30
+    nb, hkv, bs, d = 20, 3, 8, 64
     kc = torch.randn((nb, hkv, bs, d), generator=gen).to(dtype)
     vc = torch.randn((nb, hkv, bs, d), generator=gen).to(dtype)
     # k / v as views of a fused projection output: strided rows, contiguous head_dim.
@@ -101,7 +102,7 @@ def test_store_kv(kernel, dtype):
     k = qkv[:, 2 * d: (2 + hkv) * d].view(t, hkv, d)
     v = qkv[:, (2 + hkv) * d:].view(t, hkv, d)
     slots = torch.randperm(nb * bs, generator=gen)[:t]
-    slots[[0, 7, 29]] = -1
+    slots[[0, 7, 29, t - 3, t - 1]] = -1  # padding rows, among them some the kernel's look-ahead reaches
     kc_ref, vc_ref = kc.clone(), vc.clone()
     kernel.store_kv(k, v, kc, vc, slots)
     pa.store_kv_ref(k, v, kc_ref, vc_ref, slots)

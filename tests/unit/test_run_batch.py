@@ -335,7 +335,10 @@ def test_bar_500_lines_killed_twice_and_resumed(tmp_path, qwen2_tiny):
     of a one-core test worker."""
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    lines, ids, bad = _big_batch(500, seed)
+    # answers of 2-60 tokens finish over many steps, so the lines trickle out: with 2-4 each a batch of
+    # requests finished within a few steps and its lines landed in one burst, which can carry the file past
+    # the kill point to its end before the kill lands (the likely cause of one failure, on a loaded machine)
+    lines, ids, bad = _big_batch(500, seed, max_tokens=(2, 60))
     inp, out = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
     inp.write_text("\n".join(lines) + "\n")
     first = rng.randint(len(bad) + 5, 220)

@@ -315,3 +315,55 @@ def test_w8a8_says_once_where_it_will_be_slow(monkeypatch, capsys, flags, said):
         assert not said or "--quantization none" in line
     finally:
         quantization.w8a8_notice.cache_clear()
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (7, 576), (256, 576), (300, 64), (5, 96)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norm_hands_its_linear_the_int8_rows_it_would_have_made(kernel, rows, width, residual):
+    """add_rms_norm_quant = quantize_rows(add_rms_norm(x)) bit for bit, rotated or not, with a massive
+    activation in a row; the residual stream updated the same way."""
+    g = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, width, generator=g) * 3).to(torch.bfloat16)
+    x[0, 3] = 300.0
+    r = torch.randn(rows, width, generator=g).to(torch.bfloat16)
+    w = torch.randn(width, generator=g).to(torch.bfloat16)
+    for rotate in (False, True) if width % 64 == 0 else (False,):
+        r1, r2 = r.clone(), r.clone()
+        q1, s1 = il.quantize_rows(kernel.add_rms_norm(x, r1 if residual else None, w, 1e-5), rotate)
+        q2, s2 = kernel.add_rms_norm_quant(x, r2 if residual else None, w, 1e-5, rotate)
+        assert torch.equal(q1, q2) and torch.equal(s1, s2) and torch.equal(r1, r2)
+
+
+@pytest.mark.parametrize("name,fused_norms", [("qwen2.5-0.5b", 4), ("phi-3-mini-4k", 4), ("gemma-3-270m", 0)])
+def test_w8a8_norms_quantise_for_their_linears_with_the_same_numbers(name, fused_norms):
+    """prepare_linears("w8a8") has both pre-norms of a Llama-style layer hand int8 rows to qkv_proj and to the
+    MLP (Qwen2's qkv bias, Phi-3's fused projections included), and leaves Gemma's sandwich layers and
+    GemmaRMSNorm alone; the layer's projections give the same bits with the fusion as without."""
+    from dataclasses import replace
+
+    from tdpipe.config import ModelConfig
+    from tdpipe.model import random_model as rm
+    from tdpipe.model.llama import LlamaForCausalLM
+    from tdpipe.model.quantized_rows import QuantizedRows
+
+    cfg = ModelConfig.from_hf(rm.published_config(name))
+    cfg = replace(cfg, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, end_layer=2).to(torch.bfloat16)
+    prepare_linears(model, "w8a8")
+    norms = [n for n in model.modules() if getattr(n, "quantize_rotate", None) is not None]
+    assert len(norms) == fused_norms
+    if not fused_norms:
+        return
+    layer = model.layers[1]
+    x = torch.randn(9, 128).to(torch.bfloat16)
+    res = torch.randn(9, 128).to(torch.bfloat16)
+    for norm, consume in ((layer.input_layernorm, layer.self_attn.qkv_proj), (layer.post_attention_layernorm, layer.mlp)):
+        r1, r2 = res.clone(), res.clone()
+        rows = norm(x, r1)
+        assert isinstance(rows, QuantizedRows) and rows.shape == (9, 128) and rows.dtype == torch.bfloat16
+        fused = consume(rows)
+        flag, norm.quantize_rotate = norm.quantize_rotate, None
+        plain = consume(norm(x, r2))
+        norm.quantize_rotate = flag
+        assert torch.equal(fused, plain) and torch.equal(r1, r2)

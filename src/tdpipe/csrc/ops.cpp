@@ -53,6 +53,32 @@ template <> inline float rnd<uint16_t>(float v) {
   return f;
 }
 
+// One row of add_rms_norm: buf = x + residual (rounded to T, as torch adds in T; stored back to the residual
+// stream when there is one), then buf = w * T(buf * rsqrt(mean(buf^2) + eps)) rounded to T, kept in fp32.
+template <typename T>
+inline void norm_row(const T* xr, T* rr, const T* w, float* buf, int64_t h, float eps, bool has_res) {
+  float ss = 0.f;
+  if (has_res) {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < h; ++i) {
+      float v = rnd<T>(ld<T>(xr, i) + ld<T>(rr, i));
+      buf[i] = v;
+      ss += v * v;
+    }
+    for (int64_t i = 0; i < h; ++i) st<T>(rr, i, buf[i]);
+  } else {
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < h; ++i) {
+      float v = ld<T>(xr, i);
+      buf[i] = v;
+      ss += v * v;
+    }
+  }
+  float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) buf[i] = rnd<T>(ld<T>(w, i) * rnd<T>(buf[i] * inv));
+}
+
 // residual = x + residual (rounded to T, as torch adds in T); out = w * T(residual * rsqrt(mean(residual^2) + eps))
 template <typename T>
 void add_rms_norm_impl(const T* x, T* res, const T* w, T* out, int64_t rows, int64_t h, float eps, bool has_res) {
@@ -61,29 +87,29 @@ void add_rms_norm_impl(const T* x, T* res, const T* w, T* out, int64_t rows, int
     float* buf = new float[h];
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const T* xr = x + r * h;
-      T* rr = res + r * h;
+      norm_row<T>(x + r * h, res + r * h, w, buf, h, eps, has_res);
       T* orow = out + r * h;
-      float ss = 0.f;
-      if (has_res) {
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < h; ++i) {
-          float v = rnd<T>(ld<T>(xr, i) + ld<T>(rr, i));
-          buf[i] = v;
-          ss += v * v;
-        }
-        for (int64_t i = 0; i < h; ++i) st<T>(rr, i, buf[i]);
-      } else {
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < h; ++i) {
-          float v = ld<T>(xr, i);
-          buf[i] = v;
-          ss += v * v;
-        }
-      }
-      float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
 #pragma omp simd
-      for (int64_t i = 0; i < h; ++i) st<T>(orow, i, rnd<T>(ld<T>(w, i) * rnd<T>(buf[i] * inv)));
+      for (int64_t i = 0; i < h; ++i) st<T>(orow, i, buf[i]);
+    }
+    delete[] buf;
+  }
+}
+
+// W8A8's norm straight into its linear's int8 input (model/int8_linear.norm_into_linears): add_rms_norm's bf16
+// row, then (`rotate`) rotated and quantised per row by int8.cpp's own passes, as quantize_rows(add_rms_norm(x),
+// rotate) does: the same bits, without writing the normalised rows and reading them back in another op (at a
+// decode batch of 256 each such hand-over between ops cost 50-90 us here, twice per layer).
+void add_rms_norm_quant_impl(const uint16_t* x, uint16_t* res, const uint16_t* w, int8_t* q, float* scale,
+                             int64_t rows, int64_t h, float eps, bool has_res, bool rotate) {
+#pragma omp parallel
+  {
+    float* buf = new float[h];
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      norm_row<uint16_t>(x + r * h, res + r * h, w, buf, h, eps, has_res);
+      if (rotate) int8_detail::rotate64(buf, h);
+      int8_detail::quantize_float_row(buf, q + r * h, scale + r, h);
     }
     delete[] buf;
   }
@@ -210,6 +236,25 @@ at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Te
   return out;
 }
 
+// add_rms_norm (bf16) whose output goes to a W8A8 linear: (q int8 [rows, h], scale fp32 [rows]) of
+// quantize_rows(norm, rotate); the residual, when given, updated in place as add_rms_norm does.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_quant(at::Tensor x, c10::optional<at::Tensor> residual,
+                                                      at::Tensor weight, double eps, bool rotate) {
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.is_contiguous() && weight.is_contiguous() && weight.dtype() == x.dtype(),
+              "add_rms_norm_quant: contiguous bf16 x and weight");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  TORCH_CHECK(!rotate || h % 64 == 0, "add_rms_norm_quant: rotate needs a width that is a multiple of 64");
+  bool has = residual.has_value();
+  at::Tensor res = has ? residual.value() : x;
+  if (has) TORCH_CHECK(res.is_contiguous() && res.dtype() == x.dtype(), "add_rms_norm_quant: residual layout");
+  auto q = at::empty({rows, h}, x.options().dtype(at::kChar));
+  auto scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  add_rms_norm_quant_impl(reinterpret_cast<const uint16_t*>(x.data_ptr()), reinterpret_cast<uint16_t*>(res.data_ptr()),
+                          reinterpret_cast<const uint16_t*>(weight.data_ptr()), q.data_ptr<int8_t>(),
+                          scale.data_ptr<float>(), rows, h, static_cast<float>(eps), has, rotate);
+  return {q, scale};
+}
+
 at::Tensor silu_and_mul(at::Tensor gu) {
   check_dtype(gu);
   TORCH_CHECK(gu.is_contiguous() && gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_and_mul: [rows, 2*inter]");
@@ -286,6 +331,7 @@ at::Tensor argmax_rows(at::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "fused residual add + RMSNorm");
+  m.def("add_rms_norm_quant", &add_rms_norm_quant, "add_rms_norm into a W8A8 linear's int8 rows: (q, scale)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU activation on the fused gate_up output");
   m.def("swiglu_quant", &swiglu_quant, "W8A8 SwiGLU: gate_up's int32 output -> int8 rows for down, and their scales");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of bf16 logits");

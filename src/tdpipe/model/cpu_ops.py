@@ -70,6 +70,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       rotate: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """add_rms_norm's rows as a W8A8 linear's int8 input, (q, scale) = int8_linear.quantize_rows(norm, rotate),
+    in one pass (csrc/ops.cpp): bf16 on CPU with the kernel built, else None (the caller normalises and
+    quantises apart). `residual` is updated in place as add_rms_norm updates it."""
+    if (_use(x) and x.is_contiguous() and weight.dtype == x.dtype and (residual is None or residual.is_contiguous())
+            and hasattr(kernel(), "add_rms_norm_quant")):
+        return kernel().add_rms_norm_quant(x, residual, weight, eps, rotate)
+    return None
+
+
 def add_gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float) -> torch.Tensor:
     """Gemma's norm(x + residual) = normed * (1 + w), the product in float32 and then cast (transformers'

@@ -36,6 +36,8 @@ from torch import nn
 
 from tdpipe.config import cpu_supports_vnni
 from tdpipe.model import cpu_ops
+from tdpipe.model.layers import RMSNorm
+from tdpipe.model.quantized_rows import QuantizedRows
 from tdpipe.model.upcast_linear import slice_rows, widened_mm
 
 QMAX = 127  # symmetric: -127..127, so that -q is always representable
@@ -121,10 +123,9 @@ class Int8Linear(nn.Module):
             return torch._int_mm(q, self.qweight_t)
         return widened_mm(q.float(), self.qweight_t, self.float_rows).to(torch.int32)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        q, sx = quantize_rows(x2, self.rotate)
+        q, sx = quantized(x, self.in_features, self.rotate)
         acc = self.int_mm(q)
         y = dequant_rows(acc, sx, self.weight_scale, self.bias, x.dtype)
         return y.view(*shape[:-1], self.out_features)
@@ -135,7 +136,14 @@ class Int8Linear(nn.Module):
                 f"w8a8 ({gemm}{', inputs rotated' if self.rotate else ''})")
 
 
-def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+def quantized(x: torch.Tensor | QuantizedRows, width: int, rotate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of a linear's input rows: quantised here, or already by the norm before it."""
+    if isinstance(x, QuantizedRows):
+        return x.q, x.scale
+    return quantize_rows(x.reshape(-1, width).contiguous(), rotate)
+
+
+def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
     """down(silu(gate) * up) of a W8A8 SwiGLU MLP (before TP's all-reduce), with the middle in one pass
     (csrc/ops.cpp swiglu_quant): gate_up's int32 output goes straight to down's int8 input, where the
     unfused layers dequantise it to bf16, apply SwiGLU and quantise again, three passes over memory. The
@@ -144,7 +152,7 @@ def swiglu_w8a8(gate_up: Int8Linear, down: Int8Linear, x: torch.Tensor) -> torch
     if k is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or gate_up.bias is not None:
         return down(cpu_ops.silu_and_mul(gate_up(x)))
     shape = x.shape
-    q, sx = quantize_rows(x.reshape(-1, gate_up.in_features).contiguous(), gate_up.rotate)
+    q, sx = quantized(x, gate_up.in_features, gate_up.rotate)
     hq, sh = k.swiglu_quant(gate_up.int_mm(q), sx, gate_up.weight_scale, down.rotate)
     y = dequant_rows(down.int_mm(hq), sh, down.weight_scale, down.bias, x.dtype)
     return y.view(*shape[:-1], down.out_features)
@@ -251,6 +259,25 @@ def fuse_swiglu(model: nn.Module) -> int:
     return n
 
 
+def norm_into_linears(model: nn.Module) -> int:
+    """Have each pre-norm layer's two RMSNorms hand their W8A8 linears int8 rows (QuantizedRows, one pass:
+    csrc/ops.cpp add_rms_norm_quant) where a norm's output goes only to such linears: input_layernorm to
+    qkv_proj, post_attention_layernorm to the MLP's gate_up_proj (not in Gemma's sandwich layers, whose
+    post-attention norm reads the attention's output). The same bits as normalising, then quantising in the
+    linear. Returns how many norms quantise now."""
+    n = 0
+    for m in model.modules():
+        attn, mlp = getattr(m, "self_attn", None), getattr(m, "mlp", None)
+        if attn is None or mlp is None or hasattr(m, "pre_feedforward_layernorm"):
+            continue
+        for norm, linear in ((getattr(m, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
+                             (getattr(m, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None))):
+            if type(norm) is RMSNorm and isinstance(linear, Int8Linear) and linear.in_features == norm.weight.numel():
+                norm.quantize_rotate = linear.rotate
+                n += 1
+    return n
+
+
 def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     """Replace every nn.Linear under `module` (except children named in `skip`) by an Int8Linear; returns how
     many were replaced."""
@@ -266,6 +293,6 @@ def quantize_linears(module: nn.Module, skip: tuple[str, ...] = ()) -> int:
     return n
 
 
-__all__ = ["Int8Head", "Int8Linear", "QMAX", "ROTATE", "dequant_rows", "fuse_swiglu", "onednn_head_dtype",
-           "onednn_qlinear_available", "quantize_linears", "quantize_rows", "quantize_weight", "rotate64", "rotates",
-           "scale_rows_", "swiglu_w8a8"]
+__all__ = ["Int8Head", "Int8Linear", "QMAX", "ROTATE", "dequant_rows", "fuse_swiglu", "norm_into_linears",
+           "onednn_head_dtype", "onednn_qlinear_available", "quantize_linears", "quantize_rows", "quantize_weight",
+           "quantized", "rotate64", "rotates", "scale_rows_", "swiglu_w8a8"]

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tdpipe.model import cpu_ops as ops
+from tdpipe.model.quantized_rows import QuantizedRows
 
 
 class RMSNorm(nn.Module):
@@ -16,9 +17,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # set when a W8A8 linear reads this norm's output (int8_linear.norm_into_linears): the output then comes
+        # quantised for it, with this rotation flag; None: a tensor
+        self.quantize_rotate: bool | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | QuantizedRows:
         """norm(x + residual); a given `residual` becomes x + residual in place (the running residual stream)."""
+        if self.quantize_rotate is not None:
+            qs = ops.add_rms_norm_quant(x, residual, self.weight, self.eps, self.quantize_rotate)
+            if qs is not None:
+                return QuantizedRows(*qs, x.dtype)
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 

@@ -5,7 +5,8 @@ layers into what executes them, for the stages and for the step-cost profile ali
          quantised GGUF dequantised (its bf16 or float32 conversion)
   w8a8   int8 weights per output channel and int8 activations per token (model/int8_linear.py), on CPU,
          both rotated by Hadamard blocks of 64 first (x R (W R)^T = x W^T: outliers spread before rounding),
-         a SwiGLU MLP's middle in one pass from gate_up's int32 output to down's int8 input (fuse_swiglu);
+         a SwiGLU MLP's middle in one pass from gate_up's int32 output to down's int8 input (fuse_swiglu),
+         each layer's two RMSNorms straight into qkv's and gate_up's int8 rows (norm_into_linears);
          the lm_head int8 per token and rotated too, but in oneDNN's prepacked int8 GEMM writing bf16
          (Int8Head: torch._int_mm's int32 output at 256 x 49152 outgrows the cache), each row scaled after;
          without VNNI as 8-bit blocks against int8 activations per block of 32 (gguf's block GEMM,
@@ -27,7 +28,7 @@ from pathlib import Path
 from torch import nn
 
 from tdpipe.config import QUANTIZATIONS, cpu_supports_vnni
-from tdpipe.model.int8_linear import fuse_swiglu, quantize_linears
+from tdpipe.model.int8_linear import fuse_swiglu, norm_into_linears, quantize_linears
 from tdpipe.model.packed_linear import pack_linears
 
 KEEP_FLOAT = ("lm_head",)  # children not made Int8Linear under w8a8 (the head: w8a8_head)
@@ -86,6 +87,7 @@ def prepare_linears(model: nn.Module, method: str, gguf_file: str = "", folder: 
         w8a8_notice()
         n = quantize_linears(model, skip=KEEP_FLOAT)
         fuse_swiglu(model)
+        norm_into_linears(model)
         w8a8_head(model)
     elif method == "gguf":
         from tdpipe.model.gguf_quantized import keep_gguf_blocks, quantize_blocks_from_float

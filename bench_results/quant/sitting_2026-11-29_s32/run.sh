@@ -1,18 +1,10 @@
-# A sitting on the current code (the sampler's hashed race, store_kv's write prefetch): W8A8 against bf16 and
-# vLLM's CPU engine in bf16 on the same token ids, 256 x 128/128 on the bundled model, each run a fresh
-# process, alternated, three runs a side (two for vLLM). VLLM_VENV: vLLM's venv.
+# A sitting on the code of 2026-11-29 after store_kv's write prefetch, before the norms' fusion: W8A8 against
+# bf16 and vLLM's CPU engine in bf16 on the same token ids, 256 x 128/128 on the bundled model, each run a
+# fresh process, alternated, three runs a side (two for vLLM). VLLM_VENV: vLLM's venv.
 #   VLLM_VENV=/work/vllm-venv bash bench_results/quant/sitting_2026-11-29_s32/run.sh
 set -u
 cd "$(dirname "$0")/../../.."
 D=bench_results/quant/sitting_2026-11-29_s32
 P=${P:-}
-ARGS=${ARGS:-}
-. bench_results/quant/sitting.sh  # tdp, vl
-for run in w8a8_1 none_1 vllm_1 vllm_2 none_2 w8a8_2 w8a8_3 none_3; do
-    echo "$run"
-    case $run in
-        w8a8*) tdp w8a8 "$run" "" ;;
-        none*) tdp none "$run" "" ;;
-        vllm*) vl "${run#vllm_}" ;;
-    esac
-done
+. bench_results/quant/sitting.sh  # sit
+sit w8a8_1 none_1 vllm_1 vllm_2 none_2 w8a8_2 w8a8_3 none_3

@@ -1002,32 +1002,36 @@ void quantize_row(const S* x, int D, int row, int8_t* dst) {
   std::memcpy(dst + row - kScaleBytes, &scale, sizeof(float));
 }
 
-// Calls write(t, h, r) for every token t with a slot (slot -1: padding, skipped) and kv head h, r being the
-// index of the cache row [block, h, offset] it goes to: the scatter of store_kv, whatever a row holds.
-// ahead(r) is called for the rows of the token kStoreAhead places later, first. Why: a decode step's rows land
-// in lines no one has touched since the step before (one new position per sequence, 2 KB apart per head), so
-// each store waits for its line to be fetched, and x86 commits stores in order: one thread scattering 256
-// tokens' K and V for SmolLM2 took ~220 us in a running engine (about 3% of a W8A8 decode step), one miss at a
-// time. Fetching the lines for writing a few tokens ahead keeps several misses in flight.
-constexpr int64_t kStoreAhead = 4;
-template <typename F, typename A>
-void for_each_slot_row(int64_t T, int64_t Hkv, int64_t bs, const int64_t* slots, int nthreads, F write, A ahead) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    if (t + kStoreAhead < T && slots[t + kStoreAhead] >= 0) {
-      const int64_t s = slots[t + kStoreAhead];
-      for (int64_t h = 0; h < Hkv; ++h) ahead(((s / bs) * Hkv + h) * bs + s % bs);
-    }
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t blk = slot / bs, off = slot % bs;
-    for (int64_t h = 0; h < Hkv; ++h) write(t, h, (blk * Hkv + h) * bs + off);
-  }
-}
-
 // A hint that the bytes [p, p + n) are about to be written: their lines fetched for ownership.
 inline void prefetch_for_write(const char* p, size_t n) {
   for (size_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 1, 3);
+}
+
+// Calls write(t, h, r) for every token t with a slot (slot -1: padding, skipped) and kv head h, r being the
+// index of the cache row [block, h, offset] it goes to: the scatter of store_kv, whatever a row holds (`row`
+// bytes in each of the caches at kc and vc). The rows of the token kStoreAhead places later are fetched for
+// writing first. Why: a decode step's rows land in lines no one has touched since the step before (one new
+// position per sequence, 2 KB apart per head), so each store waits for its line to be fetched, and x86 commits
+// stores in order: one thread scattering 256 tokens' K and V for SmolLM2 took ~220 us in a running engine
+// (about 3% of a W8A8 decode step), one miss at a time. Fetching a few tokens ahead keeps several misses in
+// flight.
+constexpr int64_t kStoreAhead = 4;
+template <typename F>
+void for_each_slot_row(int64_t T, int64_t Hkv, int64_t bs, const int64_t* slots, int nthreads, const char* kc,
+                       const char* vc, size_t row, F write) {
+  auto cache_row = [&](int64_t slot, int64_t h) { return ((slot / bs) * Hkv + h) * bs + slot % bs; };
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    if (t + kStoreAhead < T && slots[t + kStoreAhead] >= 0) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t r = cache_row(slots[t + kStoreAhead], h);
+        prefetch_for_write(kc + r * int64_t(row), row);
+        prefetch_for_write(vc + r * int64_t(row), row);
+      }
+    }
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < Hkv; ++h) write(t, h, cache_row(slots[t], h));
+  }
 }
 
 // store_kv into an int8 cache: every (token, kv head) row of k and v quantised on its own.
@@ -1047,12 +1051,10 @@ void store_kv_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
     const S* kp = static_cast<const S*>(k.data_ptr());
     const S* vp = static_cast<const S*>(v.data_ptr());
     const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-    for_each_slot_row(T, Hkv, bs, slots, nthreads, [&](int64_t t, int64_t h, int64_t r) {
+    for_each_slot_row(T, Hkv, bs, slots, nthreads, reinterpret_cast<const char*>(kc),
+                      reinterpret_cast<const char*>(vc), size_t(row), [&](int64_t t, int64_t h, int64_t r) {
       quantize_row(kp + t * ks0 + h * ks1, int(D), row, kc + r * row);
       quantize_row(vp + t * vs0 + h * vs1, int(D), row, vc + r * row);
-    }, [&](int64_t r) {
-      prefetch_for_write(reinterpret_cast<const char*>(kc + r * row), size_t(row));
-      prefetch_for_write(reinterpret_cast<const char*>(vc + r * row), size_t(row));
     });
   };
   if (k.scalar_type() == at::kBFloat16) run(bf16{});
@@ -1094,12 +1096,9 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   // Threads from a decode batch of ~64 sequences on (each thread's misses overlap the other's); fewer rows
   // are not worth a fork.
   const int nthreads = T * Hkv * D >= (1 << 14) ? at::get_num_threads() : 1;
-  for_each_slot_row(T, Hkv, bs, slots, nthreads, [&](int64_t t, int64_t h, int64_t r) {
+  for_each_slot_row(T, Hkv, bs, slots, nthreads, kc, vc, row, [&](int64_t t, int64_t h, int64_t r) {
     std::memcpy(kc + r * int64_t(row), kp + t * ks0 + h * ks1, row);
     std::memcpy(vc + r * int64_t(row), vp + t * vs0 + h * vs1, row);
-  }, [&](int64_t r) {
-    prefetch_for_write(kc + r * int64_t(row), row);
-    prefetch_for_write(vc + r * int64_t(row), row);
   });
 }
 

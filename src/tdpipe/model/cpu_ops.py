@@ -75,8 +75,7 @@ def add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     """add_rms_norm's rows as a W8A8 linear's int8 input, (q, scale) = int8_linear.quantize_rows(norm, rotate),
     in one pass (csrc/ops.cpp): bf16 on CPU with the kernel built, else None (the caller normalises and
     quantises apart). `residual` is updated in place as add_rms_norm updates it."""
-    if (_use(x) and x.is_contiguous() and weight.dtype == x.dtype and (residual is None or residual.is_contiguous())
-            and hasattr(kernel(), "add_rms_norm_quant")):
+    if _use(x) and x.is_contiguous() and weight.dtype == x.dtype and (residual is None or residual.is_contiguous()):
         return kernel().add_rms_norm_quant(x, residual, weight, eps, rotate)
     return None
 

@@ -71,6 +71,33 @@ async def test_malformed_bodies(content, headers, status, code):
         assert eng.requests == []
 
 
+@pytest.mark.parametrize("route,content,param", [
+    (C, rb'{"prompt": "\ud800", "max_tokens": 2}', "prompt"),
+    (C, rb'{"prompt": ["ok", "a\uDFFFb"], "max_tokens": 2}', "prompt[1]"),
+    (C, rb'{"prompt": "hi", "stop": ["x", "\udc00"]}', "stop[1]"),
+    (CHAT, rb'{"messages": [{"role": "user", "content": "\ud83d"}]}', "messages[0].content"),
+    (CHAT, rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udbff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/tokenize", rb'{"prompt": "\ud800"}', "prompt"),
+    (C, rb'{"prompt": "hi", "x\ud800": 1}', None),  # a field name: named in the message, not as param
+])
+async def test_unpaired_surrogates_are_a_400_naming_the_field(route, content, param):
+    """A \\uD800-\\uDFFF escape without its pair leaves a string that is not Unicode: the tokenizer refused it
+    with a TypeError (a 500 that closed the connection) and no answer can encode it."""
+    eng = FakeAsyncLLM()
+    async with await _app(eng) as c:
+        r = await c.post(route, content=content, headers={"content-type": "application/json"})
+        err = _check_error(r, 400, param)
+        assert err["code"] == "invalid_encoding" and "surrogate" in err["message"], err
+        if param is None:
+            assert "x\\ud800" in err["message"], err
+        assert eng.requests == []
+        # a paired escape is one code point (U+1F600), and a literal backslash-u is just text
+        ok = rb'{"prompt": "\ud83d\ude00 and \\ud800", "max_tokens": 2}'
+        r = await c.post(C, content=ok, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+
+
 async def test_no_content_type_is_taken_as_json():
     async with await _app(FakeAsyncLLM()) as c:
         r = await c.post(C, content=json.dumps({"prompt": "hi", "max_tokens": 2}).encode())

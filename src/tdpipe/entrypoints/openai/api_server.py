@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import json
 import logging
 import resource
 import signal
@@ -40,6 +39,8 @@ from tdpipe.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                 TokenizeResponse, UpdateWeightsRequest)
 from tdpipe.entrypoints.openai.ignored_fields import ignored_fields_header
+from tdpipe.entrypoints.openai.json_body import (MAX_JSON_DEPTH, depth_over, lone_surrogate_at,
+                                                 may_hold_surrogates, parse_json, surrogate_error)
 from tdpipe.entrypoints.openai.serving import OpenAIServing
 from tdpipe.entrypoints.openai.serving_chat import ChatServing, apply_template
 from tdpipe.entrypoints.openai.serving_completion import CompletionServing
@@ -52,7 +53,6 @@ log = logging.getLogger("tdpipe.serve")
 
 M = TypeVar("M", bound=BaseModel)
 
-MAX_JSON_DEPTH = 64  # nesting deeper than any OpenAI body needs is a 400, before anything walks it
 BODY_READ_TIMEOUT_S = 60.0  # a client that stops sending its body mid-way gets 408 and loses its connection
 # a connection that sends no request at all is closed after this long: generous, because under a burst of
 # new connections a busy event loop may read a first request late, and closing then fails a good client
@@ -230,9 +230,11 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
         raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
     obj = parse_json(text)
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH and \
-            await off_loop(_depth_over, obj, MAX_JSON_DEPTH, tokenizer=False):  # a walk of every container
+            await off_loop(depth_over, obj, MAX_JSON_DEPTH, tokenizer=False):  # a walk of every container
         raise bad_request(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
                           code="invalid_json")
+    if may_hold_surrogates(text) and (where := await off_loop(lone_surrogate_at, obj, tokenizer=False)):
+        raise surrogate_error(where)
     if not isinstance(obj, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}",
                           code="invalid_json")
@@ -240,46 +242,6 @@ async def parse_body(request: Request, model: type[M], limit: int) -> M:
         return model.model_validate(obj)
     except ValidationError as e:
         raise from_validation_error(e) from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def parse_json(text: str) -> Any:
-    """Strict JSON as a 400, never a 500: no NaN or Infinity literals, integers of at most 4300 digits
-    (Python's limit). Nesting too deep for the parser is a 400 here; parse_body checks MAX_JSON_DEPTH."""
-    try:
-        obj = json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise bad_request(f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
-                          code="invalid_json") from None
-    except ValueError as e:  # a NaN literal, an integer with too many digits
-        raise bad_request(f"the request body is not valid JSON: {str(e).split(';')[0]}",
-                          code="invalid_json") from None
-    return obj
-
-
-def _depth_over(obj: Any, limit: int) -> bool:
-    """Whether containers nest deeper than `limit`. Iterative (a deep value cannot exhaust the stack), and
-    depth-first with one iterator per open level, so that it holds at most `limit` objects: a breadth of
-    100,000 messages queued as tuples would wake the garbage collector's full collections, which freeze the
-    event loop as well."""
-    if not isinstance(obj, (dict, list)):
-        return False
-    open_levels = [iter(obj.values() if isinstance(obj, dict) else obj)]
-    while open_levels:
-        for child in open_levels[-1]:
-            if isinstance(child, (dict, list)):
-                if len(open_levels) >= limit:
-                    return True
-                open_levels.append(iter(child.values() if isinstance(child, dict) else child))
-                break
-        else:
-            open_levels.pop()
-    return False
 
 
 class APIKeyMiddleware:

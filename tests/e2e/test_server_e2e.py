@@ -232,6 +232,40 @@ def test_n_samples_and_logprobs(client):
     assert got[0] == got[1] == chat.choices[0].message.content and n_lp[0] == len(content)
 
 
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, client):
+    """echo with logprobs returns the prompt's own logprobs before the answer's (vLLM: prompt_logprobs follows
+    logprobs), which is how evaluation harnesses score a continuation; echo with max_tokens 0 returns the
+    prompt alone, scored, with nothing generated. Streamed too: the echo chunk carries the prompt's logprobs."""
+    model = client.models.list().data[0].id
+    prompt = PROMPTS[0] + " Paris"
+    n_prompt = len(httpx.post(server + "/tokenize", json={"prompt": prompt}).json()["tokens"])
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                       temperature=0).choices[0]
+    lp = scored.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n_prompt + 1
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == scored.text and scored.text.startswith(prompt)
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(prompt)  # the answer's token after the prompt
+    explicit = client.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0, extra_body={"prompt_logprobs": 1}).choices[0].logprobs
+    assert explicit.token_logprobs == lp.token_logprobs
+
+    only = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                     temperature=0)
+    c = only.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs == lp.token_logprobs[:-1] and c.logprobs.tokens == lp.tokens[:-1]
+    bare = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True).choices[0]
+    assert bare.text == prompt and bare.logprobs is None
+    with pytest.raises(Exception, match="max_tokens"):  # without echo there is nothing to answer (vLLM too)
+        client.completions.create(model=model, prompt=prompt, max_tokens=0)
+
+    chunks = [ch.choices[0] for ch in client.completions.create(model=model, prompt=prompt, max_tokens=0,
+                                                                   echo=True, logprobs=1, stream=True)]
+    assert [ch.text for ch in chunks] == [prompt, ""] and chunks[-1].finish_reason == "length"
+    assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+
+
 def test_structured_output_response_format_and_vllm_fields(client):
     """response_format json_schema sampled at temperature 1 (n = 3, streamed too) parses and validates;
     json_object, vLLM's structured_outputs and guided_choice work; a bad schema is a 400 naming the field."""
@@ -316,9 +350,12 @@ def test_bad_input_matrix_leaks_nothing(server):
         raw = [(b'{"prompt": "hi", ', "application/json", 400),
                (b'{"prompt": "\xff"}', "application/json", 400),
                (b'{"prompt": "hi"}', "text/plain", 415), (b"[1, 2]", "application/json", 400),
+               (rb'{"prompt": "\ud800", "max_tokens": 2}', "application/json", 400),  # the tokenizer's TypeError
+               (rb'{"messages": [{"role": "user", "content": "\udc00"}]}', "application/json", 400),
                (b'{"prompt": "' + b"x" * (9 << 20) + b'"}', "application/json", 413)]
         for content, ctype, status in raw:
-            r = c.post("/v1/completions", content=content, headers={"content-type": ctype})
+            route = "/v1/chat/completions" if content.startswith(b'{"messages"') else "/v1/completions"
+            r = c.post(route, content=content, headers={"content-type": ctype})
             assert r.status_code == status and "error" in r.json(), r.text
         r = c.post("/v1/completions", json={"prompt": "still there?", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1

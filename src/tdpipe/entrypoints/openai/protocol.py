@@ -176,6 +176,19 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt back (with its logprobs), nothing generated. OpenAI's way to
+        score a text, and vLLM's; evaluation harnesses send it."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """With echo, the prompt's own logprobs come with `logprobs` unless prompt_logprobs says otherwise
+        (vLLM): the echoed text's positions are scored too, as OpenAI's legacy completions did."""
+        kw = super().sampling_kwargs()
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            kw["prompt_logprobs"] = self.logprobs
+        return kw
+
     def prompts(self, max_prompts: int) -> list[str | list[int]]:
         """The prompt as a batch: one entry per choice (OpenAI: a list of prompts is a batch), at most
         `max_prompts` of them. Only the shape is checked here, in time proportional to the number of prompts;

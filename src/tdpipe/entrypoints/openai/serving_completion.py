@@ -50,32 +50,35 @@ class CompletionServing:
         eng = self.s.engine()
         name, ignored = self.s.common_checks(req, eng)
         prompts = req.prompts(self.s.config.max_prompts_per_request)
-        sp = self.s.sampling_params(req, req.max_tokens, "max_tokens", eng)
+        # echo with max_tokens 0 runs the prompt for one token, which the answer leaves out (vLLM)
+        sp = self.s.sampling_params(req, 1 if req.echo_only() else req.max_tokens, "max_tokens", eng)
         text = req.echo or any(isinstance(p, str) for p in prompts)  # token ids alone need no tokenizer
         run = await self.s.admitted(eng, len(prompts), lambda: self.prepare(req, eng, name, ignored, prompts, sp),
                                     "prompt", tokenizer=text)
         prep, echo = run.prep, req.echo
         if prep.stream:
-            return SSEResponse(sse_events(self._stream(prep, run, echo)), on_close=run.close,
+            return SSEResponse(sse_events(self._stream(prep, run, echo, req.echo_only())), on_close=run.close,
                                headers=prep.headers())
         try:
-            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo))
+            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo, req.echo_only()))
         finally:
             run.close()
         return None if body is None else JSONResponse(body, headers=prep.headers())
 
-    def _logprobs(self, prep: Prepared, it: Item, out: Any, c: Any, echo: bool) -> dict | None:
-        """The legacy logprobs object of choice c; with echo the prompt's positions first (vLLM)."""
+    def _logprobs(self, prep: Prepared, it: Item, out: Any, c: Any, echo: bool,
+                  generated: bool = True) -> dict | None:
+        """The legacy logprobs object of choice c; with echo the prompt's positions first (vLLM), and only
+        them where nothing was generated (echo with max_tokens 0)."""
         k = it.params.logprobs
         if k is None or c.logprobs is None:
             return None
         tok = self.s.get_engine().tokenizer
-        ids, positions = list(c.token_ids), list(c.logprobs)
+        ids, positions = (list(c.token_ids), list(c.logprobs)) if generated else ([], [])
         if echo and out.prompt_logprobs is not None:
             ids, positions = list(it.prompt_ids) + ids, list(out.prompt_logprobs) + positions
         return completion_logprobs(tok, ids, positions, k)
 
-    async def _full(self, prep: Prepared, run: Run, echo: bool) -> dict:
+    async def _full(self, prep: Prepared, run: Run, echo: bool, echo_only: bool = False) -> dict:
         last: dict[int, Any] = {}
         async for i, out in run.outputs():
             last[i] = out
@@ -85,18 +88,22 @@ class CompletionServing:
         for it in prep.items:
             out = last[it.index]
             for c in out.outputs:
-                completion_tokens += len(c.token_ids)
-                text = (it.prompt_text or "") + c.text if echo else c.text
-                choice = CompletionChoice(index=it.index * n + c.index, text=text, finish_reason=c.finish_reason,
-                                          stop_reason=c.stop_reason, logprobs=self._logprobs(prep, it, out, c, echo))
+                ids = [] if echo_only else list(c.token_ids)
+                completion_tokens += len(ids)
+                text = (it.prompt_text or "") + ("" if echo_only else c.text) if echo else c.text
+                choice = CompletionChoice(index=it.index * n + c.index, text=text,
+                                          finish_reason="length" if echo_only else c.finish_reason,
+                                          stop_reason=None if echo_only else c.stop_reason,
+                                          logprobs=self._logprobs(prep, it, out, c, echo, not echo_only))
                 if prep.return_token_ids:
-                    choice.prompt_token_ids, choice.token_ids = it.prompt_ids, list(c.token_ids)
+                    choice.prompt_token_ids, choice.token_ids = it.prompt_ids, ids
                 choices.append(choice)
         usage = self.s.usage(sum(len(it.prompt_ids) for it in prep.items), completion_tokens)
         return CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model, choices=choices,
                                   usage=usage).model_dump()
 
-    async def _stream(self, prep: Prepared, run: Run, echo: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, prep: Prepared, run: Run, echo: bool,
+                      echo_only: bool = False) -> AsyncIterator[bytes]:
         n = prep.items[0].params.n if prep.items else 1
         cur = StreamCursor(len(prep.items) * n)  # prompt i's sample j is choice i * n + j (vLLM's numbering)
         prompt_tokens = sum(len(it.prompt_ids) for it in prep.items)
@@ -108,13 +115,32 @@ class CompletionServing:
                 c.usage = self.s.usage(prompt_tokens, sum(cur.tokens))
             return c
 
-        if echo:
-            yield sse(chunk([CompletionChoice(index=it.index * n + j, text=it.prompt_text or "", logprobs=None,
-                                              finish_reason=None) for it in prep.items for j in range(n)], False))
+        def echoed(it: Item, out: Any = None) -> list[CompletionChoice]:
+            """The prompt back as each of its choices' first chunk, with the prompt's logprobs from `out`."""
+            lp = None
+            if out is not None and out.prompt_logprobs is not None:
+                lp = completion_logprobs(tok, it.prompt_ids, out.prompt_logprobs, it.params.logprobs)
+            return [CompletionChoice(index=it.index * n + j, text=it.prompt_text or "", logprobs=lp,
+                                     finish_reason=None) for j in range(n)]
+
+        # with logprobs the echo waits for the prompt's logprobs, which come with the first output
+        scored = {it.index for it in prep.items if echo and it.params.logprobs is not None
+                  and it.params.prompt_logprobs is not None}
+        if echo and len(scored) < len(prep.items):
+            yield sse(chunk([c for it in prep.items if it.index not in scored for c in echoed(it)], False))
         async for i, out in run.outputs():
             it = prep.items[i]
+            if i in scored:
+                scored.discard(i)
+                yield sse(chunk(echoed(it, out), False))
             for c in out.outputs:
                 k = i * n + c.index
+                if echo_only:  # the one token run for the prompt's logprobs is not part of the answer
+                    if c.finish_reason is not None and not cur.done[k]:
+                        cur.done[k] = True
+                        yield sse(chunk([CompletionChoice(index=k, text="", finish_reason="length")],
+                                        prep.continuous_usage))
+                    continue
                 step = cur.advance(k, c)
                 if step is None:
                     continue

@@ -142,6 +142,25 @@ def test_parse_batch_keys_and_errors():
     assert "not valid UTF-8" in bad[3].error["message"] and bad[3].key == ("line", 4)
 
 
+def test_unpaired_surrogates_are_one_line_each_not_the_run(tmp_path):
+    """A \uD800 escape without its pair is not Unicode text: in a body the line is answered 400 naming the
+    field (the server's answer), in a custom_id it is a line error; the other lines run. Before, one such line
+    ended the whole run with "'utf-8' codec can't encode character"."""
+    lines = [r'{"custom_id": "s1", "url": "/v1/completions", "body": {"prompt": "\ud800 hi", "max_tokens": 2}}',
+             r'{"custom_id": "s2\udc00", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}}',
+             r'{"custom_id": "ok", "url": "/v1/completions", "body": {"prompt": "\ud83d\ude00", "max_tokens": 2}}']
+    eng = FakeAsyncLLM(max_model_len=256)
+    out = tmp_path / "out.jsonl"
+    outcome, sink, _ = _run_fake(eng, lines, out)
+    by = {record_key(r): r for r in _read(out)}
+    err = by[("id", "s1")]["response"]["body"]["error"]
+    assert by[("id", "s1")]["response"]["status_code"] == 400
+    assert err["param"] == "prompt" and err["code"] == "invalid_encoding" and "surrogate" in err["message"]
+    assert by[("line", 2)]["error"]["code"] == "invalid_custom_id" and by[("line", 2)]["custom_id"] is None
+    assert by[("id", "ok")]["response"]["status_code"] == 200
+    assert outcome == Outcome() and sink.total_failed == 2 and len(eng.requests) == 1
+
+
 def test_mixed_batch_against_fake_engine(tmp_path):
     eng = FakeAsyncLLM(max_model_len=256)
     out = tmp_path / "out.jsonl"

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tdpipe.entrypoints.openai.json_body import lone_surrogate_at, surrogate_error
 from tdpipe.entrypoints.preflight import PreflightError
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -69,6 +70,9 @@ def _parse_line(raw: bytes, n: int, seen: set[str]) -> BatchLine:
     if not isinstance(cid, str) or not cid:
         what = "has no 'custom_id'" if cid is None else f"'custom_id' must be a non-empty string, got {cid!r}"
         return _line_error(n, "invalid_custom_id", what)
+    if lone_surrogate_at(cid) is not None:  # not Unicode text: it could not be written back
+        return _line_error(n, "invalid_custom_id", "'custom_id' holds an unpaired UTF-16 surrogate (a "
+                           "\\uD800-\\uDFFF escape without its pair), which is not Unicode text")
     if cid in seen:
         return _line_error(n, "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; "
                            "custom_ids must be unique in a batch", cid)
@@ -88,6 +92,9 @@ def _parse_line(raw: bytes, n: int, seen: set[str]) -> BatchLine:
     elif body.get("stream") not in (None, False):
         bl.refusal = _error_body(f"line {n}: 'stream': a batch request is not streamed; remove 'stream' or "
                                  "set it to false", "stream", "unsupported_parameter")
+    elif (where := lone_surrogate_at(body)) is not None:  # the server's 400 (it could not be sent as UTF-8)
+        e = surrogate_error(where)
+        bl.refusal = _error_body(f"line {n}: body: {e.message}", e.param or "body", e.code)
     return bl
 
 

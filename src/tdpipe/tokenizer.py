@@ -1,9 +1,20 @@
 """Tokenizer access and detokenisation; Hugging Face tokenizers do the work."""
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import Future
 from typing import Any
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` holds an unpaired UTF-16 surrogate (U+D800-U+DFFF, left by a JSON or Python escape
+    without its pair), or None. Such a str is not Unicode text: tokenizers refuse it with a TypeError and it
+    cannot be encoded as UTF-8, so every frontend refuses it first, naming where."""
+    m = _LONE_SURROGATE.search(text)
+    return None if m is None else m.start()
 
 
 def load_tokenizer(path: str) -> Any:

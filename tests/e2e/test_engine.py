@@ -115,14 +115,22 @@ def test_bf16_logits_close_to_transformers(bundled_path, hf_fp32):
 
 def test_bad_input_is_isolated(llm_fp32):
     tok_len = llm_fp32.engine.scheduler.config.max_model_len
-    prompts = ["", [5] * (tok_len + 1), "Hello", [], "World"]
-    params = [greedy(4), greedy(4), {"temperature": -1.0}, greedy(4), {"top_p": 0.5, "max_tokens": 3}]
+    prompts = ["", [5] * (tok_len + 1), "Hello", [], "World", "a \ud800 b", {"prompt": "\udfff"}]
+    params = [greedy(4), greedy(4), {"temperature": -1.0}, greedy(4), {"top_p": 0.5, "max_tokens": 3},
+              greedy(2), greedy(2)]
     outs = llm_fp32.generate(prompts, params, use_tqdm=False)
     assert "empty" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
     assert "max_model_len" in outs[1].error
     assert "temperature" in outs[2].error
     assert "empty" in outs[3].error
     assert outs[4].error is None and len(outs[4].outputs[0].token_ids) == 3
+    # an unpaired surrogate (not Unicode text) is named, not the tokenizer's TypeError
+    assert "prompt 5: character 2 is an unpaired UTF-16 surrogate (U+D800)" in outs[5].error
+    assert "prompt 6: character 0" in outs[6].error
+    chat = llm_fp32.chat([[{"role": "user", "content": "hi \ud800"}], [{"role": "user", "content": "hi"}]],
+                         greedy(2), use_tqdm=False)
+    assert "message 0: 'content' character 3 is an unpaired UTF-16 surrogate" in chat[0].error
+    assert chat[1].error is None and len(chat[1].outputs[0].token_ids) == 2
     for bad in (dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

@@ -91,7 +91,8 @@ def test_conversation_check_names_the_message():
     for bad, msg in [([], "non-empty"), ("hi", "non-empty list"), ([{"role": "user"}], "message 0: missing 'content'"),
                      ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
                       "message 1: unknown role 'robot'"),
-                     ([{"role": "user", "content": 3}], "'content' must be a string")]:
+                     ([{"role": "user", "content": 3}], "'content' must be a string"),
+                     ([{"role": "user", "content": "ok \ud83d"}], "'content' character 3 is an unpaired UTF-16")]:
         with pytest.raises(ValueError, match=msg):
             check_conversation(bad)
 

@@ -12,12 +12,12 @@ import re
 from typing import Any
 
 from tdpipe.entrypoints.openai.errors import bad_request
+from tdpipe.tokenizer import lone_surrogate
 
 MAX_JSON_DEPTH = 64  # nesting deeper than any OpenAI body needs is a 400, before anything walks it
 # an escape of a surrogate code point (U+D800-U+DFFF): the only way one can reach a string, since the body was
 # decoded as UTF-8 first, which has none; paired ones become one code point in json.loads
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _no_constant(name: str) -> Any:
@@ -74,12 +74,12 @@ def lone_surrogate_at(obj: Any) -> str | None:
     while stack:
         path, value = stack.pop()
         if isinstance(value, str):
-            if _LONE_SURROGATE.search(value):
+            if lone_surrogate(value) is not None:
                 return path or "the body"
         elif isinstance(value, dict):
             for key, child in reversed(list(value.items())):
                 name = key.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
-                if _LONE_SURROGATE.search(key):
+                if lone_surrogate(key) is not None:
                     return f"the field name '{name}'" + (f" in {path}" if path else "")
                 stack.append((f"{path}.{key}" if path else key, child))
         elif isinstance(value, list):

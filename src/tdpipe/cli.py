@@ -21,7 +21,7 @@ import json  # noqa: E402
 from tdpipe.engine_args import EngineArgs
 from tdpipe.entrypoints.args import add_sampling_args, sampling_kwargs
 from tdpipe.entrypoints.conversation import check_conversation
-from tdpipe.entrypoints.preflight import PreflightError, check_readable, check_writable
+from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable, check_writable
 from tdpipe.entrypoints.results import ResultSink
 from tdpipe.tokenizer import chat_prompt
 from tdpipe.version import package_version
@@ -260,7 +260,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from tdpipe.entrypoints.openai.api_server import run_server
     from tdpipe.entrypoints.openai.serve_args import engine_config, server_config
 
-    return run_server(server_config(a), engine_config(a))
+    ecfg = engine_config(a)  # takes the positional MODEL as --model
+    check_model(a.model)  # a missing model: one line now, not a core that fails after the port is taken
+    return run_server(server_config(a), ecfg)
 
 
 class _VersionAction(argparse.Action):

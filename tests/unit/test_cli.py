@@ -107,3 +107,26 @@ def test_bad_flag_value_names_field(capsys):
     rc = main(["generate", "hi", "--temperature", "-1", "--kv-cache-memory", "64MiB"])
     assert rc == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(capsys, bundled_path):
+    """`tdpipe serve MODEL`, as `vllm serve MODEL`: the positional is --model; both at once must agree; a
+    missing model is one line before the port is taken (exit 2), not the engine core's traceback."""
+    from tdpipe.cli import build_parser
+    from tdpipe.entrypoints.openai.serve_args import engine_config
+
+    a = build_parser("serve").parse_args(["serve", bundled_path, "--port", "0"])
+    assert engine_config(a).model == bundled_path == a.model
+    assert main(["serve", "one", "--model", "two", "--port", "0"]) == 2
+    assert "the model is given twice, 'one' and --model 'two'" in capsys.readouterr().err
+    assert main(["serve", "/nonexistent/model", "--port", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("tdpipe: error: --model /nonexistent/model: no such file"), err
+
+
+@pytest.mark.slow  # starts the engine-core process
+def test_serve_whose_engine_fails_to_start_says_why_in_one_line(tmp_path, capfd):
+    assert main(["serve", str(tmp_path), "--port", "0", "--no-access-log"]) == 1
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tdpipe: ")]
+    assert err == [f"tdpipe: error: engine core failed: model folder '{tmp_path}' has no config.json; expected a "
+                   "Hugging Face model folder"], err

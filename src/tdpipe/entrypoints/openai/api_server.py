@@ -410,6 +410,9 @@ async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -
     if start_task.exception() is not None:
         server.should_exit = True
         await asyncio.gather(server_task, return_exceptions=True)
+        if isinstance(start_task.exception(), EngineDeadError):  # the core says why (a model folder, a
+            print(f"tdpipe: error: {start_task.exception()}", file=sys.stderr, flush=True)  # flag): one line
+            return 1
         raise start_task.exception()  # type: ignore[misc]
     engine = start_task.result()
     engine.log_death = False  # a death is reported below, in one line

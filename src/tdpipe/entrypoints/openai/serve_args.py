@@ -86,6 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "pool expiry (httpx and the openai client: 5 s, aiohttp: 15 s), or a request sent "
                         f"as the server closes the connection fails (default {d.timeout_keep_alive_s:g})")
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it: the same as --model (give one of the two)")
     EngineArgs.add_cli_args(p)
     return p
 
@@ -102,5 +104,11 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the engine flags describe (the same EngineArgs that `LLM(...)`'s keywords fill)."""
+    """The EngineConfig the engine flags describe (the same EngineArgs that `LLM(...)`'s keywords fill); the
+    positional MODEL, where given, is --model."""
+    tag = getattr(a, "model_tag", None)
+    if tag is not None:
+        if a.model is not None and a.model != tag:
+            raise ValueError(f"the model is given twice, {tag!r} and --model {a.model!r}: give it once")
+        a.model = tag
     return EngineArgs.from_cli(a).create_engine_config()

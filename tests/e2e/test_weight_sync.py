@@ -211,3 +211,27 @@ def test_an_update_that_recomputes_the_requests_in_flight(two_models):
             await llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_rollout_hooks_reset_prefix_cache_detokenize_and_vllm_names(two_models):
+    """What RL loops call on vLLM's LLM: reset_prefix_cache() (refused, False, while a request holds KV),
+    SamplingParams(detokenize=False) (the same token ids, no text), llm_engine, get_default_sampling_params()."""
+    a, _, ta, _ = two_models
+    with LLM(str(a), dtype="float32", kv_cache_memory=KV, enable_prefix_caching=True) as llm:
+        assert llm.llm_engine is llm.engine and llm.get_default_sampling_params() == SamplingParams()
+        assert _greedy(llm) == ta
+        bm = llm.engine.block_manager
+        assert bm.cache.table  # the prompts' full blocks are named
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False,
+                                           logprobs=1), use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == ta
+        assert all(o.outputs[0].text == "" for o in outs)
+        assert all(lp.decoded_token is None for o in outs for d in o.outputs[0].logprobs for lp in d.values())
+        llm.engine.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=4))
+        llm.engine.step()
+        assert llm.reset_prefix_cache() is False and bm.cache.table  # refused, nothing touched
+        llm.engine.abort_request("busy")
+        assert llm.reset_prefix_cache() is True
+        assert not bm.cache.table and bm.num_free_blocks == bm.num_blocks
+        assert _greedy(llm) == ta

@@ -65,6 +65,8 @@ from tdpipe.sampling import SamplingParams
         ({"stop_token_ids": [True]}, "stop_token_ids", "list of ints"),
         ({"stop_token_ids": [-1]}, "stop_token_ids", ">= 0"),
         ({"stop_token_ids": [2**64]}, "stop_token_ids", "list of ints"),
+        ({"detokenize": "no"}, "detokenize", "bool"),
+        ({"stop": "x", "detokenize": False}, "stop", "detokenize=True"),  # stop strings are found in the text
     ],
 )
 def test_sampling_params_reject_what_would_fail_later(kwargs, field, says):

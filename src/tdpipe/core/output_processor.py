@@ -95,7 +95,7 @@ class OutputProcessor:
                           self.clock() if arrival_time is None else arrival_time)
         for i in range(params.num_samples):
             s = SampleState(i)
-            if self.tokenizer is not None and (self.stream or params.stop):
+            if self.tokenizer is not None and (self.stream or params.stop) and params.detokenize:
                 s.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                 if self.stream and params.stop and not params.include_stop_str_in_output:
                     s.stop_hold = max(len(x) for x in params.stop) - 1
@@ -132,11 +132,12 @@ class OutputProcessor:
             if st.first_token_time is None and d.new_token_ids:
                 st.first_token_time = now
             st.num_preemptions = max(st.num_preemptions, d.num_preemptions)
+            text = st.params.detokenize
             if d.prompt_logprobs is not None and st.prompt_logprobs is None:
-                st.prompt_logprobs = [None if e is None else self._logprob_dict(e) for e in d.prompt_logprobs]
+                st.prompt_logprobs = [None if e is None else self._logprob_dict(e, text) for e in d.prompt_logprobs]
             s.token_ids.extend(d.new_token_ids)
             if d.logprobs is not None and s.logprobs is not None:
-                s.logprobs.extend(self._logprob_dict(e) for e in d.logprobs)
+                s.logprobs.extend(self._logprob_dict(e, text) for e in d.logprobs)
             if d.cumulative_logprob is not None:
                 s.cumulative_logprob = d.cumulative_logprob
             if s.detok is not None:
@@ -163,18 +164,19 @@ class OutputProcessor:
         return st.output(self.tokenizer)
 
     def _finish_sample(self, st: RequestState, s: SampleState) -> None:
-        if self.tokenizer is not None and not isinstance(s.stop_reason, str):
+        if self.tokenizer is not None and not isinstance(s.stop_reason, str) and st.params.detokenize:
             # the whole output decoded once: exactly the text a one-shot decode gives (no window effects)
             full = self.tokenizer.decode(s.token_ids, skip_special_tokens=st.params.skip_special_tokens)
             if s.detok is None or full.startswith(s.text):  # never take back text already streamed
                 s.text = full
 
-    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        """(token, logprob, rank) triples -> vLLM's {token id: Logprob}, each token's text decoded once."""
+    def _logprob_dict(self, entry: TokenLogprobs, text: bool = True) -> dict[int, Logprob]:
+        """(token, logprob, rank) triples -> vLLM's {token id: Logprob}, each token's text decoded once
+        (`text` False, detokenize=False: decoded_token None, as vLLM leaves it)."""
         out: dict[int, Logprob] = {}
         for tok, lp, rank in entry:
             if tok not in out:
-                out[tok] = Logprob(lp, rank, self._decoded(tok))
+                out[tok] = Logprob(lp, rank, self._decoded(tok) if text else None)
         return out
 
     def _decoded(self, tok: int) -> str | None:

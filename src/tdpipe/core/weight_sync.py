@@ -80,6 +80,15 @@ def _reset_page_tables(engine: LLMEngine) -> None:
         bm.reset()
 
 
+def reset_prefix_cache(engine: LLMEngine) -> bool:
+    """Forget every cached prefix (vLLM's LLM.reset_prefix_cache, which RL loops call after changing the
+    weights by hand): only between requests, when no block is held; False, and nothing done, otherwise."""
+    if engine.has_unfinished() or engine._inflight:
+        return False
+    _reset_page_tables(engine)
+    return True
+
+
 def sleep(engine: LLMEngine, level: int = 1) -> None:
     """level 1: free the KV cache; level 2: the weights too (wake_up reloads them from the checkpoint
     folder the engine last loaded)."""
@@ -101,4 +110,4 @@ def wake_up(engine: LLMEngine) -> None:
     engine.sleeping = 0
 
 
-__all__ = ["SHAPE_FIELDS", "WeightSource", "sleep", "update_weights", "wake_up"]
+__all__ = ["SHAPE_FIELDS", "WeightSource", "reset_prefix_cache", "sleep", "update_weights", "wake_up"]

@@ -110,7 +110,7 @@ class LLM:
                   use_tqdm: bool) -> Iterator[tuple[int, RequestOutput]]:
         self._check_open()
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [sampling_params] * len(items)
         else:
@@ -285,6 +285,20 @@ class LLM:
     def wake_up(self) -> None:
         """Reallocate what sleep() freed (level 2: the weights reload from the checkpoint folder)."""
         weight_sync.wake_up(self._one_engine("wake_up()"))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's; update_weights does it itself). Between generate() calls;
+        returns False, doing nothing, while requests are unfinished."""
+        return weight_sync.reset_prefix_cache(self._one_engine("reset_prefix_cache()"))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given no SamplingParams (vLLM's)."""
+        return SamplingParams()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine (`self.engine`)."""
+        return self._one_engine("llm_engine")
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """Call `method` of every worker's ModelRunner with `args`, between steps; results in worker order

@@ -55,6 +55,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a dict with its fields is accepted too
+    detokenize: bool = True  # False: token ids only, text "" (vLLM's; RL rollouts skip the decoding)
 
     def __post_init__(self) -> None:
         self._check_int("n", lambda n: n >= 1, "an int >= 1")
@@ -75,13 +76,15 @@ class SamplingParams:
         self._check_int("min_tokens", lambda m: m >= 0, "an int >= 0")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                  f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             value = getattr(self, name)  # a string such as "no" is truthy: it would silently mean True
             _require(isinstance(value, bool), f"{name} must be a bool (True or False), got {value!r}")
         for name in ("logprobs", "prompt_logprobs"):
             self._check_int(name, lambda k: 0 <= k <= MAX_LOGPROBS, f"None or an int in [0, {MAX_LOGPROBS}]",
                             optional=True)
         self.stop = self._normalise_stop(self.stop)
+        _require(self.detokenize or not self.stop, "stop strings need detokenize=True (they are found in the "
+                 "text); use stop_token_ids with detokenize=False")
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         _require(isinstance(ids, (list, tuple)) and all(_is_int(t) and 0 <= t < (1 << 63) for t in ids),
                  f"stop_token_ids must be None or a list of ints >= 0, got {self.stop_token_ids!r}")

@@ -29,6 +29,17 @@ def test_preflight_names_the_flag(tmp_path):
     assert not (tmp_path / "new.jsonl").exists()  # checking creates nothing
 
 
+def test_sink_writes_a_refused_prompt_with_an_unpaired_surrogate(tmp_path):
+    """A prompt holding a lone \\ud800 is refused and echoed in its error line; UTF-8 cannot hold it, and the
+    write raised, ending `tdpipe generate` with every later answer lost. It is written as its JSON escape."""
+    out = tmp_path / "o.jsonl"
+    with ResultSink(str(out)) as s:
+        s.write(0, {"index": 0, "prompt": "bad \ud800 é", "error": "refused"})
+        s.write(1, {"index": 1, "prompt": "ok"})
+    assert out.read_bytes().startswith('{"index": 0, "prompt": "bad \\ud800 é"'.encode())
+    assert [r["prompt"] for r in lines(out)] == ["bad \ud800 é", "ok"]
+
+
 def test_sink_writes_each_line_at_once_and_orders_on_request(tmp_path):
     out = tmp_path / "o.jsonl"
     with ResultSink(str(out), ordered=True) as s:

@@ -21,6 +21,7 @@ from typing import Any
 
 from tdpipe.entrypoints.openai.json_body import lone_surrogate_at, surrogate_error
 from tdpipe.entrypoints.preflight import PreflightError
+from tdpipe.entrypoints.results import jsonl_bytes
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 Key = tuple[str, Any]  # ("id", custom_id) or ("line", line number)
@@ -202,7 +203,7 @@ class BatchSink:
 
     def write(self, rec: dict[str, Any]) -> None:
         """One whole line; a write that fails part-way (disk full) is cut back, so a rerun resumes cleanly."""
-        data = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
+        data = jsonl_bytes(rec)
         start = os.fstat(self.fd).st_size
         try:
             view = memoryview(data)

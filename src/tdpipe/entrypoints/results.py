@@ -11,6 +11,13 @@ from typing import Any
 from tdpipe.entrypoints.preflight import PreflightError
 
 
+def jsonl_bytes(rec: Any) -> bytes:
+    """One JSONL line as UTF-8. Text stays readable (ensure_ascii=False), except an unpaired surrogate, which
+    UTF-8 cannot hold (a refused prompt is echoed as given): it is written as its JSON escape, `\\ud800`,
+    which reads back as the same string."""
+    return (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+
+
 class ResultSink:
     """Writes records keyed by their input position ('index'). `ordered`: input order, holding back only the
     records that finish before an earlier one. `resume`: keep the records already in `path` (`done`)."""
@@ -103,7 +110,7 @@ class ResultSink:
 
     def _write_line(self, rec: dict) -> None:
         """One whole line or nothing: a failed write (disk full) is cut back to the previous line."""
-        data = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
+        data = jsonl_bytes(rec)
         fd = self._open()
         pos = os.lseek(fd, 0, os.SEEK_END) if self.path else None
         try:

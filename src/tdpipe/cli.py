@@ -31,19 +31,36 @@ def _read_prompts(a: argparse.Namespace) -> list[dict]:
     """Prompts from arguments, --input (text: one per line; .jsonl: {"prompt": ...}, {"prompt_token_ids": ...} or
     {"messages": [{"role", "content"}, ...]}, a conversation for the chat template), or stdin.
 
-    A JSONL line that is not valid, or whose fields have the wrong type, becomes {"error": "line N: ..."}:
-    that request fails alone and the others run."""
+    A line that is not UTF-8, or a JSONL line that is not valid or whose fields have the wrong type, becomes
+    {"error": "line N: ..."}: that request fails alone and the others run."""
     if a.prompts:
         return [{"prompt": p} for p in a.prompts]
-    f = open(a.input, encoding="utf-8") if a.input and a.input != "-" else sys.stdin
-    with f:
-        lines = [ln.rstrip("\n") for ln in f]
-    jsonl = (a.input or "").endswith(".jsonl") or bool(lines and lines[0].lstrip().startswith("{"))
+    lines = _input_lines(a.input)
+    jsonl = (a.input or "").endswith(".jsonl") or bool(
+        lines and isinstance(lines[0], str) and lines[0].lstrip().startswith("{"))
     out = []
     for i, ln in enumerate(lines):
-        if not ln.strip():
-            continue
-        out.append(_parse_record(ln, i + 1) if jsonl else {"prompt": ln})
+        if isinstance(ln, UnicodeDecodeError):
+            out.append({"error": f"line {i + 1}: not valid UTF-8 (byte {ln.start})"})
+        elif ln.strip():
+            out.append(_parse_record(ln, i + 1) if jsonl else {"prompt": ln})
+    return out
+
+
+def _input_lines(path: str | None) -> list[str | UnicodeDecodeError]:
+    """The lines of --input (or stdin), each decoded on its own: one that is not UTF-8 is its error, so the
+    others still run (decoding the whole file at once failed it all, naming no line)."""
+    f = open(path, "rb") if path and path != "-" else getattr(sys.stdin, "buffer", sys.stdin)
+    with f:
+        raw = f.read()
+    if isinstance(raw, str):  # a text stream without a buffer (a test's StringIO)
+        return raw.splitlines()
+    out: list[str | UnicodeDecodeError] = []
+    for ln in raw.splitlines():
+        try:
+            out.append(ln.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            out.append(e)
     return out
 
 

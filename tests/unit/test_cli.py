@@ -130,3 +130,21 @@ def test_serve_whose_engine_fails_to_start_says_why_in_one_line(tmp_path, capfd)
     err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tdpipe: ")]
     assert err == [f"tdpipe: error: engine core failed: model folder '{tmp_path}' has no config.json; expected a "
                    "Hugging Face model folder"], err
+
+
+@pytest.mark.parametrize("suffix,content", [
+    (".jsonl", b'{"prompt": "a \xff b"}\r\n{"prompt": "ok"}\n\n{"prompt": "\xc3\xa9"}\n'),
+    (".txt", b"plain \xff line\r\nok\n\n\xc3\xa9\n"),
+])
+def test_input_lines_that_are_not_utf8_fail_alone(tmp_path, suffix, content):
+    """One line of --input that is not UTF-8 is that request's error, naming the line; decoding the whole
+    file at once failed the run with "'utf-8' codec can't decode byte 0xff", naming neither file nor line."""
+    import argparse
+
+    from tdpipe.cli import _read_prompts
+
+    f = tmp_path / f"in{suffix}"
+    f.write_bytes(content)
+    recs = _read_prompts(argparse.Namespace(prompts=[], input=str(f)))
+    assert recs[0] == {"error": "line 1: not valid UTF-8 (byte %d)" % content.index(b"\xff")}
+    assert [r.get("prompt") for r in recs[1:]] == ["ok", "é"]  # \r\n ends a line; blank lines skipped

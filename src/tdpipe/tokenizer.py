@@ -17,6 +17,16 @@ def lone_surrogate(text: str) -> int | None:
     return None if m is None else m.start()
 
 
+def require_unicode(text: str, what: str) -> str:
+    """`text`, or a ValueError saying `what` holds an unpaired surrogate and where (the tokenizer's own error,
+    a TypeError about TextEncodeInput, does not say so)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ValueError(f"{what}: character {at} is an unpaired UTF-16 surrogate (U+{ord(text[at]):04X}), "
+                         "which is not Unicode text")
+    return text
+
+
 def load_tokenizer(path: str) -> Any:
     """The folder's Hugging Face tokenizer. A missing or damaged tokenizer is a ModelFileError naming the
     folder (one line in the CLI), never a transformers traceback."""

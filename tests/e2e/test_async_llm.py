@@ -88,6 +88,8 @@ def test_leaving_early_abort_rejects_and_death():
                 await collect(llm, [5] * 5000, SamplingParams(max_tokens=4), "long")
             with pytest.raises(ValueError, match="empty"):
                 await collect(llm, [], SamplingParams(max_tokens=4), "empty")
+            with pytest.raises(ValueError, match="prompt: character 2 is an unpaired UTF-16 surrogate"):
+                await collect(llm, "a \ud800", SamplingParams(max_tokens=4), "surrogate")
             outs = await collect(llm, PROMPTS[2], SamplingParams(temperature=0, max_tokens=4), "ok")
             assert outs[-1].finished
             # stop strings end a request in the frontend and the core drops it

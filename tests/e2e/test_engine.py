@@ -129,7 +129,7 @@ def test_bad_input_is_isolated(llm_fp32):
     assert "prompt 6: character 0" in outs[6].error
     chat = llm_fp32.chat([[{"role": "user", "content": "hi \ud800"}], [{"role": "user", "content": "hi"}]],
                          greedy(2), use_tqdm=False)
-    assert "message 0: 'content' character 3 is an unpaired UTF-16 surrogate" in chat[0].error
+    assert "message 0: 'content': character 3 is an unpaired UTF-16 surrogate" in chat[0].error
     assert chat[1].error is None and len(chat[1].outputs[0].token_ids) == 2
     for bad in (dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -103,7 +103,7 @@ def test_conversation_check_names_the_message():
                      ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}],
                       "message 1: unknown role 'robot'"),
                      ([{"role": "user", "content": 3}], "'content' must be a string"),
-                     ([{"role": "user", "content": "ok \ud83d"}], "'content' character 3 is an unpaired UTF-16")]:
+                     ([{"role": "user", "content": "ok \ud83d"}], "'content': character 3 is an unpaired UTF-16")]:
         with pytest.raises(ValueError, match=msg):
             check_conversation(bad)
 

@@ -33,6 +33,7 @@ from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.core.validation import EngineRequest, RequestLimits, validate_request
 from tdpipe.outputs import RequestOutput
 from tdpipe.sampling.params import SamplingParams
+from tdpipe.tokenizer import require_unicode
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 
@@ -207,8 +208,10 @@ class AsyncLLM:
         """A raw prompt (text: tokenised with special tokens) validated into an EngineRequest
         (core/validation.py; RequestError, a ValueError naming the field, if refused). `text`: the text of a
         prompt given as token ids (a chat template's), kept for the outputs."""
-        text, ids = (prompt, self.tokenizer.encode(prompt, add_special_tokens=True)) if isinstance(prompt, str) \
-            else (text, list(prompt))
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(require_unicode(prompt, "prompt"), add_special_tokens=True)
+        else:
+            ids = list(prompt)
         return validate_request(request_id, ids, params, RequestLimits.of(self), text)
 
     async def generate(self, prompt: EngineRequest | str | list[int], params: SamplingParams | None = None,

@@ -31,6 +31,7 @@ from tdpipe.sampling.prompt_logprobs import split_prompt_logits
 from tdpipe.sampling.sampler import Sampler
 from tdpipe.sampling.stage_rows import samples_on_stage, stage_rows, stage_seed, stage_tokens
 from tdpipe.sequence import Sequence, SequenceStatus
+from tdpipe.tokenizer import require_unicode
 
 log = logging.getLogger("tdpipe")
 
@@ -101,7 +102,8 @@ class LLMEngine:
                 if self.tokenizer is None:
                     raise ValueError("this engine has no tokenizer (simulated or in-memory model): give "
                                      "prompt_token_ids")
-                prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+                prompt_token_ids = self.tokenizer.encode(require_unicode(prompt, "prompt"),
+                                                         add_special_tokens=True)
             else:
                 prompt_token_ids = prompt
         prompt_token_ids = list(prompt_token_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tdpipe.tokenizer import lone_surrogate
+from tdpipe.tokenizer import require_unicode
 
 # the roles of the OpenAI chat API; a template may know fewer, none knows others
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -25,9 +25,7 @@ def check_conversation(conv: Any) -> list[dict[str, str]]:
             raise ValueError(f"message {i}: unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
         if not isinstance(m["content"], str):
             raise ValueError(f"message {i}: 'content' must be a string, got {type(m['content']).__name__}")
-        if (at := lone_surrogate(m["content"])) is not None:
-            raise ValueError(f"message {i}: 'content' character {at} is an unpaired UTF-16 surrogate "
-                             f"(U+{ord(m['content'][at]):04X}), which is not Unicode text")
+        require_unicode(m["content"], f"message {i}: 'content'")
     return conv
 
 

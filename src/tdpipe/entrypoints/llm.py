@@ -22,7 +22,7 @@ from tdpipe.entrypoints.replicas import ReplicaRunner
 from tdpipe.core.weight_sync import WeightSource
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.tokenizer import chat_prompt, lone_surrogate
+from tdpipe.tokenizer import chat_prompt, require_unicode
 
 log = logging.getLogger("tdpipe")
 
@@ -225,13 +225,13 @@ class LLM:
         if isinstance(prompt, _Rejected):
             raise ValueError(prompt.error)
         if isinstance(prompt, str):
-            return _unicode(prompt, index), None
+            return require_unicode(prompt, f"prompt {index}"), None
         if isinstance(prompt, dict):
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(text).__name__}")
             if text is not None:
-                _unicode(text, index)
+                require_unicode(text, f"prompt {index}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(type(t) is int for t in ids):
@@ -319,16 +319,6 @@ class LLM:
         if self.engine is None:
             raise ValueError(f"{what} needs data_parallel_size 1: the replicas are other processes")
         return self.engine
-
-
-def _unicode(text: str, index: int) -> str:
-    """The prompt text, or a ValueError naming where it holds an unpaired surrogate (not Unicode text; the
-    tokenizer's own TypeError does not say so)."""
-    at = lone_surrogate(text)
-    if at is not None:
-        raise ValueError(f"prompt {index}: character {at} is an unpaired UTF-16 surrogate "
-                         f"(U+{ord(text[at]):04X}), which is not Unicode text")
-    return text
 
 
 def _refused(rid: str, text: str | None, ids: list[int] | None, e: Exception) -> RequestOutput:

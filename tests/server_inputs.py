@@ -80,6 +80,8 @@ MATRIX = [
     (C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     (CHAT, {}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": U, "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role"),

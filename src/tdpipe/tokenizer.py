@@ -86,15 +86,22 @@ class NoChatTemplate(ValueError):
     """The tokenizer has no chat template, so a conversation cannot become a prompt."""
 
 
-def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> tuple[str, list[int]]:
     """A conversation through the model's chat template: the prompt text and its token ids (the template
-    carries the special tokens, so none are added again). A model without a template (a base model such as
+    carries the special tokens, so none are added again). `continue_final_message` leaves the last message
+    open (no end-of-turn after it), so the model goes on with it: a prefilled start of the answer (vLLM's and
+    transformers' name); it excludes add_generation_prompt. A model without a template (a base model such as
     Gemma 3 270M) raises NoChatTemplate, one line, rather than transformers' paragraph."""
     if getattr(tokenizer, "chat_template", "") is None:  # transformers' tokenizers: None when the model has none
         raise NoChatTemplate("this model has no chat template (a base model): send plain prompts (completions) "
                              "instead of messages")
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                         "continues the last message, the second opens a new one")
+    extra = {"continue_final_message": True} if continue_final_message else {}  # passed only when asked
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **extra)
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -131,6 +131,14 @@ def test_bad_input_is_isolated(llm_fp32):
                          greedy(2), use_tqdm=False)
     assert "message 0: 'content': character 3 is an unpaired UTF-16 surrogate" in chat[0].error
     assert chat[1].error is None and len(chat[1].outputs[0].token_ids) == 2
+    # continue_final_message: the last message left open for the model to go on with (needs the generation
+    # prompt off, as in vLLM); with both, that conversation fails alone
+    prefill = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "It is"}]
+    cont = llm_fp32.chat([prefill, prefill], greedy(2), use_tqdm=False, add_generation_prompt=False,
+                         continue_final_message=True)
+    assert cont[0].error is None and cont[0].prompt.endswith("assistant\nIt is")
+    both = llm_fp32.chat(prefill, greedy(2), use_tqdm=False, continue_final_message=True)
+    assert "cannot both be true" in both[0].error
     for bad in (dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

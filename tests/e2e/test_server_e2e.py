@@ -266,6 +266,29 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, client):
     assert chunks[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
 
 
+def test_continue_final_message_prefills_the_answer(server, client):
+    """continue_final_message (vLLM's, transformers' name): the last message stays open and the model goes on
+    with it; add_generation_prompt is then off unless the client also sends it true, a 400."""
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    open_ids = httpx.post(server + "/tokenize", json={"messages": msgs, "continue_final_message": True}).json()
+    closed = httpx.post(server + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    prefix = httpx.post(server + "/tokenize", json={"prompt": "The capital of France is",
+                                                    "add_special_tokens": False}).json()["tokens"]
+    assert open_ids["tokens"][-len(prefix):] == prefix  # nothing after the prefill: no end of turn
+    assert closed["tokens"][:len(open_ids["tokens"])] == open_ids["tokens"] and closed["count"] > open_ids["count"]
+    r = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=4, temperature=0,
+                                       extra_body={"continue_final_message": True, "ignore_eos": True})
+    same = client.completions.create(model=model, prompt=open_ids["tokens"], max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == same.choices[0].text  # it ran the open prompt
+    assert r.usage.prompt_tokens == open_ids["count"]
+    bad = httpx.post(server + "/v1/chat/completions", headers=AUTH, json={
+        "messages": msgs, "continue_final_message": True, "add_generation_prompt": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
 def test_structured_output_response_format_and_vllm_fields(client):
     """response_format json_schema sampled at temperature 1 (n = 3, streamed too) parses and validates;
     json_object, vLLM's structured_outputs and guided_choice work; a bad schema is a 400 naming the field."""

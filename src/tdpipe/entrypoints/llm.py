@@ -250,14 +250,18 @@ class LLM:
     # -- chat ----------------------------------------------------------------------------------------
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `continue_final_message`: the model continues the last message (a prefilled start of the answer)
+        instead of opening a new turn; give add_generation_prompt=False with it (vLLM's rule)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for i, conv in enumerate(convs):
             try:  # a malformed conversation fails as its own request, with the message's number
-                text, ids = chat_prompt(tok, check_conversation(conv), add_generation_prompt)
+                text, ids = chat_prompt(tok, check_conversation(conv), add_generation_prompt,
+                                        continue_final_message)
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
             except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) too
                 prompts.append(_Rejected(f"conversation {i}: {e}"))

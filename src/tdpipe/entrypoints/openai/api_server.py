@@ -135,7 +135,8 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
                 add = True if req.add_special_tokens is None else req.add_special_tokens
                 return tok.encode(req.prompt, add_special_tokens=add)
             conv = ChatCompletionRequest(messages=req.messages).conversation()
-            return apply_template(tok, conv, req.add_generation_prompt, bool(req.add_special_tokens))
+            add_generation_prompt, continue_final = req.template_flags()
+            return apply_template(tok, conv, add_generation_prompt, bool(req.add_special_tokens), continue_final)
 
         ids = await off_loop(encode)
         return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),

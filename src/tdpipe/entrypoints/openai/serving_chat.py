@@ -19,10 +19,11 @@ from tdpipe.tokenizer import NoChatTemplate, chat_prompt
 
 
 def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: bool,
-                   add_special_tokens: bool) -> list[int]:
+                   add_special_tokens: bool, continue_final_message: bool = False) -> list[int]:
     """The conversation's prompt token ids; a template that rejects it (roles out of order...) is a 400."""
     try:
-        text, ids = chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt)
+        text, ids = chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message)
     except NoChatTemplate as e:
         raise bad_request(str(e), "messages", "invalid_value") from None
     except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception
@@ -40,7 +41,8 @@ class ChatServing:
         """The conversation through the chat template, validated (on the tokenizer thread)."""
         self.s.check_grammar(req, sp)
         conv = req.conversation()
-        ids = apply_template(eng.tokenizer, conv, req.add_generation_prompt, req.add_special_tokens)
+        add_generation_prompt, continue_final = req.template_flags()
+        ids = apply_template(eng.tokenizer, conv, add_generation_prompt, req.add_special_tokens, continue_final)
         rid = self.s.new_id("chatcmpl")
         er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options

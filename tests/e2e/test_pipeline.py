@@ -138,6 +138,22 @@ def test_pp2_under_preemption(qwen2_tiny, qwen2_prompts, qwen2_ref):
 
 
 @pytest.mark.parametrize("pp", [1, 2])
+def test_logit_bias_rows_leave_the_stage_argmax(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
+    """A greedy row with a logit bias cannot take the last stage's argmax (SiPipe §5.1's ids-only result):
+    +100 on a token makes every output that token, a -100 on each reference token moves the answer, and the
+    unbiased rows of the same batches keep transformers' tokens."""
+    forced, banned = 1234, qwen2_ref[1][0]
+    params = [greedy()] * len(qwen2_prompts)
+    params[0] = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, logit_bias={forced: 100.0})
+    params[1] = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, logit_bias={banned: -100.0})
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=pp) as llm:
+        outs = tokens(llm.generate(qwen2_prompts, params, use_tqdm=False))
+    assert outs[0] == [forced] * N_OUT
+    assert banned not in outs[1] and outs[1] != qwen2_ref[1]
+    assert outs[2:] == qwen2_ref[2:]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
 def test_hybrid_small_budget(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
     # 16 tokens per micro-batch: the longer prompts are prefilled in chunks, decodes mixed in
     with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, scheduler="hybrid",

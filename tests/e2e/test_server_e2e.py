@@ -289,6 +289,25 @@ def test_continue_final_message_prefills_the_answer(server, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
 
 
+def test_logit_bias_forces_and_bans_tokens(server, client):
+    """OpenAI's logit_bias ({"token id": bias in [-100, 100]}), completions and chat: +100 makes a greedy answer
+    that token throughout, -100 on the greedy answer's first token changes it."""
+    model = client.models.list().data[0].id
+    tok = httpx.post(server + "/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"][0]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                  logit_bias={str(tok): 100}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert r.choices[0].token_ids == [tok] * 4
+    plain = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                      extra_body={"return_token_ids": True}).choices[0].token_ids[0]
+    moved = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                      logit_bias={str(plain): -100}, extra_body={"return_token_ids": True})
+    assert moved.choices[0].token_ids[0] != plain
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_completion_tokens=3, temperature=0, logit_bias={str(tok): 100},
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == " banana" * 3
+
+
 def test_structured_output_response_format_and_vllm_fields(client):
     """response_format json_schema sampled at temperature 1 (n = 3, streamed too) parses and validates;
     json_object, vLLM's structured_outputs and guided_choice work; a bad schema is a 400 naming the field."""

@@ -43,6 +43,11 @@ V = 32
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
@@ -206,6 +211,26 @@ def test_penalties_combined_and_in_sampler():
     params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0)]
     assert _call(logits, params, prompts=[[3], [3]], outputs=[[], []]) == [0, 3]
     assert logits[0, 3] == 3.0  # caller's tensor untouched
+
+
+def test_logit_bias_moves_the_argmax_the_draw_and_the_logprobs():
+    """OpenAI's logit_bias added to the row's logits before anything else: +100 forces a token, -100 bans the
+    argmax; a biased row leaves the greedy hot path (its neighbours keep theirs) and the caller's tensor is
+    untouched; logprobs are of the biased distribution."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    before, top = logits.clone(), logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={7: 100.0}),
+              SamplingParams(temperature=0, logit_bias={top[2]: -100.0}, logprobs=1),
+              SamplingParams(temperature=1.0, seed=4, logit_bias={9: 100.0})]
+    meta = SamplingMetadata(params, [[]] * 4, [[]] * 4, [None, None, None, 5], num_logprobs=[None, None, 1, None])
+    tokens, lps = Sampler().sample(logits, meta)
+    second = logits[2].clone()
+    second[top[2]] -= 100.0
+    assert tokens == [top[0], 7, int(second.argmax()), 9]
+    assert torch.equal(logits, before)
+    expect = torch.log_softmax(second, -1)[tokens[2]].item()
+    assert lps[2][0][1] == pytest.approx(expect, abs=1e-5)  # (token, logprob, rank) of the sampled token
+    assert not params[1].needs_penalties and params[1].needs_processing
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -22,7 +22,7 @@ from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.delta import RequestDelta, TokenLogprobs
 from tdpipe.core.engine_builder import EngineParts, build_engine_parts
 from tdpipe.core.sample_group import SampleGroup, SampleId, apply_draws
-from tdpipe.core.validation import RequestLimits, check_floats, check_prompt, check_stops
+from tdpipe.core.validation import RequestLimits, check_floats, check_logit_bias, check_prompt, check_stops
 from tdpipe.executor.base import Executor, StepResult
 from tdpipe.sampling.grammar import GrammarManager, parse_grammar
 from tdpipe.sampling.metadata import SamplingMetadata
@@ -111,6 +111,7 @@ class LLMEngine:
         # the frontend's prompt check (one token at least, ids in the vocabulary, room for one output token)
         check_prompt(prompt_token_ids, RequestLimits(max_len, self.scheduler.config.max_num_seqs,
                                                      self.model_config.vocab_size))
+        check_logit_bias(params, self.model_config.vocab_size)
         room = max_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if self.tokenizer is None and params.stop:  # they would never match: no output processor can decode

@@ -122,6 +122,15 @@ def check_params(params: SamplingParams, limits: RequestLimits) -> None:
                                f"(--max-num-seqs {most})", name)
     check_stops(params.stop, params.stop_token_ids)
     check_floats(params)
+    check_logit_bias(params, limits.vocab_size)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """Every biased token id in the vocabulary (SamplingParams checked the rest)."""
+    bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias has token id {bad}, outside the vocabulary (ids are in [0, {vocab_size}))",
+                           "logit_bias")
 
 
 def check_grammar(params: SamplingParams) -> None:

@@ -24,7 +24,7 @@ def may_argmax(seq: Any) -> bool:
     nothing that reshapes the distribution (penalties, a grammar, a stop-token ban before min_tokens), no
     logprobs."""
     p = seq.sampling_params
-    return (p.is_greedy and not p.needs_penalties and not p.needs_logprobs and p.structured_outputs is None
+    return (p.is_greedy and not p.needs_processing and not p.needs_logprobs and p.structured_outputs is None
             and len(seq.output_token_ids) >= p.min_tokens and not seq.needs_prompt_logits)
 
 

@@ -56,6 +56,7 @@ class SamplingParams:
     best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a dict with its fields is accepted too
     detokenize: bool = True  # False: token ids only, text "" (vLLM's; RL rollouts skip the decoding)
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> a bias in [-100, 100] added to its logit
 
     def __post_init__(self) -> None:
         self._check_int("n", lambda n: n >= 1, "an int >= 1")
@@ -93,6 +94,7 @@ class SamplingParams:
         self.stop_token_set = frozenset(self.stop_token_ids)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        self.logit_bias = self._normalise_bias(self.logit_bias)
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""
@@ -118,6 +120,27 @@ class SamplingParams:
                  f"stop must be a str, a list of str or None, got {stop!r}")
         _require(all(s for s in stops), "stop must not contain empty strings")
         return list(stops)
+
+    @staticmethod
+    def _normalise_bias(bias) -> dict[int, float] | None:
+        """{token id: bias} as plain ints and floats; None for none. A bias outside [-100, 100] is refused, not
+        clamped: OpenAI documents that range, and +-100 already forces or bans a token."""
+        if bias is None or (isinstance(bias, dict) and not bias):
+            return None
+        _require(isinstance(bias, dict), f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        out = {}
+        for t, b in bias.items():
+            _require(_is_int(t) and 0 <= t < (1 << 63), f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            _require(_is_real(b) and math.isfinite(b) and -100 <= b <= 100,
+                     f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+            out[int(t)] = float(b)
+        return out
+
+    @property
+    def needs_processing(self) -> bool:
+        """The row's logits change before it samples (penalties or a logit bias): no argmax on the stage, no
+        greedy hot path."""
+        return self.needs_penalties or self.logit_bias is not None
 
     @property
     def is_greedy(self) -> bool:

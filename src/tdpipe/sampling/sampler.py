@@ -201,7 +201,7 @@ class Sampler:
         bans = [(i, b) for i, b in bans if b]
         want = [] if num_logprobs is None else [i for i, k in enumerate(num_logprobs) if k is not None]
         masked = meta.masked_rows or []
-        if not masked and all(p.is_greedy and not p.needs_penalties for p in params):  # hot path: plain greedy
+        if not masked and all(p.is_greedy and not p.needs_processing for p in params):  # hot path: plain greedy
             tokens = logits.argmax(-1).tolist()
             if bans:  # mask a copy of the banned rows only, not of the whole batch
                 rows = logits[[i for i, _ in bans]].to(torch.float32)
@@ -223,13 +223,17 @@ class Sampler:
         # and changed (`fixed`), the others read from the caller's tensor where they lie. A greedy row that only
         # a grammar changes needs no copy: its argmax over the allowed tokens is read in place (`direct`).
         pen = [i for i, p in enumerate(params) if p.needs_penalties]
+        biased = [i for i, p in enumerate(params) if p.logit_bias is not None]
         banned_set, want_set = {i for i, _ in bans}, set(want)
-        direct = [i for i in masked if params[i].is_greedy and not params[i].needs_penalties
+        direct = [i for i in masked if params[i].is_greedy and not params[i].needs_processing
                   and i not in banned_set and i not in want_set]
-        fix_rows = sorted(banned_set | set(pen) | (set(masked) - set(direct)))
+        fix_rows = sorted(banned_set | set(pen) | set(biased) | (set(masked) - set(direct)))
         fix_at = {i: j for j, i in enumerate(fix_rows)}
         if fix_rows:
             fixed = logits[fix_rows].to(torch.float32)
+            for i in biased:  # first: a ban, the penalties and a grammar apply to the biased logits
+                ids = [t for t in params[i].logit_bias if t < vocab]
+                fixed[fix_at[i], ids] += torch.tensor([params[i].logit_bias[t] for t in ids])
             for i, b in bans:
                 fixed[fix_at[i], b] = float("-inf")
             if pen:

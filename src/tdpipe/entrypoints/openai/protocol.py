@@ -3,7 +3,7 @@
 Requests are validated strictly: "max_tokens": "10" or "stream": 1 is a 400 naming the field, never a silent
 coercion. Unknown top-level fields are ignored and named in the answer (ignored_fields.py; vLLM's
 behaviour: clients send newer fields), except the ones in UNSUPPORTED, which would change the result if
-ignored (logit_bias, tools...): those are a 400 unless they hold their neutral value.
+ignored (suffix, tools...): those are a 400 unless they hold their neutral value.
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ def _is(*ok: Any) -> Callable[[Any], bool]:
 
 # field -> "this value changes nothing": any other value is a 400 (it would silently change results)
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _none_or_empty,
     "suffix": _none_or_empty,
     "use_beam_search": _is(None, False),
     "length_penalty": _is(None, 1, 1.0),
@@ -100,6 +99,7 @@ class _GenerationRequest(_Request):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in each choice
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -116,7 +116,14 @@ class _GenerationRequest(_Request):
                  "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                  "skip_special_tokens", "include_stop_str_in_output")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.logit_bias:  # JSON keys are strings: token ids in decimal
+            bad = next((k for k in self.logit_bias if not k.isascii() or not k.isdigit()), None)
+            if bad is not None:
+                raise bad_request(f"logit_bias keys must be token ids in decimal, got {bad!r}", "logit_bias",
+                                  "invalid_value")
+            kw["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        return kw
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str]:
         """The output constraint, and the field it came from (the prefix of its errors): at most one of

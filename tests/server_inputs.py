@@ -73,6 +73,8 @@ MATRIX = [
     (C, {"prompt": "hi", "logit_bias": {"five": 10}}, 400, "logit_bias"),  # keys are token ids in decimal
     (C, {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),  # in [-100, 100]
     (CHAT, {"messages": U, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    (C, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    (C, {"prompt": "hi", "allowed_token_ids": [999999999]}, 400, "allowed_token_ids"),
     (C, {"prompt": "hi", "best_of": 0}, 400, "best_of"),
     (C, {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     (C, {"prompt": "hi", "best_of": 9}, 400, "best_of"),

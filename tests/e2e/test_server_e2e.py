@@ -291,7 +291,7 @@ def test_continue_final_message_prefills_the_answer(server, client):
 
 def test_logit_bias_forces_and_bans_tokens(server, client):
     """OpenAI's logit_bias ({"token id": bias in [-100, 100]}), completions and chat: +100 makes a greedy answer
-    that token throughout, -100 on the greedy answer's first token changes it."""
+    that token throughout, -100 on the greedy answer's first token changes it; vLLM's allowed_token_ids."""
     model = client.models.list().data[0].id
     tok = httpx.post(server + "/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"][0]
     r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, temperature=0,
@@ -306,6 +306,13 @@ def test_logit_bias_forces_and_bans_tokens(server, client):
                                           max_completion_tokens=3, temperature=0, logit_bias={str(tok): 100},
                                           extra_body={"ignore_eos": True})
     assert chat.choices[0].message.content == " banana" * 3
+    # vLLM's allowed_token_ids: the answer holds only those tokens (a label set)
+    labels = [httpx.post(server + "/tokenize", json={"prompt": w, "add_special_tokens": False}).json()["tokens"][0]
+              for w in (" yes", " no")]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=5, temperature=1.0, seed=3,
+                                  extra_body={"allowed_token_ids": labels, "return_token_ids": True,
+                                              "ignore_eos": True})
+    assert set(r.choices[0].token_ids) <= set(labels) and len(r.choices[0].token_ids) == 5
 
 
 def test_structured_output_response_format_and_vllm_fields(client):

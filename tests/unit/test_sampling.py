@@ -48,6 +48,9 @@ V = 32
         ({"logit_bias": {-1: 1}}, "logit_bias"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
         ({"logit_bias": [5]}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
@@ -231,6 +234,22 @@ def test_logit_bias_moves_the_argmax_the_draw_and_the_logprobs():
     expect = torch.log_softmax(second, -1)[tokens[2]].item()
     assert lps[2][0][1] == pytest.approx(expect, abs=1e-5)  # (token, logprob, rank) of the sampled token
     assert not params[1].needs_penalties and params[1].needs_processing
+
+
+def test_allowed_token_ids_keep_only_those():
+    """vLLM's allowed_token_ids: every other token out of the row (greedy, a draw, with a bias too); the
+    logprobs are of the restricted distribution."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    allowed = [3, 11, 17]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=2),
+              SamplingParams(temperature=1.0, seed=2, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias={11: 100.0})]
+    meta = SamplingMetadata(params, [[]] * 3, [[]] * 3, [None, 3, None], num_logprobs=[2, None, None])
+    tokens, lps = Sampler().sample(logits, meta)
+    assert tokens[0] == allowed[int(logits[0, allowed].argmax())] and tokens[1] in allowed and tokens[2] == 11
+    restricted = torch.log_softmax(logits[0, allowed], -1)
+    assert lps[0][0][1] == pytest.approx(restricted.max().item(), abs=1e-5)
+    assert {t for t, _, _ in lps[0][1:]} <= set(allowed)  # the top-2 are allowed ones
 
 
 @pytest.mark.parametrize("seed", range(6))

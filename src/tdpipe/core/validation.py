@@ -126,11 +126,13 @@ def check_params(params: SamplingParams, limits: RequestLimits) -> None:
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
-    """Every biased token id in the vocabulary (SamplingParams checked the rest)."""
-    bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
-    if bad is not None:
-        raise RequestError(f"logit_bias has token id {bad}, outside the vocabulary (ids are in [0, {vocab_size}))",
-                           "logit_bias")
+    """Every biased or allowed token id in the vocabulary (SamplingParams checked the rest)."""
+    for field, ids in (("logit_bias", params.logit_bias or ()),
+                       ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"{field} has token id {bad}, outside the vocabulary (ids are in "
+                               f"[0, {vocab_size}))", field)
 
 
 def check_grammar(params: SamplingParams) -> None:

@@ -56,7 +56,8 @@ class SamplingParams:
     best_of: int | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a dict with its fields is accepted too
     detokenize: bool = True  # False: token ids only, text "" (vLLM's; RL rollouts skip the decoding)
-    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> a bias in [-100, 100] added to its logit
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> a bias in [-100, 100] on its logit
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the row may produce
 
     def __post_init__(self) -> None:
         self._check_int("n", lambda n: n >= 1, "an int >= 1")
@@ -95,6 +96,13 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self.logit_bias = self._normalise_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _require(isinstance(ids, (list, tuple)) and len(ids) > 0
+                     and all(_is_int(t) and 0 <= t < (1 << 63) for t in ids),
+                     "allowed_token_ids must be None or a non-empty list of token ids (ints >= 0), "
+                     f"got {ids!r}")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""
@@ -127,10 +135,12 @@ class SamplingParams:
         clamped: OpenAI documents that range, and +-100 already forces or bans a token."""
         if bias is None or (isinstance(bias, dict) and not bias):
             return None
-        _require(isinstance(bias, dict), f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        _require(isinstance(bias, dict),
+                 f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
         out = {}
         for t, b in bias.items():
-            _require(_is_int(t) and 0 <= t < (1 << 63), f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            _require(_is_int(t) and 0 <= t < (1 << 63),
+                     f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
             _require(_is_real(b) and math.isfinite(b) and -100 <= b <= 100,
                      f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
             out[int(t)] = float(b)
@@ -138,9 +148,9 @@ class SamplingParams:
 
     @property
     def needs_processing(self) -> bool:
-        """The row's logits change before it samples (penalties or a logit bias): no argmax on the stage, no
-        greedy hot path."""
-        return self.needs_penalties or self.logit_bias is not None
+        """The row's logits change before it samples (penalties, a logit bias, an allowed set): no argmax on
+        the stage, no greedy hot path."""
+        return self.needs_penalties or self.logit_bias is not None or self.allowed_token_ids is not None
 
     @property
     def is_greedy(self) -> bool:

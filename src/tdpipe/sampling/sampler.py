@@ -224,16 +224,22 @@ class Sampler:
         # a grammar changes needs no copy: its argmax over the allowed tokens is read in place (`direct`).
         pen = [i for i, p in enumerate(params) if p.needs_penalties]
         biased = [i for i, p in enumerate(params) if p.logit_bias is not None]
+        only = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
         banned_set, want_set = {i for i, _ in bans}, set(want)
         direct = [i for i in masked if params[i].is_greedy and not params[i].needs_processing
                   and i not in banned_set and i not in want_set]
-        fix_rows = sorted(banned_set | set(pen) | set(biased) | (set(masked) - set(direct)))
+        fix_rows = sorted(banned_set | set(pen) | set(biased) | set(only) | (set(masked) - set(direct)))
         fix_at = {i: j for j, i in enumerate(fix_rows)}
         if fix_rows:
             fixed = logits[fix_rows].to(torch.float32)
             for i in biased:  # first: a ban, the penalties and a grammar apply to the biased logits
                 ids = [t for t in params[i].logit_bias if t < vocab]
                 fixed[fix_at[i], ids] += torch.tensor([params[i].logit_bias[t] for t in ids])
+            for i in only:  # every other token out (vLLM's allowed_token_ids)
+                ids = [t for t in params[i].allowed_token_ids if t < vocab]
+                keep = fixed[fix_at[i], ids].clone()
+                fixed[fix_at[i]] = float("-inf")
+                fixed[fix_at[i], ids] = keep
             for i, b in bans:
                 fixed[fix_at[i], b] = float("-inf")
             if pen:

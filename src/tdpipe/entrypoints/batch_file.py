@@ -72,8 +72,7 @@ def _parse_line(raw: bytes, n: int, seen: set[str]) -> BatchLine:
         what = "has no 'custom_id'" if cid is None else f"'custom_id' must be a non-empty string, got {cid!r}"
         return _line_error(n, "invalid_custom_id", what)
     if lone_surrogate_at(cid) is not None:  # not Unicode text: it could not be written back
-        return _line_error(n, "invalid_custom_id", "'custom_id' holds an unpaired UTF-16 surrogate (a "
-                           "\\uD800-\\uDFFF escape without its pair), which is not Unicode text")
+        return _line_error(n, "invalid_custom_id", surrogate_error("'custom_id'").message)
     if cid in seen:
         return _line_error(n, "duplicate_custom_id", f"custom_id {cid!r} appears on an earlier line; "
                            "custom_ids must be unique in a batch", cid)

@@ -78,8 +78,8 @@ def lone_surrogate_at(obj: Any) -> str | None:
                 return path or "the body"
         elif isinstance(value, dict):
             for key, child in reversed(list(value.items())):
-                name = key.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
                 if lone_surrogate(key) is not None:
+                    name = key.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
                     return f"the field name '{name}'" + (f" in {path}" if path else "")
                 stack.append((f"{path}.{key}" if path else key, child))
         elif isinstance(value, list):

@@ -256,23 +256,28 @@ def chat_messages(raw: list[Any]) -> Iterator[ChatMessage]:
             raise from_validation_error(e, ("messages", i)) from None
 
 
-def template_flags(req: Any) -> tuple[bool, bool]:
-    """(add_generation_prompt, continue_final_message) of a request with messages (chat, /tokenize)."""
-    if not req.continue_final_message:
-        return req.add_generation_prompt, False
-    if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-        raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the first "
-                          "continues the last message, the second opens a new one", "continue_final_message",
-                          "invalid_value")
-    return False, True
+class _ChatTemplateFlags(_Request):
+    """How a request with messages (chat, /tokenize) ends its chat template."""
+
+    add_generation_prompt: bool = True  # vLLM: end the template with the assistant's turn header
+    continue_final_message: bool = False  # vLLM: leave the last message open, to be continued (a prefill)
+
+    def template_flags(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message): continuing the last message means no new turn,
+        so add_generation_prompt is off unless the client sent it true too, which is a 400 (vLLM)."""
+        if not self.continue_final_message:
+            return self.add_generation_prompt, False
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: the "
+                              "first continues the last message, the second opens a new one",
+                              "continue_final_message", "invalid_value")
+        return False, True
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
     messages: list[Any]  # ChatMessage each, checked by conversation() (chat_messages)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True  # vLLM: end the template with the assistant's turn header
-    continue_final_message: bool = False  # vLLM: leave the last message open, to be continued (a prefill)
     add_special_tokens: bool = False  # vLLM: the template already has them
     logprobs: bool | None = None
     top_logprobs: int | None = None  # 0-20, with logprobs: true
@@ -302,11 +307,6 @@ class ChatCompletionRequest(_GenerationRequest):
             conv.append(msg)
         return conv
 
-    def template_flags(self) -> tuple[bool, bool]:
-        """(add_generation_prompt, continue_final_message): continuing the last message means no new turn,
-        so add_generation_prompt is off unless the client sent it true too, which is a 400 (vLLM)."""
-        return template_flags(self)
-
     def output_limit(self) -> tuple[int | None, str]:
         """max_completion_tokens, else max_tokens, and the field it came from (for error messages)."""
         if self.max_completion_tokens is not None:
@@ -314,18 +314,13 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_tokens, "max_tokens"
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateFlags):
     """{"prompt": text} or {"messages": [...]} (chat template applied)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None  # ChatMessage each, checked with the template, off the event loop
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    def template_flags(self) -> tuple[bool, bool]:
-        return template_flags(self)
 
 
 class UpdateWeightsRequest(_Request):

@@ -51,16 +51,17 @@ class CompletionServing:
         name, ignored = self.s.common_checks(req, eng)
         prompts = req.prompts(self.s.config.max_prompts_per_request)
         # echo with max_tokens 0 runs the prompt for one token, which the answer leaves out (vLLM)
-        sp = self.s.sampling_params(req, 1 if req.echo_only() else req.max_tokens, "max_tokens", eng)
+        echo_only = req.echo_only()
+        sp = self.s.sampling_params(req, 1 if echo_only else req.max_tokens, "max_tokens", eng)
         text = req.echo or any(isinstance(p, str) for p in prompts)  # token ids alone need no tokenizer
         run = await self.s.admitted(eng, len(prompts), lambda: self.prepare(req, eng, name, ignored, prompts, sp),
                                     "prompt", tokenizer=text)
         prep, echo = run.prep, req.echo
         if prep.stream:
-            return SSEResponse(sse_events(self._stream(prep, run, echo, req.echo_only())), on_close=run.close,
+            return SSEResponse(sse_events(self._stream(prep, run, echo, echo_only)), on_close=run.close,
                                headers=prep.headers())
         try:
-            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo, req.echo_only()))
+            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, echo, echo_only))
         finally:
             run.close()
         return None if body is None else JSONResponse(body, headers=prep.headers())

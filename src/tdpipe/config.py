@@ -46,6 +46,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool = False  # o_proj's bias (Llama, Qwen3, Gemma 3 with attention_bias)
+    mlp_bias: bool = False  # gate/up/down biases (Llama with mlp_bias)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     # per layer: None = global attention, W = a sliding window of the last W keys (the query itself included,
@@ -89,6 +91,7 @@ class ModelConfig:
         hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
         local_theta = families.rope_settings(hf, local=True)[0] if fam.windows == "gemma" else None
         scalar = hf.get("query_pre_attn_scalar")
+        qkv_bias, o_bias, mlp_bias = families.biases(fam, hf)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -103,7 +106,9 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=fam.qkv_bias or bool(hf.get("attention_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             layer_windows=families.layer_windows(fam, hf, layers),
@@ -155,13 +160,19 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
         return 2 * per_layer * self.num_layers
 
+    def layer_bias_params(self) -> int:
+        """The biases of one decoder layer: q/k/v, o_proj and the MLP's, where the model has them."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return ((q + 2 * kv) if self.qkv_bias else 0) + (h if self.o_bias else 0) + ((2 * i + h) if self.mlp_bias else 0)
+
     def num_params(self) -> int:
-        """Weights of the whole model: decoder layers (with q/k/v biases where the model has them), norms,
+        """Weights of the whole model: decoder layers (with their biases where the model has them), norms,
         the embedding and an untied lm_head."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms + ((q + 2 * kv) if self.qkv_bias else 0)
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms + self.layer_bias_params()
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return per_layer * self.num_layers + embed + h
 

@@ -15,6 +15,10 @@ class Family:
     """What a family changes against Llama (the defaults)."""
 
     qkv_bias: bool = False  # biases on q, k and v whatever attention_bias says (Qwen2)
+    # which of config.json's attention_bias (q, k, v and o) and mlp_bias (gate, up, down) keys the family
+    # reads, as transformers does: both in Llama, attention_bias in Qwen3 and Gemma 3; Mistral, Qwen2 and Phi-3
+    # fix their biases whatever the keys say
+    bias_keys: tuple[str, ...] = ("attention_bias",)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3, Gemma 3)
     norm: str = "rms"  # "rms": w * x (Llama); "gemma": x * (1 + w), multiplied in float32 (Gemma 3)
     sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma 2/3)
@@ -33,13 +37,13 @@ _GEMMA3 = Family(qk_norm=True, norm="gemma", sandwich_norms=True, embed_scale=Tr
     "bos_token_id": 2})
 
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family(),
-    "MistralForCausalLM": Family(windows="all", defaults={"sliding_window": 4096}),
-    "Qwen2ForCausalLM": Family(qkv_bias=True, windows="qwen"),
+    "LlamaForCausalLM": Family(bias_keys=("attention_bias", "mlp_bias")),
+    "MistralForCausalLM": Family(windows="all", bias_keys=(), defaults={"sliding_window": 4096}),
+    "Qwen2ForCausalLM": Family(qkv_bias=True, bias_keys=(), windows="qwen"),
     "Qwen3ForCausalLM": Family(qk_norm=True, windows="qwen"),
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,  # its text_config; the vision tower is not loaded
-    "Phi3ForCausalLM": Family(windows="all", defaults={"sliding_window": None}),
+    "Phi3ForCausalLM": Family(windows="all", bias_keys=(), defaults={"sliding_window": None}),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation (model/cpu_ops.py)
 ROPE_TYPES = ("llama3", "linear", "longrope")  # besides plain rope (model/layers.py: rope_inv_freq)
@@ -55,6 +59,13 @@ def family_of(hf: dict[str, Any]) -> tuple[str, Family, dict[str, Any]]:
     keys = {**hf.get("text_config", {}), **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if k in hf}} \
         if arch == "Gemma3ForConditionalGeneration" else hf
     return arch, fam, {**fam.defaults, **keys}
+
+
+def biases(fam: Family, hf: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """Whether (q/k/v, o_proj, gate/up/down) carry biases, by transformers' rule for the family (Family.bias_keys;
+    Qwen2 has q/k/v biases only)."""
+    attn, mlp = (k in fam.bias_keys and bool(hf.get(k, False)) for k in ("attention_bias", "mlp_bias"))
+    return fam.qkv_bias or attn, attn, mlp
 
 
 def layer_windows(fam: Family, hf: dict[str, Any], num_layers: int) -> list[int | None]:
@@ -117,5 +128,5 @@ def partial_rotary_factor(hf: dict[str, Any]) -> float:
     return float(hf.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
 
 
-__all__ = ["ACTIVATIONS", "FAMILIES", "Family", "ROPE_TYPES", "family_of", "layer_windows", "partial_rotary_factor",
+__all__ = ["ACTIVATIONS", "FAMILIES", "Family", "ROPE_TYPES", "biases", "family_of", "layer_windows", "partial_rotary_factor",
            "rope_settings"]

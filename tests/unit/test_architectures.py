@@ -3,13 +3,14 @@
 tiny random configs, prefill and decode, float32 (the same numbers, not merely close)."""
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from tdpipe.config import ModelConfig
 from tdpipe.model import random_model as rm
 from tdpipe.model.layers import RotaryEmbedding
-from tdpipe.model.llama import LlamaForCausalLM
+from tdpipe.model.llama import LlamaForCausalLM as TdLlama
 from tdpipe.model.tensor_parallel import TPGroup
 from tdpipe.step_input import StepInput
 from tdpipe.worker.model_runner import prepare_input
@@ -32,6 +33,8 @@ def hf_configs() -> dict:
         "phi3": (Phi3ForCausalLM, Phi3Config(**SIZES, partial_rotary_factor=0.5, original_max_position_embeddings=64,
                                              rope_scaling=dict(PHI3_ROPE), pad_token_id=0, eos_token_id=1,
                                              bos_token_id=2)),
+        # Llama's optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
+        "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True)),
     }
 
 
@@ -51,9 +54,9 @@ def hf_dict(model) -> dict:
     return d
 
 
-def tdpipe_model(model, tp: TPGroup | None = None) -> LlamaForCausalLM:
+def tdpipe_model(model, tp: TPGroup | None = None) -> TdLlama:
     cfg = ModelConfig.from_hf(hf_dict(model))
-    ours = LlamaForCausalLM(cfg, tp=tp) if tp is not None else LlamaForCausalLM(cfg)
+    ours = TdLlama(cfg, tp=tp) if tp is not None else TdLlama(cfg)
     sd = model.state_dict()
     ours.load_weights((n, sd[n][slice(None)] if ours.shard_of(n) is None else _cut(sd[n], ours.shard_of(n)))
                       for n in sd if ours.wants(n))
@@ -66,7 +69,7 @@ def _cut(t: torch.Tensor, part: tuple[int, int, int]) -> torch.Tensor:
     return t[a:b] if dim == 0 else t[:, a:b]
 
 
-def run_steps(model: LlamaForCausalLM, prompts: list[list[int]], decode: list[list[int]]) -> list[torch.Tensor]:
+def run_steps(model: TdLlama, prompts: list[list[int]], decode: list[list[int]]) -> list[torch.Tensor]:
     """Prefill the prompts in one step, then one decode step per entry of `decode` (a token per sequence);
     the sampled rows' logits of each step."""
     cfg = model.cfg
@@ -89,7 +92,7 @@ def run_steps(model: LlamaForCausalLM, prompts: list[list[int]], decode: list[li
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "phi3", "llama_bias"])
 def test_logits_match_transformers(family):
     """Two prompts longer than the windows (Mistral 20, Gemma 3's local layers 8), prefilled together, then
     three decode steps through the paged cache: every step's logits equal transformers' on the whole text."""
@@ -114,7 +117,7 @@ def test_windows_are_honoured_not_ignored():
     windowed = tdpipe_model(hf)
     d = hf_dict(hf)
     d["sliding_window"] = None
-    glob = LlamaForCausalLM(ModelConfig.from_hf(d)).eval()
+    glob = TdLlama(ModelConfig.from_hf(d)).eval()
     glob.load_weights(hf.state_dict().items())
     glob.init_rotary("cpu")
     ids = [list(range(5, 45))]
@@ -135,7 +138,7 @@ def test_bf16_embedding_scale_rounds_as_transformers():
         got = ours.embed_tokens(ids) * ours._embed_scale(torch.bfloat16)
     assert torch.equal(got, ref)
     with torch.device("meta"):  # Gemma 3 270M: sqrt(640) = 25.298 is 25.25 in bf16, 25.2982 in float32
-        g270 = LlamaForCausalLM(ModelConfig.from_hf(rm.published_config("gemma-3-270m")), end_layer=1)
+        g270 = TdLlama(ModelConfig.from_hf(rm.published_config("gemma-3-270m")), end_layer=1)
     assert g270._embed_scale(torch.bfloat16) == 25.25 and abs(g270._embed_scale(torch.float32) - 640 ** 0.5) < 1e-5
 
 
@@ -242,7 +245,7 @@ def test_refusals_name_the_problem():
 
 # ----------------------------------------------------------------------------------- loading
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "phi3", "llama_bias"])
 def test_random_checkpoints_have_transformers_names_and_shapes(family):
     """random:NAME folders (model/random_model.py) hold exactly the tensors transformers' model of that
     config has, so both load them."""
@@ -252,6 +255,28 @@ def test_random_checkpoints_have_transformers_names_and_shapes(family):
         want.pop("lm_head.weight")
     assert {n: s for n, s, _ in rm.tensor_shapes(hf_dict(hf))} == want
     assert ModelConfig.from_hf(hf_dict(hf)).num_params() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("cls, cfg_cls, extra", [
+    (LlamaForCausalLM, LlamaConfig, {}), (Qwen2ForCausalLM, Qwen2Config, {}), (Qwen3ForCausalLM, Qwen3Config, {}),
+    (MistralForCausalLM, MistralConfig, {}), (Phi3ForCausalLM, Phi3Config, {"pad_token_id": 0}),
+    (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16})])
+@pytest.mark.parametrize("attention_bias, mlp_bias", [(True, True), (False, False), (True, False)])
+def test_biases_follow_transformers_per_family(cls, cfg_cls, extra, attention_bias, mlp_bias):
+    """Which linears carry a bias, for each family and each setting of the attention_bias / mlp_bias keys
+    (some families read them, some fix their biases): exactly the bias tensors transformers' model has."""
+    sizes = {**SIZES, "num_hidden_layers": 1}
+    hf = cls(cfg_cls(**sizes, attention_bias=attention_bias, mlp_bias=mlp_bias, **extra))
+    want = sorted(n.split(".")[-2] for n, _ in hf.named_parameters() if n.endswith(".bias"))
+    d = hf_dict(hf)
+    d.update(attention_bias=attention_bias, mlp_bias=mlp_bias)  # as a config.json with the keys would say
+    ours = TdLlama(ModelConfig.from_hf(d))
+    got = sorted(n.split(".")[-2] for n, _ in ours.named_parameters() if n.endswith(".bias"))
+    split = {"qkv_proj": ["k_proj", "q_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    if cls is not Phi3ForCausalLM:
+        got = sorted(p for g in got for p in split.get(g, [g]))
+    assert got == want
+    assert ModelConfig.from_hf(d).num_params() == sum(p.numel() for p in hf.parameters())
 
 
 def test_shipped_configs_of_the_new_families():
@@ -287,7 +312,7 @@ def test_phi3_fused_tensors_shard_like_separate_ones():
             split[n] = t
     cfg = ModelConfig.from_hf(hf_dict(hf))
     for r in range(2):
-        fused, ref = LlamaForCausalLM(cfg, tp=_Rank(r, 2)), LlamaForCausalLM(cfg, tp=_Rank(r, 2))
+        fused, ref = TdLlama(cfg, tp=_Rank(r, 2)), TdLlama(cfg, tp=_Rank(r, 2))
         for m, src in ((fused, sd), (ref, split)):
             m.load_weights((n, src[n] if m.shard_of(n) is None else _cut(src[n], m.shard_of(n))) for n in src)
         for (n, a), (_, b) in zip(fused.state_dict().items(), ref.state_dict().items()):
@@ -323,7 +348,7 @@ def test_multimodal_gemma3_folder_runs_its_text_decoder(tmp_path):
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(tmp_path)
-    ours = LlamaForCausalLM(ModelConfig.from_hf(load_hf_config(tmp_path))).eval()
+    ours = TdLlama(ModelConfig.from_hf(load_hf_config(tmp_path))).eval()
     ours.load_weights(iter_safetensors(tmp_path, names=ours.wants))
     ours.init_rotary("cpu")
     ids = list(range(5, 30))

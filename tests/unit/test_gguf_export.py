@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tdpipe.model.gguf import convert_gguf_to_hf_folder
 from tdpipe.model.gguf_export import gguf_name, main, permute_rope_rows, write_gguf
@@ -49,6 +49,30 @@ def test_export_round_trips_through_tdpipes_gguf_loader(family: str, tmp_path: P
     have = load_file(str(back / "model.safetensors"))
     assert set(have) == set(want)
     for k, t in want.items():
+        assert torch.equal(have[k], t.float()), k
+
+
+def test_llama_biases_round_trip_with_their_rows(tmp_path: Path) -> None:
+    """Llama's optional biases (attention_bias: q/k/v/o, mlp_bias: gate/up/down) are written and read back;
+    q's and k's are permuted with their weight rows as llama.cpp's converter does (a bias left in HF's order
+    would put each value on another rope dimension). Non-zero biases, or the permutation could not show."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": True,
+           "attention_bias": True, "mlp_bias": True, **_SHAPE}
+    folder = Path(random_model_folder(cfg, seed=1, root=tmp_path))
+    tensors = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for k, t in tensors.items():
+        if k.endswith(".bias"):
+            tensors[k] = torch.randn(t.shape, generator=g).to(t.dtype)
+    assert sum(k.endswith(".bias") for k in tensors) == 2 * 7
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    path = write_gguf(folder, tmp_path / "llama.gguf")
+    assert "blk.1.attn_output.bias" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    back = convert_gguf_to_hf_folder(path, tmp_path / "llama-back", dtype=torch.float32)
+    assert json.loads((back / "config.json").read_text())["mlp_bias"] is True
+    have = load_file(str(back / "model.safetensors"))
+    assert set(have) == set(tensors)
+    for k, t in tensors.items():
         assert torch.equal(have[k], t.float()), k
 
 

@@ -289,8 +289,9 @@ def test_w8a8_gives_swiglu_mlps_the_fused_middle_and_leaves_geglu_alone():
     from tdpipe.model.llama import MLP
 
     swiglu, geglu = torch.nn.Module(), torch.nn.Module()
-    swiglu.mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu"))
-    geglu.mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh"))
+    swiglu.mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu", mlp_bias=False))
+    geglu.mlp = MLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="gelu_pytorch_tanh",
+                                   mlp_bias=False))
     assert prepare_linears(swiglu, "w8a8") == 2 and prepare_linears(geglu, "w8a8") == 2
     assert swiglu.mlp.fused is not None and geglu.mlp.fused is None
     x = torch.randn(5, 64).to(torch.bfloat16)

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 WeightSource = str | os.PathLike | Iterable[tuple[str, torch.Tensor]]
 # what new weights must share with the loaded model: the engine's KV cache, partition and tables depend on them
 SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias")
+                "num_kv_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias",
+                "mlp_bias")
 
 
 def _idle(engine: LLMEngine, what: str) -> None:

@@ -159,9 +159,9 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "bf16", name: s
     for f, key, g, t in plan:
         with safe_open(str(f), "pt") as st:
             x = st.get_tensor(key).float()
-        if family.permute_qk and g.endswith(".attn_q.weight"):
+        if family.permute_qk and g.endswith((".attn_q.weight", ".attn_q.bias")):  # biases turn with their rows
             x = permute_rope_rows(x, heads)
-        elif family.permute_qk and g.endswith(".attn_k.weight"):
+        elif family.permute_qk and g.endswith((".attn_k.weight", ".attn_k.bias")):
             x = permute_rope_rows(x, kv)
         arr = x.numpy()
         w.write_tensor_data(arr if t is Q.F32 else quantize(arr, t))

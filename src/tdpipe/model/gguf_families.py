@@ -110,7 +110,8 @@ def _llama3_scaling(meta: Meta, head_dim: int) -> dict[str, Any]:
 
 
 def _llama(meta: Meta) -> dict[str, Any]:
-    out: dict[str, Any] = {"attention_bias": "blk.0.attn_q.bias" in meta.tensor_names}
+    out: dict[str, Any] = {"attention_bias": "blk.0.attn_q.bias" in meta.tensor_names,
+                           "mlp_bias": "blk.0.ffn_down.bias" in meta.tensor_names}
     if ROPE_FREQS in meta.tensors:
         hidden, heads = int(meta.key("embedding_length")), int(meta.key("attention.head_count"))
         out["rope_scaling"] = _llama3_scaling(meta, int(meta.key("rope.dimension_count", hidden // heads)))

@@ -55,7 +55,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.window = window
         if cfg.qk_norm:
@@ -94,8 +94,8 @@ class MLP(nn.Module):
         a, b = shard_range(cfg.intermediate_size, tp.size, tp.rank)
         self.tp = tp
         self.inter = b - a
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_and_mul
         self.fused: Callable[[torch.Tensor], torch.Tensor] | None = None  # W8A8's one-pass SwiGLU (int8_linear)
 
@@ -271,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
 
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, end) of the checkpoint tensor `name` that this rank holds; None: all of it. Rows of
-        column-parallel weights (and their biases), columns of row-parallel ones, vocabulary rows. Tensors
+        column-parallel weights (and their biases), columns of row-parallel ones (their biases whole: rank 0
+        adds them, load_weights), vocabulary rows. Tensors
         stored fused (Phi-3's qkv_proj, gate_up_proj) are read whole and cut in load_weights: a rank's part
         of them is several row ranges."""
         if self.tp.size == 1:
@@ -281,6 +282,8 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.embed_tokens") or name.startswith("lm_head"):
             return (0, *self.vocab_range)
         proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if proj in ("o_proj", "down_proj") and name.endswith(".bias"):
+            return None
         if proj == "q_proj":
             return (0, h.q_start * hd, (h.q_start + h.q_count) * hd)
         if proj in ("k_proj", "v_proj"):
@@ -377,6 +380,9 @@ class LlamaForCausalLM(nn.Module):
                     del pending[key]
             elif proj in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): read whole, this rank's rows
                 put(f"layers.{local}.{rest}", self._rank_rows(proj, t))
+            elif leaf == "bias" and proj in ("o_proj", "down_proj") and self.tp.rank > 0:
+                # row-parallel: the all-reduce sums the ranks' partial outputs, so the bias is rank 0's alone
+                put(f"layers.{local}.{rest}", torch.zeros_like(t))
             else:
                 put(f"layers.{local}.{rest}", t)
         missing = sorted(set(params) - loaded)

@@ -49,9 +49,9 @@ def published_config(name: str) -> dict[str, Any]:
 
 def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, init) of every tensor of a checkpoint with this config, in HF names, for each supported
-    family (tdpipe/families.py): q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3), Gemma's four norms per
+    family (tdpipe/families.py): biases (Qwen2's q/k/v, attention_bias, mlp_bias), q/k norms (Qwen3, Gemma 3), Gemma's four norms per
     layer (initialised to zeros: Gemma scales by 1 + w), Phi-3's fused qkv_proj and gate_up_proj."""
-    from tdpipe.families import family_of
+    from tdpipe.families import biases, family_of
 
     arch, fam, cfg = family_of(cfg)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -80,8 +80,13 @@ def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]
         else:
             out += [(p + "mlp.gate_proj.weight", (inter, h), "normal"), (p + "mlp.up_proj.weight", (inter, h), "normal")]
         out.append((p + "mlp.down_proj.weight", (h, inter), "normal"))
-        if fam.qkv_bias:
+        qkv_bias, o_bias, mlp_bias = biases(fam, cfg)
+        if qkv_bias:
             out += [(p + f"self_attn.{k}_proj.bias", (n * hd,), "zeros") for k, n in (("q", nh), ("k", nkv), ("v", nkv))]
+        if o_bias:
+            out.append((p + "self_attn.o_proj.bias", (h,), "zeros"))
+        if mlp_bias:
+            out += [(p + f"mlp.{k}_proj.bias", (n,), "zeros") for k, n in (("gate", inter), ("up", inter), ("down", h))]
     out.append(("model.norm.weight", (h,), norm))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (v, h), "normal"))

@@ -47,11 +47,10 @@ def kv_heads_per_device(mc: ModelConfig, tp: int) -> float:
 
 
 def layer_params(mc: ModelConfig) -> int:
-    """Weights of one decoder layer: attention projections (with Qwen2's q/k/v biases), SwiGLU MLP, 2 norms."""
+    """Weights of one decoder layer: attention projections (with their biases, as Qwen2's), SwiGLU MLP, 2 norms."""
     h, i = mc.hidden_size, mc.intermediate_size
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    bias = (q + 2 * kv) if mc.qkv_bias else 0
-    return h * (q + 2 * kv) + bias + q * h + 3 * h * i + 2 * h
+    return h * (q + 2 * kv) + mc.layer_bias_params() + q * h + 3 * h * i + 2 * h
 
 
 def model_bytes(mc: ModelConfig, dtype_bytes: int = 2) -> int:

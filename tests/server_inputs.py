@@ -75,6 +75,11 @@ MATRIX = [
     (CHAT, {"messages": U, "logit_bias": {"999999999": 1}}, 400, "logit_bias"),  # outside the vocabulary
     (C, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (C, {"prompt": "hi", "allowed_token_ids": [999999999]}, 400, "allowed_token_ids"),
+    (C, {"prompt": "hi", "bad_words": "word"}, 400, "bad_words"),  # a list of strings
+    (C, {"prompt": "hi", "bad_words": ["ok", "  "]}, 400, "bad_words"),
+    (CHAT, {"messages": U, "bad_words": ["w"] * 65}, 400, "bad_words"),  # at most 64
+    (C, {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    (C, {"prompt": "hi", "truncate_prompt_tokens": 10 ** 9}, 400, "truncate_prompt_tokens"),  # > max_model_len
     (C, {"prompt": "hi", "best_of": 0}, 400, "best_of"),
     (C, {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     (C, {"prompt": "hi", "best_of": 9}, 400, "best_of"),

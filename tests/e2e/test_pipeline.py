@@ -22,6 +22,7 @@ from tdpipe import LLM, SamplingParams
 from tdpipe.pipeline import zygote
 from tdpipe.pipeline.executor import PipelineError
 from tdpipe.pipeline.zygote import ZygoteStage
+from tdpipe.sampling.bad_words import bad_words_token_ids
 from tdpipe.viz import timeline as tl
 
 PROMPTS = [
@@ -151,6 +152,41 @@ def test_logit_bias_rows_leave_the_stage_argmax(pp, qwen2_tiny, qwen2_prompts, q
     assert outs[0] == [forced] * N_OUT
     assert banned not in outs[1] and outs[1] != qwen2_ref[1]
     assert outs[2:] == qwen2_ref[2:]
+
+
+def _word_of(tok, t: int) -> str | None:
+    """The text of token t when bad_words bans exactly it (vLLM's spellings: the word, and after a space only
+    if that is as many tokens as the word alone); None otherwise."""
+    word = tok.decode([t]).strip()
+    spellings = bad_words_token_ids([word], lambda x: tok.encode(x, add_special_tokens=False)) if word else []
+    return word if [t] in spellings else None
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_bad_words_and_prompt_truncation(pp, qwen2_tiny, qwen2_prompts, qwen2_ref):
+    """vLLM's bad_words: a one-token word never appears in the answer (which then leaves transformers' greedy
+    path), a two-token word's second token never follows its first; the rows without them keep transformers'
+    tokens in the same batches. truncate_prompt_tokens=k runs the prompt's last k tokens: the answer of that
+    shorter prompt, with the prompt ids it ran reported."""
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20, pipeline_parallel_size=pp) as llm:
+        tok = llm.get_tokenizer()
+        at, one = next((i, w) for i, w in enumerate(_word_of(tok, t) for t in qwen2_ref[1]) if w is not None)
+        pair = qwen2_ref[3][:2]
+        two = tok.decode(pair)
+        assert tok.encode(two, add_special_tokens=False) == pair or \
+            tok.encode(" " + two.lstrip(), add_special_tokens=False) == pair
+        params = [greedy()] * len(qwen2_prompts)
+        params[1] = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, bad_words=[one])
+        params[3] = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, bad_words=[two])
+        params[5] = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, truncate_prompt_tokens=7)
+        outs = llm.generate(qwen2_prompts, params, use_tqdm=False)
+        short = llm.generate([qwen2_prompts[5][-7:]], greedy(), use_tqdm=False)[0]
+    got = tokens(outs)
+    assert qwen2_ref[1][at] not in got[1] and got[1][:at] == qwen2_ref[1][:at] and got[1] != qwen2_ref[1]
+    assert all(got[3][i:i + 2] != pair for i in range(len(got[3]) - 1)) and got[3] != qwen2_ref[3]
+    assert outs[5].prompt_token_ids == qwen2_prompts[5][-7:] and got[5] == short.outputs[0].token_ids
+    assert got[5] != qwen2_ref[5]
+    assert [got[i] for i in (0, 2, 4)] == [qwen2_ref[i] for i in (0, 2, 4)]
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -315,6 +315,23 @@ def test_logit_bias_forces_and_bans_tokens(server, client):
     assert set(r.choices[0].token_ids) <= set(labels) and len(r.choices[0].token_ids) == 5
 
 
+def test_bad_words_and_truncate_prompt_tokens(server, client):
+    """vLLM's bad_words keeps a word out of the greedy answer; truncate_prompt_tokens=k runs the prompt's last
+    k tokens: the usage counts k, and the answer is the one those k ids get."""
+    model = client.models.list().data[0].id
+    plain = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    word = plain.choices[0].text.split()[0]
+    r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  extra_body={"bad_words": [word]})
+    assert word not in r.choices[0].text.split() and r.choices[0].text != plain.choices[0].text
+    ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
+    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 4, "return_token_ids": True})
+    assert r.usage.prompt_tokens == 4 and r.choices[0].prompt_token_ids == ids[-4:]
+    same = client.completions.create(model=model, prompt=ids[-4:], max_tokens=5, temperature=0)
+    assert r.choices[0].text == same.choices[0].text
+
+
 def test_structured_output_response_format_and_vllm_fields(client):
     """response_format json_schema sampled at temperature 1 (n = 3, streamed too) parses and validates;
     json_object, vLLM's structured_outputs and guided_choice work; a bad schema is a 400 naming the field."""

@@ -22,8 +22,10 @@ from tdpipe.core.batch import Batch, StepInput
 from tdpipe.core.delta import RequestDelta, TokenLogprobs
 from tdpipe.core.engine_builder import EngineParts, build_engine_parts
 from tdpipe.core.sample_group import SampleGroup, SampleId, apply_draws
-from tdpipe.core.validation import RequestLimits, check_floats, check_logit_bias, check_prompt, check_stops
+from tdpipe.core.validation import (RequestError, RequestLimits, check_bad_words, check_floats, check_logit_bias,
+                                   check_prompt, check_stops, truncated)
 from tdpipe.executor.base import Executor, StepResult
+from tdpipe.sampling.bad_words import bad_words_token_ids
 from tdpipe.sampling.grammar import GrammarManager, parse_grammar
 from tdpipe.sampling.metadata import SamplingMetadata
 from tdpipe.sampling.params import SamplingParams
@@ -106,8 +108,8 @@ class LLMEngine:
                                                          add_special_tokens=True)
             else:
                 prompt_token_ids = prompt
-        prompt_token_ids = list(prompt_token_ids)
         max_len = self.scheduler.config.max_model_len
+        prompt_token_ids = truncated(list(prompt_token_ids), params, max_len)
         # the frontend's prompt check (one token at least, ids in the vocabulary, room for one output token)
         check_prompt(prompt_token_ids, RequestLimits(max_len, self.scheduler.config.max_num_seqs,
                                                      self.model_config.vocab_size))
@@ -116,6 +118,8 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if self.tokenizer is None and params.stop:  # they would never match: no output processor can decode
             raise ValueError("stop strings need a tokenizer; this engine has none (simulated or in-memory model)")
+        if params.bad_words:
+            self._resolve_bad_words(params)
         if params.num_samples > self.scheduler.config.max_num_seqs:
             raise ValueError(f"{'best_of' if params.best_of else 'n'} is {params.num_samples}, more samples than "
                              f"max_num_seqs ({self.scheduler.config.max_num_seqs}) lets run at once")
@@ -129,6 +133,20 @@ class LLMEngine:
         if self._batched is not None:
             self._batched.add(seq)
         return seq
+
+    def _resolve_bad_words(self, params: SamplingParams) -> None:
+        """bad_words as token sequences of this model's tokenizer (sampling/bad_words.py), each id checked."""
+        check_bad_words(params.bad_words)
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this engine has none (simulated or in-memory model)")
+        seqs = bad_words_token_ids(params.bad_words,
+                                   lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        vocab = self.model_config.vocab_size
+        bad = sorted({t for ids in seqs for t in ids if t >= vocab})
+        if bad:
+            raise RequestError(f"bad_words tokenize to ids outside the model's vocabulary of {vocab}: {bad[:8]}",
+                               "bad_words")
+        params.bad_words_token_ids = seqs
 
     def _prompt_text(self, seq: Sequence) -> str:
         if seq.prompt is None:

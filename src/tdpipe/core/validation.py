@@ -21,12 +21,15 @@ from tdpipe.sampling.grammar import parse_grammar
 from tdpipe.sampling.params import SamplingParams
 
 __all__ = ["EngineRequest", "RequestError", "RequestLimits", "MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS",
-           "MAX_STOP_TOKEN_IDS", "REPETITION_PENALTY_RANGE", "check_floats", "check_grammar", "check_params",
-           "check_prompt", "check_stops", "validate_prompt", "validate_request"]
+           "MAX_STOP_TOKEN_IDS", "MAX_BAD_WORDS", "MAX_BAD_WORD_CHARS", "REPETITION_PENALTY_RANGE", "check_bad_words",
+           "check_floats", "check_grammar", "check_params", "check_prompt", "check_stops", "truncated",
+           "validate_prompt", "validate_request"]
 
 MAX_STOP_STRINGS = 64  # each is searched for in the new text of every step
 MAX_STOP_STRING_CHARS = 256  # a stream holds back this many characters minus one while a stop may begin
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 64  # each bans its next token wherever the answer is spelling it: checked every token
+MAX_BAD_WORD_CHARS = 256
 # repetition_penalty divides positive float32 logits and multiplies negative ones: inside this range a logit
 # of magnitude 1e4, then divided by the smallest sampling temperature (1e-5), stays far below float32's max
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
@@ -88,6 +91,31 @@ def check_stops(stop: Any, stop_token_ids: Any) -> None:
                                "allowed", "stop_token_ids")
 
 
+def check_bad_words(words: list[str] | None) -> None:
+    """The count and length of bad_words (SamplingParams checked their type)."""
+    if not words:
+        return
+    if len(words) > MAX_BAD_WORDS:
+        raise RequestError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed", "bad_words")
+    longest = max(len(w) for w in words)
+    if longest > MAX_BAD_WORD_CHARS:
+        raise RequestError(f"bad_words has a word of {longest} characters; at most {MAX_BAD_WORD_CHARS} are "
+                           "allowed", "bad_words")
+
+
+def truncated(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (left truncation, the end of a chat is kept);
+    -1: the last max_model_len - 1, the most that leaves room for one output token."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k > max_model_len:
+        raise RequestError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}); "
+                           "select a smaller truncation size", "truncate_prompt_tokens")
+    k = max_model_len - 1 if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
 def _float32(x: float) -> float:
     """x as the sampler's float32 tensors hold it (inf when beyond float32's range)."""
     try:
@@ -121,6 +149,7 @@ def check_params(params: SamplingParams, limits: RequestLimits) -> None:
             raise RequestError(f"{name} is {v}, more samples than this server runs at once "
                                f"(--max-num-seqs {most})", name)
     check_stops(params.stop, params.stop_token_ids)
+    check_bad_words(params.bad_words)
     check_floats(params)
     check_logit_bias(params, limits.vocab_size)
 
@@ -192,7 +221,7 @@ def validate_prompt(request_id: str, prompt_token_ids: list[int], params: Sampli
     max_completion_tokens), so the RequestError names the field the client sent."""
     if not isinstance(request_id, str) or not request_id:
         raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", None)
-    ids = list(prompt_token_ids)
+    ids = truncated(list(prompt_token_ids), params, limits.max_model_len)
     check_prompt(ids, limits, prompt_field)
     params = _fit(len(ids), params, limits.max_model_len, prompt_field, max_tokens_field)
     return EngineRequest(request_id, ids, params, prompt)

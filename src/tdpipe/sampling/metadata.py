@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 import torch
 
+from tdpipe.sampling.bad_words import bad_word_bans
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.sampling.seeds import draw_keys, sample_seed
 
@@ -32,10 +33,10 @@ def may_argmax(seq: Any) -> bool:
 class SamplingMetadata:
     """Per row: `params`; `prompt_ids` / `output_ids`, the history repetition, frequency and presence
     penalties read ([] for a row without penalties); `keys`, its randomness; `banned`, token ids it must not
-    produce (stop tokens before min_tokens; None: no row has any); `num_logprobs`, k for a row that wants
-    its sampled token's logprob and the top-k (None: no row wants any); `bitmask` [rows, ceil(V / 32)] int32,
-    the tokens a grammar allows (sampling/grammar.py) in the rows listed in `masked_rows`, all ones in the
-    others (None: no row has a grammar)."""
+    produce (stop tokens before min_tokens, a bad word's next token; None: no row has any); `num_logprobs`,
+    k for a row that wants its sampled token's logprob and the top-k (None: no row wants any); `bitmask`
+    [rows, ceil(V / 32)] int32, the tokens a grammar allows (sampling/grammar.py) in the rows listed in
+    `masked_rows`, all ones in the others (None: no row has a grammar)."""
 
     params: list[SamplingParams]
     prompt_ids: list[list[int]]
@@ -61,7 +62,10 @@ class SamplingMetadata:
         banned: list[list[int]] = []
         for s, p in zip(seqs, params):  # no stop token before min_tokens; the sampler masks them in its copy
             short = len(s.output_token_ids) < p.min_tokens
-            banned.append(([] if p.ignore_eos else eos) + list(p.stop_token_ids or []) if short else [])
+            row = ([] if p.ignore_eos else eos) + list(p.stop_token_ids or []) if short else []
+            if p.bad_words_token_ids:  # the next token of a bad word the answer is spelling
+                row += bad_word_bans(p.bad_words_token_ids, s.output_token_ids)
+            banned.append(row)
         hist = [p.needs_penalties for p in params]
         keys: list[RowRandom] = [None] * len(seqs)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]

@@ -58,6 +58,8 @@ class SamplingParams:
     detokenize: bool = True  # False: token ids only, text "" (vLLM's; RL rollouts skip the decoding)
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> a bias in [-100, 100] on its logit
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the row may produce
+    bad_words: list[str] | None = None  # vLLM's: words the answer must not contain (sampling/bad_words.py)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens; -1: all that fit
 
     def __post_init__(self) -> None:
         self._check_int("n", lambda n: n >= 1, "an int >= 1")
@@ -103,6 +105,15 @@ class SamplingParams:
                      "allowed_token_ids must be None or a non-empty list of token ids (ints >= 0), "
                      f"got {ids!r}")
             self.allowed_token_ids = sorted({int(t) for t in ids})
+        words = self.bad_words
+        _require(words is None or (isinstance(words, (list, tuple)) and all(isinstance(w, str) and w.strip()
+                                                                             for w in words)),
+                 f"bad_words must be None or a list of non-blank strings, got {words!r}")
+        self.bad_words = list(words) if words else None
+        # the words' token sequences, set by the engine from its tokenizer (an attribute, not a field)
+        self.bad_words_token_ids: list[list[int]] = []
+        self._check_int("truncate_prompt_tokens", lambda k: k >= 1 or k == -1, "None, -1 (all that fit) or an "
+                        "int >= 1", optional=True)
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""
@@ -148,9 +159,10 @@ class SamplingParams:
 
     @property
     def needs_processing(self) -> bool:
-        """The row's logits change before it samples (penalties, a logit bias, an allowed set): no argmax on
-        the stage, no greedy hot path."""
-        return self.needs_penalties or self.logit_bias is not None or self.allowed_token_ids is not None
+        """The row's logits change before it samples (penalties, a logit bias, an allowed set, bad words): no
+        argmax on the stage, no greedy hot path."""
+        return (self.needs_penalties or self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.bad_words is not None)
 
     @property
     def is_greedy(self) -> bool:

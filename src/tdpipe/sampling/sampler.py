@@ -187,9 +187,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[list[int], list[TokenLogprobs | None]]:
         """One token per row. `meta.keys[i]`: None (unseeded: the global RNG), an int from `draw_key`
         (seeded: the row's draw depends on that key alone), or a torch.Generator the caller keeps.
-        `meta.banned[i]`: token ids row i must not produce (stop tokens before min_tokens); ids outside the
-        vocabulary are ignored. `meta.bitmask`: the tokens a grammar allows in `meta.masked_rows`. The
-        caller's logits are never modified.
+        `meta.banned[i]`: token ids row i must not produce (stop tokens before min_tokens, bad words); ids
+        outside the vocabulary are ignored. `meta.bitmask`: the tokens a grammar allows in
+        `meta.masked_rows`. The caller's logits are never modified.
 
         Also log-probabilities for the rows where `meta.num_logprobs[i]` is an int k: the sampled
         token's (logprob, rank) and the top-k, from the distribution the row samples from after penalties,

@@ -46,8 +46,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _none_or_empty,
     "use_beam_search": _is(None, False),
     "length_penalty": _is(None, 1, 1.0),
-    "bad_words": _none_or_empty,
-    "truncate_prompt_tokens": _is(None),
     "logits_processors": _none_or_empty,
     "tools": _none_or_empty,
     "functions": _none_or_empty,
@@ -100,6 +98,8 @@ class _GenerationRequest(_Request):
     return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in each choice
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias in [-100, 100]}
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the answer may hold
+    bad_words: list[str] | None = None  # vLLM's: words the answer must not contain
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -115,7 +115,8 @@ class _GenerationRequest(_Request):
         names = ("n", "best_of", "prompt_logprobs", "temperature", "top_p", "seed", "stop", "presence_penalty",
                  "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                 "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids")
+                 "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+                 "truncate_prompt_tokens")
         kw = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.logit_bias:  # JSON keys are strings: token ids in decimal
             bad = next((k for k in self.logit_bias if not k.isascii() or not k.isdigit()), None)

@@ -268,7 +268,8 @@ def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(server, client):
 
 def test_continue_final_message_prefills_the_answer(server, client):
     """continue_final_message (vLLM's, transformers' name): the last message stays open and the model goes on
-    with it; add_generation_prompt is then off unless the client also sends it true, a 400."""
+    with it; add_generation_prompt is then off unless the client also sends it true, a 400. With vLLM's chat
+    echo the answer starts with that message."""
     model = client.models.list().data[0].id
     msgs = [{"role": "user", "content": "What is the capital of France?"},
             {"role": "assistant", "content": "The capital of France is"}]
@@ -287,6 +288,19 @@ def test_continue_final_message_prefills_the_answer(server, client):
     bad = httpx.post(server + "/v1/chat/completions", headers=AUTH, json={
         "messages": msgs, "continue_final_message": True, "add_generation_prompt": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+    # vLLM's chat echo: the continued message comes back whole, the prefill then the new tokens, streamed too
+    kw = dict(model=model, messages=msgs, max_completion_tokens=4, temperature=0,
+              extra_body={"continue_final_message": True, "ignore_eos": True, "echo": True})
+    echoed = client.chat.completions.create(**kw)
+    assert echoed.choices[0].message.content == msgs[-1]["content"] + r.choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(**kw, stream=True)
+                       if ch.choices)
+    assert streamed == echoed.choices[0].message.content
+    # with a generation prompt after a user message there is nothing of the answer's to echo
+    plain = client.chat.completions.create(model=model, messages=msgs[:1], max_completion_tokens=3, temperature=0)
+    again = client.chat.completions.create(model=model, messages=msgs[:1], max_completion_tokens=3, temperature=0,
+                                           extra_body={"echo": True})
+    assert again.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_logit_bias_forces_and_bans_tokens(server, client):

@@ -282,6 +282,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
     add_special_tokens: bool = False  # vLLM: the template already has them
     logprobs: bool | None = None
     top_logprobs: int | None = None  # 0-20, with logprobs: true
+    echo: bool = False  # vLLM: the answer starts with the last message when it has the answer's role
     LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
 
     def num_logprobs(self) -> int | None:
@@ -307,6 +308,15 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
                 msg["name"] = m.name
             conv.append(msg)
         return conv
+
+    def echoed(self, conv: list[dict[str, str]], add_generation_prompt: bool) -> str | None:
+        """With echo, the text the answer starts with (vLLM): the last message's content when it has the
+        answer's role, which is the assistant's with a generation prompt and the last message's own without
+        (continue_final_message); None without echo."""
+        if not self.echo:
+            return None
+        last = conv[-1]
+        return last["content"] if not add_generation_prompt or last["role"] == "assistant" else ""
 
     def output_limit(self) -> tuple[int | None, str]:
         """max_completion_tokens, else max_tokens, and the field it came from (for error messages)."""

@@ -48,7 +48,7 @@ class Item:
 
     index: int
     request: EngineRequest
-    prompt_text: str | None = None  # for echo; decoded from the ids when the prompt came as ids
+    prompt_text: str | None = None  # what echo puts first: the prompt (completions), the last message (chat)
 
     @property
     def request_id(self) -> str:

@@ -46,7 +46,7 @@ class ChatServing:
         rid = self.s.new_id("chatcmpl")
         er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options
-        return Prepared(rid, name, [Item(0, er)], req.stream, include_usage=bool(so and so.include_usage),
+        return Prepared(rid, name, [Item(0, er, req.echoed(conv, add_generation_prompt))], req.stream, include_usage=bool(so and so.include_usage),
                         continuous_usage=bool(so and so.continuous_usage_stats),
                         return_token_ids=req.return_token_ids, ignored=ignored)
 
@@ -74,8 +74,8 @@ class ChatServing:
         tok = self.s.get_engine().tokenizer
         choices = []
         for c in last.outputs:
-            choice = ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason)
+            choice = ChatChoice(index=c.index, message=ChatMessageOut(content=(it.prompt_text or "") + c.text),
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if it.params.logprobs is not None and c.logprobs is not None:
                 choice.logprobs = chat_logprobs(tok, c.token_ids, c.logprobs, it.params.logprobs)
             if prep.return_token_ids:
@@ -103,6 +103,9 @@ class ChatServing:
         for j in range(n):
             yield sse(chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""),
                                               logprobs=None, finish_reason=None)], prep.continuous_usage))
+            if it.prompt_text:  # echo: the last message's text, before the generated tokens (vLLM)
+                yield sse(chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=it.prompt_text),
+                                                  logprobs=None, finish_reason=None)], prep.continuous_usage))
         async for _, out in run.outputs():
             for c in out.outputs:
                 step = cur.advance(c.index, c)

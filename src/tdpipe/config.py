@@ -29,8 +29,8 @@ def int8_kv_row_width(head_dim: int) -> int:
 
 @dataclass
 class ModelConfig:
-    """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text)
-    and Phi-3 (tdpipe/families.py)."""
+    """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3
+    (text) and Phi-3 (tdpipe/families.py)."""
 
     architecture: str
     vocab_size: int
@@ -81,6 +81,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        act = fam.act_aliases.get(act, act)
         _check(act in families.ACTIVATIONS, f"{arch}: hidden activation {act!r} is not supported; supported: "
                                             f"{', '.join(families.ACTIVATIONS)}")
         _check(hf.get("attn_logit_softcapping") is None,

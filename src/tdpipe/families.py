@@ -25,6 +25,8 @@ class Family:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     windows: str = "none"  # which layers slide: none | all (Mistral, Phi-3) | qwen | gemma
     defaults: dict[str, Any] = field(default_factory=dict)  # transformers' defaults for absent keys
+    # activation names the family's transformers config rewrites (Gemma: the legacy "gelu" means the tanh one)
+    act_aliases: dict[str, str] = field(default_factory=dict)
 
 
 _GEMMA3 = Family(qk_norm=True, norm="gemma", sandwich_norms=True, embed_scale=True, windows="gemma", defaults={
@@ -36,11 +38,16 @@ _GEMMA3 = Family(qk_norm=True, norm="gemma", sandwich_norms=True, embed_scale=Tr
     "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh", "eos_token_id": 1,
     "bos_token_id": 2})
 
+# Gemma 1: Gemma's norms, scaled embeddings and GeGLU on Llama's layer, every layer global
+_GEMMA = Family(norm="gemma", embed_scale=True, act_aliases={"gelu": "gelu_pytorch_tanh"}, defaults={
+    "hidden_act": "gelu_pytorch_tanh", "head_dim": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True})
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(bias_keys=("attention_bias", "mlp_bias")),
     "MistralForCausalLM": Family(windows="all", bias_keys=(), defaults={"sliding_window": 4096}),
     "Qwen2ForCausalLM": Family(qkv_bias=True, bias_keys=(), windows="qwen"),
     "Qwen3ForCausalLM": Family(qk_norm=True, windows="qwen"),
+    "GemmaForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,  # its text_config; the vision tower is not loaded
     "Phi3ForCausalLM": Family(windows="all", bias_keys=(), defaults={"sliding_window": None}),

@@ -6,7 +6,7 @@ Prompts run past the sliding windows (Mistral 20 tokens, Gemma 3's local layers 
 read but not applied gets wrong; Gemma 3 has the 262,144-token vocabulary of the published models."""
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from conftest import hf_greedy, prompt_lps
@@ -31,6 +31,7 @@ def _configs() -> dict:
             **SIZES, vocab_size=300, partial_rotary_factor=0.5, original_max_position_embeddings=128,
             rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                           "long_factor": [2.0, 3.0, 4.0, 5.0]})),
+        "gemma": (GemmaForCausalLM, GemmaConfig(**SIZES, vocab_size=300, head_dim=32)),
         # Llama with its optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
         "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, vocab_size=300, attention_bias=True, mlp_bias=True)),
     }
@@ -68,14 +69,14 @@ def _run(folder: str, prompts: list[list[int]], **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma", "gemma3", "phi3"])
 def test_greedy_parity_pp1(families, name):
     folder, prompts, ref = families(name)
     assert max(len(p) for p in prompts) + N_OUT > 2 * MISTRAL_WINDOW  # well past every window
     assert _run(folder, prompts) == ref
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma", "gemma3", "phi3"])
 def test_greedy_parity_pp2(families, name):
     folder, prompts, ref = families(name)
     assert _run(folder, prompts, pipeline_parallel_size=2, layer_partition=[2, 2], lm_head_split=0.0) == ref

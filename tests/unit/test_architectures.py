@@ -3,7 +3,7 @@
 tiny random configs, prefill and decode, float32 (the same numbers, not merely close)."""
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
@@ -33,6 +33,7 @@ def hf_configs() -> dict:
         "phi3": (Phi3ForCausalLM, Phi3Config(**SIZES, partial_rotary_factor=0.5, original_max_position_embeddings=64,
                                              rope_scaling=dict(PHI3_ROPE), pad_token_id=0, eos_token_id=1,
                                              bos_token_id=2)),
+        "gemma": (GemmaForCausalLM, GemmaConfig(**SIZES, head_dim=32)),
         # Llama's optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
         "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True)),
     }
@@ -92,7 +93,7 @@ def run_steps(model: TdLlama, prompts: list[list[int]], decode: list[list[int]])
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma3", "phi3", "llama_bias"])
 def test_logits_match_transformers(family):
     """Two prompts longer than the windows (Mistral 20, Gemma 3's local layers 8), prefilled together, then
     three decode steps through the paged cache: every step's logits equal transformers' on the whole text."""
@@ -245,7 +246,7 @@ def test_refusals_name_the_problem():
 
 # ----------------------------------------------------------------------------------- loading
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma3", "phi3", "llama_bias"])
 def test_random_checkpoints_have_transformers_names_and_shapes(family):
     """random:NAME folders (model/random_model.py) hold exactly the tensors transformers' model of that
     config has, so both load them."""
@@ -260,7 +261,7 @@ def test_random_checkpoints_have_transformers_names_and_shapes(family):
 @pytest.mark.parametrize("cls, cfg_cls, extra", [
     (LlamaForCausalLM, LlamaConfig, {}), (Qwen2ForCausalLM, Qwen2Config, {}), (Qwen3ForCausalLM, Qwen3Config, {}),
     (MistralForCausalLM, MistralConfig, {}), (Phi3ForCausalLM, Phi3Config, {"pad_token_id": 0}),
-    (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16})])
+    (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16}), (GemmaForCausalLM, GemmaConfig, {"head_dim": 16})])
 @pytest.mark.parametrize("attention_bias, mlp_bias", [(True, True), (False, False), (True, False)])
 def test_biases_follow_transformers_per_family(cls, cfg_cls, extra, attention_bias, mlp_bias):
     """Which linears carry a bias, for each family and each setting of the attention_bias / mlp_bias keys
@@ -277,6 +278,16 @@ def test_biases_follow_transformers_per_family(cls, cfg_cls, extra, attention_bi
         got = sorted(p for g in got for p in split.get(g, [g]))
     assert got == want
     assert ModelConfig.from_hf(d).num_params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_gemma_reads_the_legacy_gelu_as_transformers_does():
+    """Gemma 1's released configs say hidden_act "gelu"; transformers' GemmaConfig runs the tanh GELU then."""
+    d = hf_dict(hf_model("gemma"))
+    d.pop("hidden_activation", None)
+    assert ModelConfig.from_hf({**d, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+    assert GemmaConfig(**{**SIZES, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(ValueError, match="'gelu' is not supported"):  # elsewhere it would be exact GELU
+        ModelConfig.from_hf({**hf_dict(hf_model("mistral")), "hidden_act": "gelu"})
 
 
 def test_shipped_configs_of_the_new_families():

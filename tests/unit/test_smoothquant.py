@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from tdpipe.model import smoothquant as sq
@@ -21,6 +21,9 @@ def tiny(family: str):
         "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**SIZES, head_dim=16, query_pre_attn_scalar=16,
                                                        sliding_window=8)),
         "phi3": (Phi3ForCausalLM, Phi3Config(**SIZES, pad_token_id=0, eos_token_id=1, bos_token_id=2)),
+        "gemma": (GemmaForCausalLM, GemmaConfig(**SIZES, head_dim=16)),
+        # biases on every linear: v's and up's are divided with their rows, the others stay
+        "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True)),
     }[family]
     torch.manual_seed(0)
     model = cls(cfg).eval()
@@ -29,7 +32,7 @@ def tiny(family: str):
             p.add_(torch.randn_like(p) * 0.1)
         for layer in model.model.layers:  # outlier channels, as trained models have them
             norm = layer.input_layernorm.weight
-            norm[:3] = norm[:3] * 20 + (19 if family == "gemma3" else 0)
+            norm[:3] = norm[:3] * 20 + (19 if family.startswith("gemma") else 0)
     return model
 
 
@@ -38,7 +41,7 @@ def windows() -> list[list[int]]:
     return [torch.randint(3, 300, (40,), generator=g).tolist() for _ in range(3)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gemma3", "phi3", "llama_bias"])
 def test_smoothing_keeps_the_function_and_divides_the_inputs(family):
     model = tiny(family)
     ids = torch.tensor([windows()[0]])

@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "s_j = max|X_j|^alpha / max|W_j|^(1-alpha), folded into the norms and the v / up rows that "
                     "produce those inputs. The output folder computes the same function in float and loses "
                     "less to W8A8's per-token activation scales: run it with --quantization w8a8. Supported: "
-                    "Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text) and Phi-3 checkpoints; a .gguf --model is "
+                    "Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 (text) and Phi-3 checkpoints; a .gguf --model is "
                     "dequantised first.")
     p.add_argument("--model", default=None, help="model folder, .gguf file or random:NAME (default: the bundled model)")
     p.add_argument("--output", "-o", required=True, help="folder to write (must not exist, or be empty)")

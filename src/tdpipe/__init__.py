@@ -1,6 +1,6 @@
 """tdpipe: throughput-first LLM inference with bubble-free pipeline parallelism."""
 from tdpipe.outputs import CompletionOutput, RequestOutput
-from tdpipe.sampling.params import SamplingParams
+from tdpipe.sampling.params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):
@@ -16,4 +16,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput"]

@@ -1,5 +1,6 @@
 """AsyncLLM: the frontend over an engine core in its own process (ZeroMQ). Real model, real processes."""
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -41,6 +42,45 @@ def offline():
 
     with LLM(dtype="float32", kv_cache_memory=64 << 20) as llm:
         yield llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+
+
+def test_output_kinds_final_only_and_delta(offline):
+    """vLLM's RequestOutputKind: FINAL_ONLY yields the finished output alone; DELTA yields pieces (text, ids,
+    logprobs; the prompt's logprobs with the first) that concatenate to it, n = 2 samples each on its own;
+    CUMULATIVE is the default. A bad kind names the field."""
+    from tdpipe import RequestOutputKind
+
+    async def main():
+        llm = await AsyncLLM.start(cfg())
+        try:
+            base = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+            final = await collect(llm, PROMPTS[1], SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY),
+                                  "final")
+            assert len(final) == 1 and final[0].finished
+            assert final[0].outputs[0].token_ids == offline[1].outputs[0].token_ids
+            pieces = await collect(llm, PROMPTS[1], SamplingParams(**base, output_kind=RequestOutputKind.DELTA),
+                                   "delta")
+            assert len(pieces) > 1 and pieces[-1].finished
+            whole = final[0].outputs[0]
+            assert [t for p in pieces for t in p.outputs[0].token_ids] == whole.token_ids
+            assert "".join(p.outputs[0].text for p in pieces) == whole.text
+            assert [e for p in pieces for e in p.outputs[0].logprobs] == whole.logprobs
+            assert pieces[0].prompt_logprobs == final[0].prompt_logprobs
+            assert all(p.prompt_logprobs is None for p in pieces[1:])
+            two = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+            ref = (await collect(llm, PROMPTS[2], two, "two-cum"))[-1]
+            parts = await collect(llm, PROMPTS[2], dataclasses.replace(two, output_kind=1), "two-delta")
+            for j in range(2):
+                got = [t for p in parts for c in p.outputs if c.index == j for t in c.token_ids]
+                assert got == next(c.token_ids for c in ref.outputs if c.index == j)
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=7)
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=1, best_of=2, output_kind=RequestOutputKind.DELTA)
 
 
 @pytest.mark.parametrize("pp", [1, 2])

@@ -29,6 +29,7 @@ from tdpipe.config import EngineConfig
 from tdpipe.core import engine_core as core
 from tdpipe.core.engine_client import EngineDeadError, as_engine_request
 from tdpipe.core.output_collector import RequestOutputCollector
+from tdpipe.core.output_kind import OutputKindFilter
 from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.core.validation import EngineRequest, RequestLimits, validate_request
 from tdpipe.outputs import RequestOutput
@@ -216,8 +217,9 @@ class AsyncLLM:
 
     async def generate(self, prompt: EngineRequest | str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields the request's RequestOutput (cumulative text and token ids) each time it advances (a slow
-        reader skips to the newest); the last one has finished=True. An EngineRequest (validated by the
+        """Yields the request's RequestOutput each time it advances (a slow reader skips to the newest); the
+        last one has finished=True. What each holds follows params.output_kind (vLLM's): the output so far
+        (CUMULATIVE, the default), only what is new (DELTA), or the finished output alone (FINAL_ONLY). An EngineRequest (validated by the
         caller) runs as it is; a raw prompt is validated first. Raises ValueError before the first output
         for a request the engine refuses."""
         self.check_health()
@@ -228,6 +230,7 @@ class AsyncLLM:
         state = self.processor.add_request(rid, req.prompt, req.prompt_token_ids, req.params)
         collector = RequestOutputCollector(lambda: self._stamped(self.processor.render(state)))
         self._collectors[rid] = collector
+        kind = OutputKindFilter(req.params.output_kind)
         finished = False
         try:
             self._send(core.ADD, rid, req.prompt_token_ids, req.params, req.prompt)
@@ -240,7 +243,9 @@ class AsyncLLM:
                     finished = True  # refused, or the core is gone: nothing to abort
                     raise
                 finished = out.finished
-                yield out
+                shown = kind(out)
+                if shown is not None:
+                    yield shown
                 if finished:
                     return
         finally:

@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 from numbers import Integral, Real
 
 from tdpipe.sampling.structured import StructuredOutputsParams
@@ -14,6 +15,15 @@ MAX_LOGPROBS = 20
 
 # The seeds torch's generators take (and vLLM passes on to them): int64 below zero, uint64 above.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+class RequestOutputKind(IntEnum):
+    """What AsyncLLM.generate yields as a request advances (vLLM's names and values): the whole output so far,
+    only what is new since the last yield, or the finished output alone (what RL rollouts ask for)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -60,6 +70,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the row may produce
     bad_words: list[str] | None = None  # vLLM's: words the answer must not contain (sampling/bad_words.py)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens; -1: all that fit
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # AsyncLLM.generate's yields (vLLM's)
 
     def __post_init__(self) -> None:
         self._check_int("n", lambda n: n >= 1, "an int >= 1")
@@ -114,6 +125,13 @@ class SamplingParams:
         self.bad_words_token_ids: list[list[int]] = []
         self._check_int("truncate_prompt_tokens", lambda k: k >= 1 or k == -1, "None, -1 (all that fit) or an "
                         "int >= 1", optional=True)
+        kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
+        _require(_is_int(self.output_kind) and int(self.output_kind) in set(RequestOutputKind),
+                 f"output_kind must be one of {kinds}, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(int(self.output_kind))
+        _require(self.output_kind != RequestOutputKind.DELTA or self.num_samples == self.n,
+                 f"output_kind DELTA cannot go with best_of ({self.best_of}) > n ({self.n}): the best samples are "
+                 "known only once all have finished (use CUMULATIVE or FINAL_ONLY)")
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""

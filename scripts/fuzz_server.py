@@ -59,6 +59,8 @@ for k, vals in {
     "guided_regex": ["(", "a+"],
     "guided_choice": [[], ["a"], [1]],
     "model": ["nope", "", None, 5],
+    "bad_words": [["x"], [""], ["  "], "x", [1], ["a"] * 65, ["x" * 300], ["\ud800"], [" the", "a b c"]],
+    "truncate_prompt_tokens": [1, -1, 0, -2, 10**9, 1.5, "3", True],
 }.items():
     for v in vals:
         add("/v1/completions", {**base_c, k: v})
@@ -76,7 +78,8 @@ for k, vals in {
     "add_generation_prompt": [False],
     "continue_final_message": [True],
     "chat_template": ["{{ bogus", "{{ messages[0]['content'] }}", "{% for m in messages %}{{ m.content }}{% endfor %}"],
-    "chat_template_kwargs": [{"a": 1}, "x"],
+    "chat_template_kwargs": [{"a": 1}, "x", {"tokenize": True}, {"enable_thinking": False}, {"1": [1, {"x": None}]},
+                             {"add_generation_prompt": False}, {"messages": []}],
     "stream": [True],
     "echo": [True],
 }.items():
@@ -143,6 +146,12 @@ combos = [
  (CH, {"messages": msgs, "max_tokens": 2, "prompt_logprobs": 2, "stream": True}),
  (C, {"prompt": "a", "max_tokens": 2, "prompt_logprobs": 2, "stream": True, "echo": True}),
  (C, {"prompt": "a", "max_tokens": 2, "n": 4, "best_of": 4, "logprobs": 2, "prompt_logprobs": 1, "temperature": 1, "seed": 3}),
+ (C, {"prompt": "a b c d e f", "max_tokens": 3, "truncate_prompt_tokens": 2, "echo": True, "logprobs": 1}),
+ (C, {"prompt": "a", "max_tokens": 3, "bad_words": ["a", "b"], "allowed_token_ids": [64], "stream": True}),
+ (C, {"prompt": "a", "max_tokens": 3, "bad_words": ["x"], "guided_choice": ["x", "y"]}),
+ (CH, {"messages": msgs, "max_tokens": 3, "bad_words": ["Hello"], "n": 2, "temperature": 1, "seed": 1}),
+ (CH, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "max_tokens": 2,
+       "continue_final_message": True, "echo": True, "stream": True, "truncate_prompt_tokens": 3}),
 ]
 for path, body in combos:
     cases.append((path, body, None))

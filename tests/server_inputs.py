@@ -78,6 +78,10 @@ MATRIX = [
     (C, {"prompt": "hi", "bad_words": "word"}, 400, "bad_words"),  # a list of strings
     (C, {"prompt": "hi", "bad_words": ["ok", "  "]}, 400, "bad_words"),
     (CHAT, {"messages": U, "bad_words": ["w"] * 65}, 400, "bad_words"),  # at most 64
+    (CHAT, {"messages": U, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    (CHAT, {"messages": U, "chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs"),
+    ("/tokenize", {"messages": U, "chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+     "chat_template_kwargs"),
     (C, {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     (C, {"prompt": "hi", "truncate_prompt_tokens": 10 ** 9}, 400, "truncate_prompt_tokens"),  # > max_model_len
     (C, {"prompt": "hi", "best_of": 0}, 400, "best_of"),

@@ -86,13 +86,37 @@ class NoChatTemplate(ValueError):
     """The tokenizer has no chat template, so a conversation cannot become a prompt."""
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they would change what the
+# call returns, or clash with the flags tdpipe passes itself)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+    "tools", "documents", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs (variables the template reads, such as Qwen3's enable_thinking): a dict with
+    string keys, none of apply_chat_template's own arguments; ValueError naming the problem."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict with string keys, got {type(kwargs).__name__}")
+    bad = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if bad:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, bad))}: "
+                         "apply_chat_template's own arguments")
+    return dict(kwargs)
+
+
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> tuple[str, list[int]]:
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """A conversation through the model's chat template: the prompt text and its token ids (the template
     carries the special tokens, so none are added again). `continue_final_message` leaves the last message
     open (no end-of-turn after it), so the model goes on with it: a prefilled start of the answer (vLLM's and
-    transformers' name); it excludes add_generation_prompt. A model without a template (a base model such as
-    Gemma 3 270M) raises NoChatTemplate, one line, rather than transformers' paragraph."""
+    transformers' name); it excludes add_generation_prompt. `template_kwargs`: more variables for the
+    template (check_template_kwargs). A model without a template (a base model such as Gemma 3 270M) raises
+    NoChatTemplate, one line, rather than transformers' paragraph."""
     if getattr(tokenizer, "chat_template", "") is None:  # transformers' tokenizers: None when the model has none
         raise NoChatTemplate("this model has no chat template (a base model): send plain prompts (completions) "
                              "instead of messages")
@@ -100,6 +124,7 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, str]], add_generati
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                          "continues the last message, the second opens a new one")
     extra = {"continue_final_message": True} if continue_final_message else {}  # passed only when asked
+    extra.update(check_template_kwargs(template_kwargs))
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **extra)
     return text, tokenizer.encode(text, add_special_tokens=False)

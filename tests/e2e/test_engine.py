@@ -139,6 +139,12 @@ def test_bad_input_is_isolated(llm_fp32):
     assert cont[0].error is None and cont[0].prompt.endswith("assistant\nIt is")
     both = llm_fp32.chat(prefill, greedy(2), use_tqdm=False, continue_final_message=True)
     assert "cannot both be true" in both[0].error
+    # chat_template_kwargs (vLLM's): variables for the template, apply_chat_template's own arguments refused
+    kw = llm_fp32.chat(prefill[:1], greedy(2), use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    plain = llm_fp32.chat(prefill[:1], greedy(2), use_tqdm=False)  # SmolLM2's template reads no such variable
+    assert kw[0].error is None and kw[0].prompt == plain[0].prompt
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set 'tokenize'"):
+        llm_fp32.chat(prefill[:1], greedy(2), use_tqdm=False, chat_template_kwargs={"tokenize": True})
     for bad in (dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)

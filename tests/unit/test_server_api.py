@@ -182,6 +182,9 @@ async def test_models_health_and_served_name():
         r = await c.post(C, json={"prompt": "a", "model": "mine", "max_tokens": 1})
         assert r.json()["model"] == "mine"
         assert (await c.get("/health")).json() == {"status": "ok"}
+        from tdpipe.version import package_version
+
+        assert (await c.get("/version")).json() == {"version": package_version()}  # vLLM's route
 
 
 async def test_503_while_starting_then_serves():

@@ -22,7 +22,7 @@ from tdpipe.entrypoints.replicas import ReplicaRunner
 from tdpipe.core.weight_sync import WeightSource
 from tdpipe.outputs import CompletionOutput, RequestOutput
 from tdpipe.sampling.params import SamplingParams
-from tdpipe.tokenizer import chat_prompt, require_unicode
+from tdpipe.tokenizer import chat_prompt, check_template_kwargs, require_unicode
 
 log = logging.getLogger("tdpipe")
 
@@ -251,17 +251,20 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message`: the model continues the last message (a prefilled start of the answer)
-        instead of opening a new turn; give add_generation_prompt=False with it (vLLM's rule)."""
+        instead of opening a new turn; give add_generation_prompt=False with it (vLLM's rule).
+        `chat_template_kwargs`: more variables for the template (Qwen3's {"enable_thinking": False})."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        template_kwargs = check_template_kwargs(chat_template_kwargs)  # a bad one fails the call, before any run
         tok = self.get_tokenizer()
         prompts: list[PromptType] = []
         for i, conv in enumerate(convs):
             try:  # a malformed conversation fails as its own request, with the message's number
                 text, ids = chat_prompt(tok, check_conversation(conv), add_generation_prompt,
-                                        continue_final_message)
+                                        continue_final_message, template_kwargs)
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
             except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) too
                 prompts.append(_Rejected(f"conversation {i}: {e}"))

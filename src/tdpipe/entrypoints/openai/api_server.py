@@ -46,6 +46,7 @@ from tdpipe.entrypoints.openai.serving_chat import ChatServing, apply_template
 from tdpipe.entrypoints.openai.serving_completion import CompletionServing
 from tdpipe.entrypoints.openai.serve_args import ServerConfig
 from tdpipe.entrypoints.openai.tokenizer_thread import off_loop
+from tdpipe.version import package_version
 
 __all__ = ["ServerConfig", "build_app", "set_engine", "run_server", "serve"]
 
@@ -116,6 +117,10 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
             return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": package_version()})  # vLLM's route: tdpipe's own version here
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -136,7 +141,8 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
                 return tok.encode(req.prompt, add_special_tokens=add)
             conv = ChatCompletionRequest(messages=req.messages).conversation()
             add_generation_prompt, continue_final = req.template_flags()
-            return apply_template(tok, conv, add_generation_prompt, bool(req.add_special_tokens), continue_final)
+            return apply_template(tok, conv, add_generation_prompt, bool(req.add_special_tokens), continue_final,
+                                  req.template_kwargs())
 
         ids = await off_loop(encode)
         return JSONResponse(TokenizeResponse(tokens=ids, count=len(ids),

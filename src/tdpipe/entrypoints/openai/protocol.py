@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
 from tdpipe.entrypoints.conversation import ROLES
 from tdpipe.entrypoints.openai.errors import bad_request, from_validation_error
 from tdpipe.sampling.structured import StructuredOutputsParams
+from tdpipe.tokenizer import check_template_kwargs
 
 
 class _Request(BaseModel):
@@ -52,7 +53,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": _is(None, "none", "auto"),
     "function_call": _is(None, "none", "auto"),
     "chat_template": _is(None),
-    "chat_template_kwargs": _none_or_empty,
     "documents": _none_or_empty,
     "audio": _is(None),
     "prediction": _is(None),
@@ -262,6 +262,14 @@ class _ChatTemplateFlags(_Request):
 
     add_generation_prompt: bool = True  # vLLM: end the template with the assistant's turn header
     continue_final_message: bool = False  # vLLM: leave the last message open, to be continued (a prefill)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: variables for the template (enable_thinking)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, checked (tokenizer.check_template_kwargs): a 400 naming the field."""
+        try:
+            return check_template_kwargs(self.chat_template_kwargs)
+        except ValueError as e:
+            raise bad_request(str(e), "chat_template_kwargs", "invalid_value") from None
 
     def template_flags(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message): continuing the last message means no new turn,

@@ -19,11 +19,12 @@ from tdpipe.tokenizer import NoChatTemplate, chat_prompt
 
 
 def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: bool,
-                   add_special_tokens: bool, continue_final_message: bool = False) -> list[int]:
+                   add_special_tokens: bool, continue_final_message: bool = False,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The conversation's prompt token ids; a template that rejects it (roles out of order...) is a 400."""
     try:
         text, ids = chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message)
+                                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
     except NoChatTemplate as e:
         raise bad_request(str(e), "messages", "invalid_value") from None
     except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception
@@ -42,7 +43,8 @@ class ChatServing:
         self.s.check_grammar(req, sp)
         conv = req.conversation()
         add_generation_prompt, continue_final = req.template_flags()
-        ids = apply_template(eng.tokenizer, conv, add_generation_prompt, req.add_special_tokens, continue_final)
+        ids = apply_template(eng.tokenizer, conv, add_generation_prompt, req.add_special_tokens, continue_final,
+                             req.template_kwargs())
         rid = self.s.new_id("chatcmpl")
         er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options

@@ -18,6 +18,7 @@ from typing import Any
 from tdpipe.config import (DEVICES, DISAGGREGATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig,
                            EngineConfig, ParallelConfig, SchedulerConfig)
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
+from tdpipe.ignored_args import add_ignored_flags, drop_ignored, warn_ignored_flags
 from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
 from tdpipe.platforms import check_device
 from tdpipe.predictor.factory import check_predictor_spec
@@ -252,8 +253,10 @@ class EngineArgs:
     # -- LLM(...) keywords ---------------------------------------------------------------------------------
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "EngineArgs":
-        """From `LLM(...)`-style keywords: the fields, and any registered policy's knobs; anything else is a
-        TypeError naming it (and the closest known name)."""
+        """From `LLM(...)`-style keywords: the fields, and any registered policy's knobs; vLLM's arguments that
+        mean nothing here are dropped with a warning (tdpipe/ignored_args.py); anything else is a TypeError
+        naming it (and the closest known name)."""
+        kw = drop_ignored(kw)
         names = {f.name for f in dataclasses.fields(cls)} - {"knobs"}
         owners = knob_owners()
         for k in kw:
@@ -289,6 +292,7 @@ class EngineArgs:
                     scheduler_done = True
                 continue
             add_flag(groups[group], f)
+        add_ignored_flags(p)
 
     @classmethod
     def add_scheduler_cli_args(cls, g: argparse._ActionsContainer) -> None:
@@ -304,6 +308,7 @@ class EngineArgs:
     @classmethod
     def from_cli(cls, a: argparse.Namespace) -> "EngineArgs":
         """From parsed flags (those this command has; the rest keep their defaults)."""
+        warn_ignored_flags(a)
         knobs = {k: getattr(a, k) for k in knob_owners() if hasattr(a, k)}
         return cls(**from_namespace(cls, a), knobs=knobs)
 

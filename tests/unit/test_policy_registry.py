@@ -17,6 +17,7 @@ from tdpipe.core.scheduler.td_pipe import TDPipeKnobs
 from tdpipe.core.scheduler.throttle import ThrottleKnobs
 from tdpipe.core.scheduler.vllm_pp import VllmPPScheduler
 from tdpipe.engine_args import EngineArgs
+from tdpipe.ignored_args import IGNORED
 from tdpipe.cli import build_parser
 from tdpipe.options import flagged, option
 
@@ -155,11 +156,13 @@ def test_cli_defaults_are_the_engine_args_and_knob_defaults():
     want = dataclasses.replace(EngineConfig(), scheduler=get_policy("separate").configure(SchedulerConfig()))
     assert EngineArgs().create_engine_config() == want
     assert EngineArgs.from_cli(a).create_engine_config() == want
-    # every engine flag is a field of EngineArgs or a policy's knob (a new flag with a literal default fails here)
+    # every engine flag is a field of EngineArgs, a policy's knob or one of vLLM's ignored arguments (whose
+    # default is None: given or not); a new flag with a literal default fails here
     p = argparse.ArgumentParser()
     EngineArgs.add_cli_args(p)
     dests = {x.dest for x in p._actions} - {"help"}
-    assert dests == {f.name for f in flagged(EngineArgs)} | set(knob_owners())
+    assert dests == {f.name for f in flagged(EngineArgs)} | set(knob_owners()) | set(IGNORED)
+    assert all(getattr(a, name) is None for name in IGNORED)
 
 
 def test_engine_flags_keep_their_names():

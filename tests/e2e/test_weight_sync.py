@@ -90,6 +90,9 @@ def test_sleep_frees_memory_and_wake_up_restores_it(two_models):
     kv = 256 << 20
     with LLM(str(a), dtype="float32", kv_cache_memory=kv) as llm:
         assert _greedy(llm) == ta
+        # the cache is an anonymous mapping whose pages become resident when first written: write them all,
+        # or what sleep gives back depends on what ran before (a first start's step profile writes them)
+        llm.engine.executor.runner.kv_cache.fill_(0)
         before = _rss()
         llm.sleep(1)
         asleep = _rss()
@@ -101,6 +104,27 @@ def test_sleep_frees_memory_and_wake_up_restores_it(two_models):
         llm.wake_up()
         assert _greedy(llm) == ta
     assert before - asleep > kv // 2, f"sleep(1) gave back {(before - asleep) >> 20} MiB of a {kv >> 20} MiB cache"
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_wake_up_by_parts_as_rl_loops_do(two_models, pp):
+    """vLLM's wake_up(tags=...): the weights first, then new weights, then the KV cache (an RL loop never
+    holds new weights beside the old cache); generate() waits for both parts, bad tags name the field."""
+    a, b, _, tb = two_models
+    with LLM(str(a), dtype="float32", kv_cache_memory=KV, pipeline_parallel_size=pp) as llm:
+        llm.sleep(2)
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.update_weights(b)
+        llm.wake_up(tags=["weights"])
+        assert llm.engine.asleep == {"kv_cache"}
+        with pytest.raises(RuntimeError, match="wake_up"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], use_tqdm=False)
+        llm.update_weights(b)
+        llm.wake_up(tags=["kv_cache"])
+        assert not llm.engine.sleeping and _greedy(llm) == tb
+        for bad in ("weights", [], ["gpu"]):
+            with pytest.raises(ValueError, match="wake_up tags"):
+                llm.wake_up(tags=bad)
 
 
 def test_sleep_and_updates_need_an_idle_engine(two_models):

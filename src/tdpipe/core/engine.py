@@ -70,6 +70,7 @@ class LLMEngine:
         self._closed = False
         self.weight_version = 0  # bumped by every update_weights (core/weight_sync.py)
         self.sleeping = 0  # the level of sleep(); 0: awake
+        self.asleep: set[str] = set()  # the parts not yet woken (core/weight_sync.py WAKE_TAGS)
         self.tracing = self.config.collect_trace
         self.trace_start = self.clock()
         self.kv_trace: deque[tuple[float, float]] = self._bounded()  # (time, KV usage): TD-Pipe Fig. 12

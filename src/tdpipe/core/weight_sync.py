@@ -63,8 +63,9 @@ def update_weights(engine: LLMEngine, source: WeightSource) -> int:
             raise ValueError("update_weights with tensors in memory runs at pipeline_parallel_size = "
                              "tensor_parallel_size = 1; save them and pass the checkpoint folder")
         payload = list(source)
-    if engine.sleeping:
-        raise RuntimeError("the engine is asleep: call wake_up() before update_weights()")
+    if "weights" in engine.asleep:
+        raise RuntimeError("the engine is asleep: call wake_up() (or wake_up(tags=['weights']), which leaves "
+                           "the KV cache asleep) before update_weights()")
     try:
         engine.executor.collective_rpc("update_weights", (payload,))
     finally:
@@ -90,9 +91,13 @@ def reset_prefix_cache(engine: LLMEngine) -> bool:
     return True
 
 
+WAKE_TAGS = ("weights", "kv_cache")  # vLLM's parts of a sleeping engine, woken together or one by one
+
+
 def sleep(engine: LLMEngine, level: int = 1) -> None:
     """level 1: free the KV cache; level 2: the weights too (wake_up reloads them from the checkpoint
-    folder the engine last loaded)."""
+    folder the engine last loaded). Both parts count as asleep until woken (WAKE_TAGS): at level 1 waking
+    the weights costs nothing."""
     _idle(engine, "sleep")
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
@@ -101,14 +106,25 @@ def sleep(engine: LLMEngine, level: int = 1) -> None:
     engine.executor.collective_rpc("sleep", (level,))
     _reset_page_tables(engine)
     engine.sleeping = level
+    engine.asleep = set(WAKE_TAGS)
 
 
-def wake_up(engine: LLMEngine) -> None:
-    """Reallocate what sleep() freed; a no-op on an engine that is awake."""
+def wake_up(engine: LLMEngine, tags: list[str] | None = None) -> None:
+    """Reallocate what sleep() freed; a no-op on an engine that is awake. `tags` (vLLM's): wake only these
+    parts, e.g. ["weights"], then update_weights(), then ["kv_cache"], as RL loops do to hold the new
+    weights and the old KV cache never at once; None: both."""
+    if tags is not None:
+        if isinstance(tags, str) or not isinstance(tags, (list, tuple)) or not tags \
+                or not set(tags) <= set(WAKE_TAGS):
+            raise ValueError(f"wake_up tags must be a non-empty list of {', '.join(map(repr, WAKE_TAGS))} "
+                             f"or None, got {tags!r}")
     if not engine.sleeping:
         return
-    engine.executor.collective_rpc("wake_up")
-    engine.sleeping = 0
+    parts = list(WAKE_TAGS if tags is None else dict.fromkeys(tags))
+    engine.executor.collective_rpc("wake_up", (parts,))
+    engine.asleep -= set(parts)
+    if not engine.asleep:
+        engine.sleeping = 0
 
 
-__all__ = ["SHAPE_FIELDS", "WeightSource", "reset_prefix_cache", "sleep", "update_weights", "wake_up"]
+__all__ = ["SHAPE_FIELDS", "WAKE_TAGS", "WeightSource", "reset_prefix_cache", "sleep", "update_weights", "wake_up"]

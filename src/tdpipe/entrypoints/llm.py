@@ -289,9 +289,11 @@ class LLM:
         meanwhile."""
         weight_sync.sleep(self._one_engine("sleep()"), level)
 
-    def wake_up(self) -> None:
-        """Reallocate what sleep() freed (level 2: the weights reload from the checkpoint folder)."""
-        weight_sync.wake_up(self._one_engine("wake_up()"))
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what sleep() freed (level 2: the weights reload from the checkpoint folder). `tags`
+        (vLLM's): only these parts, "weights" or "kv_cache": wake_up(tags=["weights"]), update_weights(...),
+        wake_up(tags=["kv_cache"]) never holds new weights beside the old KV cache."""
+        weight_sync.wake_up(self._one_engine("wake_up()"), tags)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's; update_weights does it itself). Between generate() calls;

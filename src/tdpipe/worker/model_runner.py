@@ -232,7 +232,7 @@ class ModelRunner:
             raise
         if isinstance(source, str):
             self.model_path = source
-        if self.graphs is not None:
+        if self.graphs is not None and self.kv_cache is not None:  # else wake_up(["kv_cache"]) captures
             self.graphs.capture()  # the captured graphs read the old parameters
 
     def sleep(self, level: int) -> None:
@@ -248,13 +248,15 @@ class ModelRunner:
         gc.collect()
         self.platform.empty_cache()
 
-    def wake_up(self) -> None:
-        """Undo sleep(): the weights (if dropped) from the last checkpoint folder, then a zeroed KV cache."""
-        if self.model is None:
+    def wake_up(self, parts: list[str] | None = None) -> None:
+        """Undo sleep() for `parts` ("weights", "kv_cache"; None: both): the weights (if dropped) from the
+        last checkpoint folder, a zeroed KV cache. The decode graphs are captured once both are back."""
+        parts = ["weights", "kv_cache"] if parts is None else parts
+        if "weights" in parts and self.model is None:
             self.model = self._build_model(self.model_path)
-        if self.kv_cache is None:
+        if "kv_cache" in parts and self.kv_cache is None:
             self._allocate_kv()
-        if self.graphs is not None:
+        if self.graphs is not None and self.model is not None and self.kv_cache is not None:
             self.graphs.capture()
 
     @torch.inference_mode()

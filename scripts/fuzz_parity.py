@@ -32,6 +32,8 @@ from tdpipe.bench.parity import hf_greedy
 from tdpipe.model.random_model import write_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3")
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "tie_word_embeddings")  # printed with each result
 N_OUT = 12
 
 
@@ -110,7 +112,8 @@ def run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module, 
     if mode == "gguf":
         from tdpipe.model.gguf_export import write_gguf
 
-        folder, kw = str(write_gguf(folder, Path(folder) / "m.gguf", dtype="f32")), dict(pipeline_parallel_size=min(pp, 2))
+        folder = str(write_gguf(folder, Path(folder) / "m.gguf", dtype="f32"))
+        kw = dict(pipeline_parallel_size=min(pp, 2))
     else:
         tp = rng.choice([1, 2]) if kv % 2 == 0 and heads % 2 == 0 and pp == 1 else 1
         policies = ["separate", "hybrid", "throttle", "td-pipe"] if pp > 1 else ["separate", "hybrid"]
@@ -149,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - transformers refuses the shape (hidden not a multiple of heads)
             print(f"skip {i} {fam}: {str(e).splitlines()[-1].strip()}")
             continue
-        shape = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings") if k in cfg}
+        shape = {k: cfg[k] for k in SHAPE_KEYS if k in cfg}
         try:
             ok, what = run_one(a.mode, rng, folder, model, cfg["num_hidden_layers"], cfg["num_key_value_heads"],
                                cfg["num_attention_heads"])

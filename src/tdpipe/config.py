@@ -165,7 +165,8 @@ class ModelConfig:
         """The biases of one decoder layer: q/k/v, o_proj and the MLP's, where the model has them."""
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return ((q + 2 * kv) if self.qkv_bias else 0) + (h if self.o_bias else 0) + ((2 * i + h) if self.mlp_bias else 0)
+        return (((q + 2 * kv) if self.qkv_bias else 0) + (h if self.o_bias else 0)
+                + ((2 * i + h) if self.mlp_bias else 0))
 
     def num_params(self) -> int:
         """Weights of the whole model: decoder layers (with their biases where the model has them), norms,

@@ -219,9 +219,9 @@ class AsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields the request's RequestOutput each time it advances (a slow reader skips to the newest); the
         last one has finished=True. What each holds follows params.output_kind (vLLM's): the output so far
-        (CUMULATIVE, the default), only what is new (DELTA), or the finished output alone (FINAL_ONLY). An EngineRequest (validated by the
-        caller) runs as it is; a raw prompt is validated first. Raises ValueError before the first output
-        for a request the engine refuses."""
+        (CUMULATIVE, the default), only what is new (DELTA), or the finished output alone (FINAL_ONLY). An
+        EngineRequest (validated by the caller) runs as it is; a raw prompt is validated first. Raises
+        ValueError before the first output for a request the engine refuses."""
         self.check_health()
         req = as_engine_request(prompt, params, request_id, self.request)
         rid = req.request_id

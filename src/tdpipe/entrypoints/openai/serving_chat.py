@@ -48,7 +48,8 @@ class ChatServing:
         rid = self.s.new_id("chatcmpl")
         er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options
-        return Prepared(rid, name, [Item(0, er, req.echoed(conv, add_generation_prompt))], req.stream, include_usage=bool(so and so.include_usage),
+        return Prepared(rid, name, [Item(0, er, req.echoed(conv, add_generation_prompt))], req.stream,
+                        include_usage=bool(so and so.include_usage),
                         continuous_usage=bool(so and so.continuous_usage_stats),
                         return_token_ids=req.return_token_ids, ignored=ignored)
 

@@ -88,6 +88,10 @@ class EngineArgs:
         EngineConfig.model, "HF folder (config.json + safetensors), .gguf file, or random:NAME (random weights of "
                             "a published config for throughput benchmarks: qwen2.5-0.5b, llama-3.2-1b); default: "
                             "bundled SmolLM2-135M-Instruct", "--model")
+    tokenizer: str | None = option(
+        EngineConfig.tokenizer, "a folder whose tokenizer (and chat template) replaces the model's, as vLLM's "
+                                "--tokenizer: for a .gguf file, the original model's folder (default: the "
+                                "model's own)", "--tokenizer", metavar="FOLDER")
     dtype: str = option(EngineConfig.dtype, "auto = the device's: on CPU bfloat16 where the CPU has bf16 "
                                             "instructions, else float32; on CUDA bfloat16 (default: %(default)s)",
                         "--dtype", choices=["auto", "bfloat16", "float32"])
@@ -338,7 +342,8 @@ class EngineArgs:
         before any model loads; so does a device this machine lacks: --device cuda without CUDA)."""
         check_device(self.device)  # DeviceUnavailable, one line; the engine builder resolves auto
         return EngineConfig(
-            model=self.model, dtype=self.dtype, quantization=self.quantization, seed=self.seed,
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, quantization=self.quantization,
+            seed=self.seed,
             num_threads=self.num_threads, trace=self.trace,
             record_history=self.record_history, collect_trace=self.collect_trace,
             enforce_eager=self.enforce_eager, cuda_graph_sizes=self.cuda_graph_sizes,

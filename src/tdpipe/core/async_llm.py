@@ -115,7 +115,7 @@ class AsyncLLM:
             await self._stop_process()
             raise EngineDeadError(msg[1] if msg[0] == core.DEAD else f"unexpected message {msg[0]!r} at start-up")
         info: core.CoreInfo = msg[1]
-        self.tokenizer = await self._tokenizer_of(info.model_path, early)
+        self.tokenizer = await self._tokenizer_of(self.config.tokenizer or info.model_path, early)
         self.model_name = os.path.basename(os.path.normpath(info.model_path))
         self.max_model_len, self.max_num_seqs, self.vocab_size = info.max_model_len, info.max_num_seqs, info.vocab_size
         self._stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_blocks": info.num_blocks,
@@ -126,17 +126,19 @@ class AsyncLLM:
         self.ready = True
 
     def _early_tokenizer(self, loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Future] | None:
-        """Load the tokenizer on a thread while the core starts (about a second of every start-up), from the
-        folder the model resolves to where that needs no conversion (model/bundled.py)."""
+        """Load the tokenizer on a thread while the core starts (about a second of every start-up), from
+        --tokenizer's folder, or the folder the model resolves to where that needs no conversion
+        (model/bundled.py)."""
         from tdpipe.model.bundled import resolved_model
         from tdpipe.tokenizer import load_tokenizer
 
-        path = resolved_model(self.config.model, self.config.dtype)
+        path = self.config.tokenizer or resolved_model(self.config.model, self.config.dtype)
         return None if path is None else (path, loop.run_in_executor(None, load_tokenizer, path))
 
     @staticmethod
     async def _tokenizer_of(model_path: str, early: tuple[str, asyncio.Future] | None) -> Any:
-        """The tokenizer of the folder the core loaded: the early one where it came from that folder."""
+        """The tokenizer of `model_path` (the folder the core loaded, or --tokenizer's): the early one where it
+        came from that folder."""
         from tdpipe.tokenizer import load_tokenizer
 
         if early is not None:

@@ -35,7 +35,7 @@ from tdpipe.core.step_profile import ProfileTarget, load_or_measure, measure
 from tdpipe.executor.base import Executor
 from tdpipe.interrupt import result_or_interrupt
 from tdpipe.model.jit import import_build_tools
-from tdpipe.model.weights import check_model_folder, load_hf_config
+from tdpipe.model.weights import MissingModelFile, check_model_folder, check_tokenizer_files, load_hf_config
 from tdpipe.pipeline import prefork, zygote
 from tdpipe.platforms import get_platform, resolve_device
 from tdpipe.platforms.interface import Platform
@@ -186,12 +186,18 @@ class EngineBuilder:
         self.model_path = resolve_model(self.config.model, "float32" if self.dtype == torch.float32 else None)
         simulated = self.executor_factory is not None
         # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
-        hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path)
+        tok_path = self.config.tokenizer or self.model_path
+        hf = load_hf_config(self.model_path) if simulated else \
+            check_model_folder(self.model_path, tokenizer=self.config.tokenizer is None)
         self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
         if not simulated:  # loads while the executor starts; joined in build()
+            if self.config.tokenizer is not None and not os.path.isdir(self.config.tokenizer):
+                raise MissingModelFile(f"tokenizer {self.config.tokenizer}: not a folder (give the folder that "
+                                       "holds tokenizer.json or the model's other tokenizer files)")
+            check_tokenizer_files(tok_path)  # one line naming the folder, before anything starts
             if self.platform.name == "cpu":  # the kernels' loader imports setuptools: not beside the thread
                 import_build_tools()
-            self._pending_tokenizer = load_tokenizer_in_background(self.model_path)
+            self._pending_tokenizer = load_tokenizer_in_background(tok_path)
         return None
 
     def _eos_ids(self) -> set[int]:

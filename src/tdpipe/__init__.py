@@ -1,5 +1,6 @@
 """tdpipe: throughput-first LLM inference with bubble-free pipeline parallelism."""
 from tdpipe.outputs import CompletionOutput, RequestOutput
+from tdpipe.sampling.beam_search import BeamSearchParams
 from tdpipe.sampling.params import RequestOutputKind, SamplingParams
 
 
@@ -16,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "RequestOutputKind", "CompletionOutput"]

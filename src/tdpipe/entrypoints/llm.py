@@ -20,7 +20,9 @@ from tdpipe.interrupt import deferred_sigint, raise_if_dropped
 from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.entrypoints.replicas import ReplicaRunner
 from tdpipe.core.weight_sync import WeightSource
-from tdpipe.outputs import CompletionOutput, RequestOutput
+from tdpipe.core.validation import RequestLimits, check_prompt
+from tdpipe.outputs import CompletionOutput, Logprob, RequestOutput
+from tdpipe.sampling.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tdpipe.sampling.params import SamplingParams
 from tdpipe.tokenizer import chat_prompt, check_template_kwargs, require_unicode
 
@@ -246,6 +248,38 @@ class LLM:
             return None, list(prompt)
         raise ValueError(f"prompt {index}: expected a string, a list of token ids or a dict with 'prompt' or "
                          f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    # -- beam search ---------------------------------------------------------------------------------
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (sampling/beam_search.py): each prompt's beam_width best sequences,
+        each with its tokens (prompt and output), output logprobs, cumulative logprob and text. A prompt of
+        the wrong shape, empty or too long is a ValueError naming it; nothing runs then."""
+        engine = self._one_engine("beam_search()")
+        tok = engine.tokenizer
+        limits = RequestLimits(engine.scheduler.config.max_model_len, engine.scheduler.config.max_num_seqs,
+                               engine.model_config.vocab_size)
+        ids_list = []
+        for i, prompt in enumerate(self._as_list(prompts)):
+            text, ids = self._split_prompt(prompt, i)
+            if ids is None:
+                if tok is None:
+                    raise ValueError("this engine has no tokenizer: give prompt_token_ids")
+                ids = tok.encode(text, add_special_tokens=True)
+            check_prompt(ids, limits, f"prompt {i}")
+            ids_list.append(ids)
+
+        def step(token_lists: list[list[int]]) -> list[dict[int, Logprob]]:
+            outs = self.generate([{"prompt_token_ids": t} for t in token_lists], params.step_params(),
+                                 use_tqdm=use_tqdm)
+            bad = next((o.error for o in outs if o.error), None)
+            if bad is not None:
+                raise ValueError(f"beam_search: a step was refused: {bad}")
+            return [o.outputs[0].logprobs[0] for o in outs]
+
+        decode = None if tok is None else (lambda t: tok.decode(t, skip_special_tokens=True))
+        return beam_search(ids_list, params, step, frozenset(engine.eos_token_ids),
+                           engine.scheduler.config.max_model_len, decode)
 
     # -- chat ----------------------------------------------------------------------------------------
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

@@ -346,6 +346,7 @@ QUANTIZATIONS = ("auto", "none", "w8a8", "gguf", "awq")  # --quantization: how t
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     tokenizer: str | None = None  # a folder whose tokenizer replaces the model's (vLLM's --tokenizer)
+    skip_tokenizer_init: bool = False  # no tokenizer at all: token ids in, token ids out (vLLM's)
     dtype: str = "auto"  # auto | bfloat16 | float32
     quantization: str = "auto"  # one of QUANTIZATIONS (model/quantization.py)
     seed: int = 0

@@ -92,6 +92,10 @@ class EngineArgs:
         EngineConfig.tokenizer, "a folder whose tokenizer (and chat template) replaces the model's, as vLLM's "
                                 "--tokenizer: for a .gguf file, the original model's folder (default: the "
                                 "model's own)", "--tokenizer", metavar="FOLDER")
+    skip_tokenizer_init: bool = option(
+        EngineConfig.skip_tokenizer_init, "load no tokenizer (vLLM's): prompts must be token ids and outputs "
+                                          "have no text, as RL rollouts that tokenize themselves run; offline "
+                                          "only (default: off)", "--skip-tokenizer-init", action="bool")
     dtype: str = option(EngineConfig.dtype, "auto = the device's: on CPU bfloat16 where the CPU has bf16 "
                                             "instructions, else float32; on CUDA bfloat16 (default: %(default)s)",
                         "--dtype", choices=["auto", "bfloat16", "float32"])
@@ -342,8 +346,8 @@ class EngineArgs:
         before any model loads; so does a device this machine lacks: --device cuda without CUDA)."""
         check_device(self.device)  # DeviceUnavailable, one line; the engine builder resolves auto
         return EngineConfig(
-            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, quantization=self.quantization,
-            seed=self.seed,
+            model=self.model, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
+            dtype=self.dtype, quantization=self.quantization, seed=self.seed,
             num_threads=self.num_threads, trace=self.trace,
             record_history=self.record_history, collect_trace=self.collect_trace,
             enforce_eager=self.enforce_eager, cuda_graph_sizes=self.cuda_graph_sizes,

@@ -1,5 +1,6 @@
 """--tokenizer FOLDER (vLLM's): a model folder without tokenizer files runs with another folder's tokenizer and
-chat template, offline and behind AsyncLLM; a missing or bad --tokenizer is one error naming it."""
+chat template, offline and behind AsyncLLM; a missing or bad --tokenizer is one error naming it. And vLLM's
+skip_tokenizer_init: no tokenizer at all, token ids in and out, offline only."""
 import asyncio
 import os
 import shutil
@@ -63,3 +64,19 @@ def test_async_llm_tokenizes_with_it(split_folders):
             await llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_skip_tokenizer_init_runs_token_ids_alone(qwen2_tiny, split_folders):
+    weights, _ = split_folders
+    ids = [{"prompt_token_ids": list(range(100, 120))}]
+    with LLM(model=qwen2_tiny[0], dtype="float32", kv_cache_memory=32 << 20) as llm:
+        ref = llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(model=weights, skip_tokenizer_init=True, dtype="float32", kv_cache_memory=32 << 20) as llm:
+        assert llm.get_tokenizer() is None
+        out = llm.generate(ids + ["some text"], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            llm.chat([{"role": "user", "content": "hi"}], GREEDY)
+    assert out[0].outputs[0].token_ids == ref and out[0].outputs[0].text == ""
+    assert out[1].outputs[0].finish_reason == "error" and "give prompt_token_ids" in out[1].error
+    with pytest.raises(ValueError, match="offline only"):
+        AsyncLLM(EngineConfig(model=weights, skip_tokenizer_init=True))

@@ -44,6 +44,7 @@ log = logging.getLogger("tdpipe")
 class AsyncLLM:
     def __init__(self, config: EngineConfig, cpus: list[int] | None = None) -> None:
         """`cpus`: the cores the engine core (and its stages) may run on; None: this process's."""
+        self.check_config(config)
         self.config = config
         self.cpus = cpus
         self.tokenizer: Any = None
@@ -68,6 +69,13 @@ class AsyncLLM:
         self._update_ids = itertools.count()
 
     # -- life cycle --------------------------------------------------------------------------------------
+    @staticmethod
+    def check_config(config: EngineConfig) -> None:
+        """What this frontend cannot run (the server and run-batch call it before they start anything)."""
+        if getattr(config, "skip_tokenizer_init", False):  # the frontend tokenizes, detokenizes, templates
+            raise ValueError("skip_tokenizer_init runs offline only (LLM): the server, run-batch and AsyncLLM "
+                             "need the model's tokenizer")
+
     @classmethod
     async def start(cls, config: EngineConfig) -> "AsyncLLM":
         """Start the core process and return once its model is loaded (raises EngineDeadError if it fails)."""

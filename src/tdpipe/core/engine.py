@@ -103,8 +103,8 @@ class LLMEngine:
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    raise ValueError("this engine has no tokenizer (simulated or in-memory model): give "
-                                     "prompt_token_ids")
+                    raise ValueError("this engine has no tokenizer (skip_tokenizer_init, a simulated or an "
+                                     "in-memory model): give prompt_token_ids")
                 prompt_token_ids = self.tokenizer.encode(require_unicode(prompt, "prompt"),
                                                          add_special_tokens=True)
             else:

@@ -187,10 +187,11 @@ class EngineBuilder:
         simulated = self.executor_factory is not None
         # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
         tok_path = self.config.tokenizer or self.model_path
+        skip = self.config.skip_tokenizer_init
         hf = load_hf_config(self.model_path) if simulated else \
-            check_model_folder(self.model_path, tokenizer=self.config.tokenizer is None)
+            check_model_folder(self.model_path, tokenizer=self.config.tokenizer is None and not skip)
         self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
-        if not simulated:  # loads while the executor starts; joined in build()
+        if not simulated and not skip:  # loads while the executor starts; joined in build()
             if self.config.tokenizer is not None and not os.path.isdir(self.config.tokenizer):
                 raise MissingModelFile(f"tokenizer {self.config.tokenizer}: not a folder (give the folder that "
                                        "holds tokenizer.json or the model's other tokenizer files)")

@@ -264,7 +264,7 @@ class LLM:
             text, ids = self._split_prompt(prompt, i)
             if ids is None:
                 if tok is None:
-                    raise ValueError("this engine has no tokenizer: give prompt_token_ids")
+                    raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt_token_ids")
                 ids = tok.encode(text, add_special_tokens=True)
             check_prompt(ids, limits, f"prompt {i}")
             ids_list.append(ids)
@@ -294,6 +294,9 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         template_kwargs = check_template_kwargs(chat_template_kwargs)  # a bad one fails the call, before any run
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat() needs the model's tokenizer and chat template; this LLM has none "
+                             "(skip_tokenizer_init=True): give token ids to generate()")
         prompts: list[PromptType] = []
         for i, conv in enumerate(convs):
             try:  # a malformed conversation fails as its own request, with the message's number

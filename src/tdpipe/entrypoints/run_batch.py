@@ -66,6 +66,9 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise PreflightError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
     ecfg = EngineArgs.from_cli(a).create_engine_config()  # bad engine flags fail here, before anything is written
+    from tdpipe.core.async_llm import AsyncLLM
+
+    AsyncLLM.check_config(ecfg)
     with open(a.input_file, "rb") as f:
         lines = parse_batch(f.read())
     sink = BatchSink(a.output_file)

@@ -111,4 +111,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         if a.model is not None and a.model != tag:
             raise ValueError(f"the model is given twice, {tag!r} and --model {a.model!r}: give it once")
         a.model = tag
-    return EngineArgs.from_cli(a).create_engine_config()
+    from tdpipe.core.async_llm import AsyncLLM  # zmq and the engine client: only when a server starts
+
+    cfg = EngineArgs.from_cli(a).create_engine_config()
+    AsyncLLM.check_config(cfg)
+    return cfg

@@ -40,6 +40,9 @@ log = logging.getLogger("tdpipe")
 ExecutorFactory = Callable[[Any], Executor]
 
 
+NO_TOKENIZER = "this engine has no tokenizer (skip_tokenizer_init, a simulated or an in-memory model)"
+
+
 class LLMEngine:
     """Runs the loop over ready parts. `LLMEngine(config)` builds them first (core/engine_builder.py);
     `executor_factory`: see there (the simulator's executor)."""
@@ -103,8 +106,7 @@ class LLMEngine:
         if prompt_token_ids is None:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    raise ValueError("this engine has no tokenizer (skip_tokenizer_init, a simulated or an "
-                                     "in-memory model): give prompt_token_ids")
+                    raise ValueError(f"{NO_TOKENIZER}: give prompt_token_ids")
                 prompt_token_ids = self.tokenizer.encode(require_unicode(prompt, "prompt"),
                                                          add_special_tokens=True)
             else:
@@ -118,7 +120,7 @@ class LLMEngine:
         room = max_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if self.tokenizer is None and params.stop:  # they would never match: no output processor can decode
-            raise ValueError("stop strings need a tokenizer; this engine has none (simulated or in-memory model)")
+            raise ValueError(f"stop strings are found in the text: {NO_TOKENIZER}")
         if params.bad_words:
             self._resolve_bad_words(params)
         if params.num_samples > self.scheduler.config.max_num_seqs:
@@ -139,7 +141,7 @@ class LLMEngine:
         """bad_words as token sequences of this model's tokenizer (sampling/bad_words.py), each id checked."""
         check_bad_words(params.bad_words)
         if self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer; this engine has none (simulated or in-memory model)")
+            raise ValueError(f"bad_words are tokenized: {NO_TOKENIZER}")
         seqs = bad_words_token_ids(params.bad_words,
                                    lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         vocab = self.model_config.vocab_size

@@ -28,6 +28,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs or best_of)
     logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=k): one entry per token
 
+    def finished(self) -> bool:
+        """vLLM's: whether this sample has ended."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestMetrics:

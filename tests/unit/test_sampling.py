@@ -81,6 +81,18 @@ def test_defaults_and_normalisation():
     assert SamplingParams(frequency_penalty=-0.5).needs_penalties
 
 
+def test_clone_and_finished_as_vllm_names_them():
+    from tdpipe import CompletionOutput
+
+    p = SamplingParams(stop=["a"], logit_bias={3: 1.0}, bad_words=["x"])
+    q = p.clone()
+    q.stop.append("b")
+    q.logit_bias[4] = 2.0
+    assert q == SamplingParams(stop=["a", "b"], logit_bias={3: 1.0, 4: 2.0}, bad_words=["x"])
+    assert p.stop == ["a"] and p.logit_bias == {3: 1.0}  # the original untouched
+    assert not CompletionOutput(0, "", [], None).finished() and CompletionOutput(0, "", [], "stop").finished()
+
+
 # ---------------------------------------------------------------- sampler paths
 
 def _call(logits, params, generators=None, prompts=None, outputs=None):

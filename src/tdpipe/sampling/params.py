@@ -1,5 +1,6 @@
 """Per-request sampling settings, named and defaulted like vLLM's so user code ports unchanged."""
 
+import copy
 import math
 from dataclasses import dataclass
 from enum import IntEnum
@@ -206,3 +207,7 @@ class SamplingParams:
     def max_stop_str_len(self) -> int:
         """How many trailing characters the detokenizer must hold back before a stop string can be ruled out."""
         return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's): RL code clones a template and changes fields per request."""
+        return copy.deepcopy(self)

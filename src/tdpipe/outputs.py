@@ -52,3 +52,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams(prompt_logprobs=k)
     weight_version: int = 0  # the engine's weights that produced it: 0 as loaded, +1 per update_weights
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again (vLLM's)

@@ -25,7 +25,8 @@ def _run(model: str, policy: str, pp: int, caching: bool, prompts: list[str],
         first = llm.generate(prompts[:1], _greedy(n_out), use_tqdm=False)  # caches the shared prefix
         rest = llm.generate(prompts[1:], _greedy(n_out), use_tqdm=False)
         bm = llm.engine.block_manager
-        stats = bm.prefix_cache_stats() | {"preemptions": llm.engine.scheduler.num_preemptions}
+        stats = bm.prefix_cache_stats() | {"preemptions": llm.engine.scheduler.num_preemptions,
+                                           "cached_tokens": [o.num_cached_tokens for o in first + rest]}
         bm.check_no_leaks()
         return [o.outputs[0].token_ids for o in first + rest], stats
     finally:
@@ -58,12 +59,16 @@ def test_cached_prefix_gives_the_same_tokens(qwen2_tiny_path, uncached, policy):
     assert s_off["hits"] == 0 and s_off["queries"] == 0
     # every later request finds the system prompt's full blocks (~190 tokens of ~200)
     assert s_on["hit_rate"] > 0.6, s_on
+    # and says so in its output (vLLM's RequestOutput.num_cached_tokens), whole blocks of 16
+    shared = len(SYSTEM) // 16 * 16 // 8  # far fewer tokens than characters: a safe lower bound
+    assert s_off["cached_tokens"] == [0] * len(PROMPTS) and s_on["cached_tokens"][0] == 0
+    assert all(c % 16 == 0 and c >= shared for c in s_on["cached_tokens"][1:]), s_on["cached_tokens"]
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])
 def test_cached_prefix_pp2(qwen2_tiny_path, uncached, policy):
     on, s_on = _run(qwen2_tiny_path, policy, 2, True, PROMPTS[:4])
-    assert on == uncached[0][:4] and s_on["hits"] > 0
+    assert on == uncached[0][:4] and s_on["hits"] > 0 and min(s_on["cached_tokens"][1:]) > 0
 
 
 @pytest.mark.parametrize("policy", ["separate", "throttle"])

@@ -24,3 +24,4 @@ class RequestDelta:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     cumulative_logprob: float | None = None  # after the new tokens (logprobs or best_of requests)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # whole, with the request's first token
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held, with the request's first token

@@ -370,8 +370,10 @@ class LLMEngine:
             d.logprobs = [lp]
         if p.needs_logprobs:
             d.cumulative_logprob = s.cumulative_logprob
-        if p.prompt_logprobs is not None and s.sample_index == 0 and len(s.output_token_ids) == 1:
-            d.prompt_logprobs = list(s.prompt_logprobs or [None])
+        if s.sample_index == 0 and len(s.output_token_ids) == 1:  # the request's first token
+            d.num_cached_tokens = s.num_cached_tokens
+            if p.prompt_logprobs is not None:
+                d.prompt_logprobs = list(s.prompt_logprobs or [None])
         return d
 
     def _observe(self, seq: Sequence) -> None:

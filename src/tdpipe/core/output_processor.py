@@ -56,6 +56,7 @@ class RequestState:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -72,7 +73,7 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, finished=self.finished,
                              metrics=RequestMetrics(self.arrival_time, self.first_token_time, self.finish_time,
                                                     self.num_preemptions),
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs, num_cached_tokens=self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -132,6 +133,8 @@ class OutputProcessor:
             if st.first_token_time is None and d.new_token_ids:
                 st.first_token_time = now
             st.num_preemptions = max(st.num_preemptions, d.num_preemptions)
+            if d.num_cached_tokens is not None:
+                st.num_cached_tokens = d.num_cached_tokens
             text = st.params.detokenize
             if d.prompt_logprobs is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = [None if e is None else self._logprob_dict(e, text) for e in d.prompt_logprobs]

@@ -81,7 +81,7 @@ def wait_idle(url: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc, url = start_server(tmp_path_factory.mktemp("serve") / "serve.log", "--max-num-seqs", "8",
-                             env={"TDPIPE_API_KEY": KEY})
+                             "--enable-prompt-tokens-details", env={"TDPIPE_API_KEY": KEY})
     yield url
     stop_server(proc)
 
@@ -346,7 +346,23 @@ def test_bad_words_and_truncate_prompt_tokens(server, client):
     assert r.choices[0].text == same.choices[0].text
 
 
-def test_structured_output_response_format_and_vllm_fields(client):
+def test_prompt_tokens_details_count_the_cached_prefix(client):
+    """--enable-prompt-tokens-details (vLLM's flag): OpenAI's usage.prompt_tokens_details.cached_tokens, 0 for
+    a prompt the cache has not seen, whole blocks of 16 once it has, streamed usage too."""
+    model = client.models.list().data[0].id
+    prompt = "Tally of the ledger: " + " ".join(f"item{i} costs {i * 7 % 13} coins" for i in range(30))
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and first.usage.prompt_tokens - 16 <= cached < first.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                 max_completion_tokens=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+
     """response_format json_schema sampled at temperature 1 (n = 3, streamed too) parses and validates;
     json_object, vLLM's structured_outputs and guided_choice work; a bad schema is a 400 naming the field."""
     import jsonschema

@@ -64,6 +64,13 @@ async def test_completion_shape_and_exact_usage():
     assert rid == b["id"]
     assert b["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 7, "total_tokens": len(ids) + 7}
     assert len(ch["text"]) == 7
+    # vLLM's --enable-prompt-tokens-details adds OpenAI's cached-token count (the fake engine caches nothing)
+    async with _client(_app(FakeAsyncLLM(), enable_prompt_tokens_details=True)) as c:
+        r = await c.post(C, json={"prompt": "hello", "max_tokens": 2})
+        chat = await c.post(CHAT, json={"messages": U, "max_tokens": 2, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert _events(chat)[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # [-1]: [DONE]
 
 
 async def test_stop_strings_eos_and_stop_token_ids():

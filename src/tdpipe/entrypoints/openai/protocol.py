@@ -361,6 +361,14 @@ class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}, when the server shows it
+
+    @model_serializer(mode="wrap")
+    def _details_if_shown(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("prompt_tokens_details") is None:
+            d.pop("prompt_tokens_details", None)
+        return d
 
 
 class _Choice(BaseModel):

@@ -29,6 +29,9 @@ class ServerConfig:
     # closes it and its request fails with a connection error (uvicorn's own default is 5 s, httpx's too)
     timeout_keep_alive_s: float = 30.0
     access_log: bool = True  # uvicorn's one line per request
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (OpenAI's field), the
+    # prompt tokens the prefix cache held
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -86,6 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "pool expiry (httpx and the openai client: 5 s, aiohttp: 15 s), or a request sent "
                         f"as the server closes the connection fails (default {d.timeout_keep_alive_s:g})")
     g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in every answer (OpenAI's field, vLLM's "
+                        "flag): the prompt tokens the prefix cache held")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it: the same as --model (give one of the two)")
     EngineArgs.add_cli_args(p)
@@ -100,7 +106,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         max_prompts_per_request=a.max_prompts_per_request, max_connections=a.max_connections,
                         host=a.host, port=a.port,
                         shutdown_grace_s=a.shutdown_grace, timeout_keep_alive_s=a.timeout_keep_alive,
-                        access_log=not a.no_access_log)
+                        access_log=not a.no_access_log,
+                        enable_prompt_tokens_details=a.enable_prompt_tokens_details)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:

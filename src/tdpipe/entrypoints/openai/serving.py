@@ -207,9 +207,12 @@ class OpenAIServing:
             return None
         return task.result()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """`cached_tokens`: of the prompt tokens, those the prefix cache held (shown with
+        --enable-prompt-tokens-details)."""
+        details = {"cached_tokens": cached_tokens} if self.config.enable_prompt_tokens_details else None
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 class Run:

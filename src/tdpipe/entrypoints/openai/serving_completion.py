@@ -99,7 +99,8 @@ class CompletionServing:
                 if prep.return_token_ids:
                     choice.prompt_token_ids, choice.token_ids = it.prompt_ids, ids
                 choices.append(choice)
-        usage = self.s.usage(sum(len(it.prompt_ids) for it in prep.items), completion_tokens)
+        usage = self.s.usage(sum(len(it.prompt_ids) for it in prep.items), completion_tokens,
+                             sum(out.num_cached_tokens for out in last.values()))
         return CompletionResponse(id=prep.request_id, created=prep.created, model=prep.model, choices=choices,
                                   usage=usage).model_dump()
 
@@ -109,11 +110,12 @@ class CompletionServing:
         cur = StreamCursor(len(prep.items) * n)  # prompt i's sample j is choice i * n + j (vLLM's numbering)
         prompt_tokens = sum(len(it.prompt_ids) for it in prep.items)
         tok = self.s.get_engine().tokenizer
+        cached: dict[int, int] = {}  # per prompt, the tokens the prefix cache held (known from its first output)
 
         def chunk(choices: list[CompletionChoice], usage: bool) -> CompletionChunk:
             c = CompletionChunk(id=prep.request_id, created=prep.created, model=prep.model, choices=choices)
             if usage:
-                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens))
+                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens), sum(cached.values()))
             return c
 
         def echoed(it: Item, out: Any = None) -> list[CompletionChoice]:
@@ -131,6 +133,7 @@ class CompletionServing:
             yield sse(chunk([c for it in prep.items if it.index not in scored for c in echoed(it)], False))
         async for i, out in run.outputs():
             it = prep.items[i]
+            cached[i] = out.num_cached_tokens
             if i in scored:
                 scored.discard(i)
                 yield sse(chunk(echoed(it, out), False))

@@ -63,6 +63,7 @@ class FakeAsyncLLM:
         self.max_num_seqs = max_num_seqs
         self.vocab_size = len(self.tokenizer)
         self.ready = True
+        self.default_sampling: dict = {}  # a model whose generation_config.json sets no sampling defaults
         self.dead_reason: str | None = None
         self.delay = delay
         self.gate: asyncio.Event | None = None

@@ -11,6 +11,7 @@ from tdpipe import families
 GiB = 1 << 30
 DEVICES = ("auto", "cpu", "cuda")  # --device; tdpipe/platforms resolves auto and builds the platforms
 SAMPLING_DEVICES = ("auto", "stage", "engine")  # --sampling-device (tdpipe/sampling/stage_rows.py)
+GENERATION_CONFIGS = ("auto", "vllm")  # --generation-config (tdpipe/sampling/defaults.py)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -347,6 +348,8 @@ class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     tokenizer: str | None = None  # a folder whose tokenizer replaces the model's (vLLM's --tokenizer)
     skip_tokenizer_init: bool = False  # no tokenizer at all: token ids in, token ids out (vLLM's)
+    # auto: the model's generation_config.json sets the sampling defaults (vLLM's); vllm: tdpipe's own
+    generation_config: str = "auto"
     dtype: str = "auto"  # auto | bfloat16 | float32
     quantization: str = "auto"  # one of QUANTIZATIONS (model/quantization.py)
     seed: int = 0
@@ -387,6 +390,8 @@ class EngineConfig:
             f"cuda_graph_sizes must be None or a non-empty list of batch sizes >= 1, got {sizes!r}")
         _check(self.sampling_device in SAMPLING_DEVICES,
                f"sampling_device must be one of {', '.join(SAMPLING_DEVICES)}, got {self.sampling_device!r}")
+        _check(self.generation_config in GENERATION_CONFIGS, f"generation_config must be one of "
+               f"{', '.join(GENERATION_CONFIGS)}, got {self.generation_config!r}")
         _check(self.parallel.disaggregation == "none" or self.scheduler.policy == "separate",
                f"scheduler is {self.scheduler.policy!r}: disaggregation 'pd' schedules each side itself (whole "
                "prompts on the prefill instances, every running request on the decode instances); leave scheduler "

@@ -15,8 +15,8 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from tdpipe.config import (DEVICES, DISAGGREGATIONS, KV_CACHE_DTYPES, QUANTIZATIONS, SAMPLING_DEVICES, CacheConfig,
-                           EngineConfig, ParallelConfig, SchedulerConfig)
+from tdpipe.config import (DEVICES, DISAGGREGATIONS, GENERATION_CONFIGS, KV_CACHE_DTYPES, QUANTIZATIONS,
+                           SAMPLING_DEVICES, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig)
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
 from tdpipe.ignored_args import add_ignored_flags, drop_ignored, warn_ignored_flags
 from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
@@ -92,6 +92,12 @@ class EngineArgs:
         EngineConfig.tokenizer, "a folder whose tokenizer (and chat template) replaces the model's, as vLLM's "
                                 "--tokenizer: for a .gguf file, the original model's folder (default: the "
                                 "model's own)", "--tokenizer", metavar="FOLDER")
+    generation_config: str = option(
+        EngineConfig.generation_config, "auto = the model's generation_config.json sets the defaults of the "
+                                        "sampling fields a request leaves out (temperature, top_p, top_k, min_p, "
+                                        "repetition_penalty, max_new_tokens), as vLLM does; vllm = tdpipe's (vLLM's) "
+                                        "own defaults (default: %(default)s)", "--generation-config",
+        choices=list(GENERATION_CONFIGS))
     skip_tokenizer_init: bool = option(
         EngineConfig.skip_tokenizer_init, "load no tokenizer (vLLM's): prompts must be token ids and outputs "
                                           "have no text, as RL rollouts that tokenize themselves run; offline "
@@ -347,6 +353,7 @@ class EngineArgs:
         check_device(self.device)  # DeviceUnavailable, one line; the engine builder resolves auto
         return EngineConfig(
             model=self.model, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
+            generation_config=self.generation_config,
             dtype=self.dtype, quantization=self.quantization, seed=self.seed,
             num_threads=self.num_threads, trace=self.trace,
             record_history=self.record_history, collect_trace=self.collect_trace,

@@ -40,6 +40,7 @@ class FakeReplica:
     def __init__(self, k: int) -> None:
         self.k, self.config, self.tokenizer, self.model_name = k, EngineConfig(), None, "m"
         self.max_model_len, self.max_num_seqs, self.vocab_size = 100, 4, 1000
+        self.default_sampling = {"temperature": 0.5}
         self.ready, self.dead_reason, self.death_detail, self.failed_on_death, self.log_death = True, None, None, 0, True
         self.got: list[str] = []
         self.release = asyncio.Event()
@@ -65,6 +66,7 @@ def test_requests_go_to_the_least_loaded_replica_and_stats_merge():
     async def run() -> None:
         reps = [FakeReplica(0), FakeReplica(1)]
         dp = DataParallelClient(reps)  # type: ignore[arg-type]
+        assert dp.default_sampling == {"temperature": 0.5}  # the model's, as every replica read it
 
         def req(rid: str, n: int, max_tokens: int) -> EngineRequest:
             return EngineRequest(rid, list(range(n)), SamplingParams(max_tokens=max_tokens))

@@ -64,6 +64,7 @@ class LLMEngine:
             if hasattr(p, "text_of"):
                 p.text_of = self._prompt_text
         self._seq_ids = parts.seq_ids
+        self.default_sampling = parts.default_sampling  # the model's sampling defaults (sampling/defaults.py)
         self.clock: Callable[[], float] = self.executor.now
         self.sampler = Sampler()
         self.grammars = GrammarManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)

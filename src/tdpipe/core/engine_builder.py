@@ -41,6 +41,7 @@ from tdpipe.platforms import get_platform, resolve_device
 from tdpipe.platforms.interface import Platform
 from tdpipe.predictor.base import Predictor
 from tdpipe.predictor.factory import make_predictor
+from tdpipe.sampling.defaults import model_sampling_defaults
 from tdpipe.tokenizer import load_tokenizer_in_background
 
 log = logging.getLogger("tdpipe")
@@ -80,6 +81,7 @@ class EngineParts:
     stage_threads: list[int]
     stats: EngineStats
     seq_ids: Iterator[int]  # sequence ids; profiling took the first ones
+    default_sampling: dict[str, Any]  # the model's sampling defaults (sampling/defaults.py)
 
 
 class EngineBuilder:
@@ -151,7 +153,7 @@ class EngineBuilder:
         return EngineParts(config, self.platform, self.model_path, self.model_config, self.tokenizer,
                            self.eos_token_ids, self.dtype, self.block_manager, self.predictor, batched, history,
                            self.scheduler, self.executor, self.partition, self.lm_head_split, self.stage_threads,
-                           stats, self.seq_ids)
+                           stats, self.seq_ids, self._sampling_defaults())
 
     # -- the model ---------------------------------------------------------------------------------------
     def _with_quantization(self, mc: ModelConfig) -> ModelConfig:
@@ -200,6 +202,12 @@ class EngineBuilder:
                 import_build_tools()
             self._pending_tokenizer = load_tokenizer_in_background(tok_path)
         return None
+
+    def _sampling_defaults(self) -> dict[str, Any]:
+        """What the model's generation_config.json sets for requests that leave it out (--generation-config)."""
+        if self.hf_config is not None:  # an in-memory config has no folder
+            return {}
+        return model_sampling_defaults(self.model_path, self.config.generation_config)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

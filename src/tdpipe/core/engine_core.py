@@ -54,6 +54,7 @@ class CoreInfo:
     vocab_size: int
     num_blocks: int
     pp: int
+    default_sampling: dict[str, Any]  # the model's sampling defaults (sampling/defaults.py)
 
 
 def engine_stats(engine: Any, busy: list[float]) -> dict[str, Any]:
@@ -123,7 +124,8 @@ def run_engine_core(config: Any, in_addr: str, out_addr: str, parent_pid: int) -
         freeze_heap()  # the model's objects out of the collector's full passes (pauses in steps)
         sched = engine.scheduler.config
         send(READY, CoreInfo(engine.model_path, sched.max_model_len, sched.max_num_seqs,
-                             engine.model_config.vocab_size, engine.block_manager.num_blocks, engine.pp))
+                             engine.model_config.vocab_size, engine.block_manager.num_blocks, engine.pp,
+                             engine.default_sampling))
         _loop(engine, pull, send, parent_pid, stop)
     except Exception as e:  # noqa: BLE001 - one line to the frontend; every open request gets it
         reason = " ".join(str(e).split()) or type(e).__name__

@@ -338,8 +338,10 @@ class LLM:
         return weight_sync.reset_prefix_cache(self._one_engine("reset_prefix_cache()"))
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What generate() uses when given no SamplingParams (vLLM's)."""
-        return SamplingParams()
+        """What generate() uses when given no SamplingParams (vLLM's): the model's generation_config.json
+        defaults (temperature, top_p, ...; sampling/defaults.py) over SamplingParams' own."""
+        defaults = self.engine.default_sampling if self.engine is not None else self.replicas.default_sampling
+        return SamplingParams(**defaults)
 
     @property
     def llm_engine(self) -> LLMEngine:

@@ -43,6 +43,10 @@ class ReplicaRunner:
     def tokenizer(self) -> Any:
         return self.client.tokenizer
 
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        return self.client.default_sampling
+
     def run(self, jobs: list[Job]) -> Iterator[tuple[int, RequestOutput]]:
         """Every job's final output, as each finishes; a job the frontend refuses (validation) comes back with
         finish_reason "error", as LLMEngine's refusals do. Closing the iterator early aborts the rest."""

@@ -142,9 +142,14 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(req: _GenerationRequest, max_tokens: int | None, max_field: str,
                         eng: EngineClient) -> SamplingParams:
-        """SamplingParams from the request's fields, checked against the engine (core/validation.py:
-        check_params); every failure is a 400 naming the field."""
-        kw = req.sampling_kwargs()
+        """SamplingParams from the request's fields over the model's defaults (vLLM's --generation-config
+        auto), checked against the engine (core/validation.py: check_params); every failure is a 400 naming
+        the field."""
+        defaults = dict(eng.default_sampling)  # the model's generation_config.json (sampling/defaults.py)
+        default_max = defaults.pop("max_tokens", None)
+        kw = defaults | req.sampling_kwargs()  # what the request sets wins
+        if max_tokens is None:
+            max_tokens = default_max
         kw["structured_outputs"], _ = req.structured()
         try:
             check_stops(kw.get("stop"), kw.get("stop_token_ids"))  # first: a huge list is not echoed back

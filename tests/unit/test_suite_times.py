@@ -87,3 +87,14 @@ def test_the_longest_tests_run_first():
     conftest.pytest_collection_modifyitems(None, items)
     assert [i.name for i in items] == ["f1", "f2", "e1", "e2", "u1", "u2"]
     assert "slow" in items[2].marks  # e2e: marked on the way
+
+
+def test_test_modules_have_unique_basenames():
+    """The test folders are not packages: pytest imports each module by its basename, so two of one name
+    (tests/unit/test_x.py and tests/e2e/test_x.py) stop the collection with an import-file mismatch."""
+    seen: dict[str, str] = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                assert f not in seen, f"{f} is in both {seen[f]} and {folder}"
+                seen[f] = folder

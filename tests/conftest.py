@@ -207,13 +207,30 @@ def pytest_sessionstart(session):
         _warm_caches()
 
 
+class _LoggerDict(dict):
+    """logging's table of loggers, whose values() is a snapshot: pytest's log capture iterates it at the start
+    of the collection and of every test, while _warm_caches' threads import modules that add loggers to it
+    ("RuntimeError: dictionary changed size during iteration", a worker lost, the whole run ended: it
+    happened here once in some dozens of fresh clones). Copying a dict into a list runs in C under the GIL,
+    so the snapshot is whole."""
+
+    def values(self):  # type: ignore[override]
+        return list(super().values())
+
+
 def _warm_caches() -> None:
     """On a fresh $TDPIPE_CACHE (every CI run), the C++ kernels' first build (18 s of gcc here, the two
     side by side) and the bundled model's conversion (4 s) start now and go on while pytest collects
     (10 s), instead of inside the first test that needs them. Both are what the first engine would do
     itself, under the same file locks; where the cache already holds them this loads the kernels (ms) and
     the conversion is a no-op."""
+    import logging
     import threading
+
+    manager = logging.Logger.manager
+    with logging._lock:  # noqa: SLF001 - the lock logging itself holds while it adds a logger
+        if not isinstance(manager.loggerDict, _LoggerDict):
+            manager.loggerDict = _LoggerDict(manager.loggerDict)
 
     from tdpipe.model import cpu_ops, paged_attention
     from tdpipe.model.bundled import bundled_model_path

@@ -32,6 +32,8 @@ def _configs() -> dict:
             rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                           "long_factor": [2.0, 3.0, 4.0, 5.0]})),
         "gemma": (GemmaForCausalLM, GemmaConfig(**SIZES, vocab_size=300, head_dim=32)),
+        # one KV head (as Gemma 3 270M): at tp = 2 each rank holds a copy of it and half its query heads
+        "llama_kv1": (LlamaForCausalLM, LlamaConfig(**{**SIZES, "num_key_value_heads": 1}, vocab_size=300)),
         # Llama with its optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
         "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, vocab_size=300, attention_bias=True, mlp_bias=True)),
     }
@@ -108,3 +110,11 @@ def test_w8a8_keeps_the_biases(families):
             lps[q] = prompt_lps(llm, ids)
     assert lps["none"] != lps["w8a8"]
     assert sum(abs(a - b) for a, b in zip(lps["none"], lps["w8a8"])) / len(ids) < 0.035
+
+
+def test_greedy_parity_tp2_with_one_kv_head_replicated(families):
+    """More ranks than KV heads: the KV head replicated on both ranks, its query heads split (vLLM's rule),
+    at tp = 2 and at pp = 2 x tp = 2."""
+    folder, prompts, ref = families("llama_kv1")
+    assert _run(folder, prompts, tensor_parallel_size=2) == ref
+    assert _run(folder, prompts, tensor_parallel_size=2, pipeline_parallel_size=2) == ref

@@ -37,7 +37,13 @@ def test_head_split_follows_gqa_groups():
     assert [(h.q_start, h.q_count, h.kv_start, h.kv_count) for h in s] == [(0, 6, 0, 2), (6, 3, 2, 1)]
     s = head_split(14, 2, 2)  # Qwen2.5-0.5B
     assert [(h.q_count, h.kv_count) for h in s] == [(7, 1), (7, 1)]
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 cannot split 3 KV heads \(9 query heads\)"):
+    # more ranks than KV heads: each KV head replicated, its group's query heads split among its copies
+    s = head_split(4, 1, 2)  # Gemma 3 270M at T = 2
+    assert [(h.q_start, h.q_count, h.kv_start, h.kv_count) for h in s] == [(0, 2, 0, 1), (2, 2, 0, 1)]
+    s = head_split(8, 2, 4)
+    assert [(h.q_start, h.q_count, h.kv_start, h.kv_count) for h in s] == [(0, 2, 0, 1), (2, 2, 0, 1),
+                                                                          (4, 2, 1, 1), (6, 2, 1, 1)]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 4 cannot share 3 KV heads \(9 query heads\)"):
         head_split(9, 3, 4)
 
 

@@ -233,7 +233,9 @@ class EngineBuilder:
             raise ValueError(f"max_model_len ({sched.max_model_len}) exceeds the model's max_position_embeddings "
                              f"({mc.max_position_embeddings})")
         dtype_bytes = torch.finfo(self.dtype).bits // 8
-        block_bytes = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size
+        # the KV heads the ranks hold together: more than the model's where tp replicates them
+        held = max(mc.num_kv_heads, self.config.parallel.tensor_parallel_size)
+        block_bytes = mc.kv_bytes_per_token(dtype_bytes) * cache.block_size * held // mc.num_kv_heads
         budget = 0
         if cache.num_blocks is None:
             budget = self.platform.kv_cache_bytes(cache.kv_cache_memory, cache.gpu_memory_utilization,
@@ -246,9 +248,9 @@ class EngineBuilder:
             policy = get_policy(sched.policy)
             policy.configure(sched)  # its token budget: a chunked prefill step bounds the local pool
             step = sched.max_num_batched_tokens if policy.cls.chunks_prefill else sched.max_model_len
-            self.kv_pools = size_kv_pools(mc, num_blocks * block_bytes if cache.num_blocks else budget,
-                                          cache.block_size, dtype_bytes, sched.max_model_len, step,
-                                          sched.max_num_seqs)
+            own = (num_blocks * block_bytes if cache.num_blocks else budget) * mc.num_kv_heads // held
+            self.kv_pools = size_kv_pools(mc, own, cache.block_size, dtype_bytes, sched.max_model_len, step,
+                                          sched.max_num_seqs)  # `own`: the bytes one copy of the KV heads gets
             num_blocks = self.kv_pools.num_blocks
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block (one block of "

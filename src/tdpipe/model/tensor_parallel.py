@@ -11,10 +11,9 @@ TD-Pipe §2 Fig. 6 is the time they cost):
 The KV cache is split by KV heads under the engine's one page table (same block ids on every rank).
 
 Uneven sizes split as evenly as possible (the first ranks take one more): SmolLM2's 3 KV heads over T = 2
-give 2 + 1 (its 9 query heads follow their KV groups: 6 + 3). A rank must hold at least one KV head:
-vLLM replicates KV heads when T exceeds them; tdpipe refuses at start with the sizes in the error, since
-on a CPU server such a T would mean more ranks than the model has KV heads, a layout that only adds
-all-reduces.
+give 2 + 1 (its 9 query heads follow their KV groups: 6 + 3). With T above the KV heads each KV head is
+replicated on T / KV ranks that split its query heads (vLLM's rule: T a multiple of the KV heads and a
+divisor of the query heads, else refused at start with the sizes): Gemma 3 270M's one KV head at T = 2.
 """
 from __future__ import annotations
 
@@ -40,14 +39,19 @@ class HeadShard:
 
 
 def head_split(num_heads: int, num_kv_heads: int, tp: int) -> list[HeadShard]:
-    """Each rank's query and KV heads: KV heads split evenly, query heads follow their GQA group."""
-    if tp > num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp} cannot split {num_kv_heads} KV heads ({num_heads} query heads): "
-                         f"each rank needs at least one KV head (vLLM would replicate them; tdpipe does not); "
-                         f"use a tensor_parallel_size of at most {num_kv_heads}")
+    """Each rank's query and KV heads: KV heads split evenly, query heads follow their GQA group. With more
+    ranks than KV heads (Gemma 3 270M's one at tp = 2), each KV head is replicated on tp / num_kv_heads ranks,
+    which split its group's query heads, as vLLM does: a rank holds one KV head, its cache too."""
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a whole number of groups of {num_kv_heads} KV heads")
     group = num_heads // num_kv_heads
+    if tp > num_kv_heads:
+        if tp % num_kv_heads or num_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} cannot share {num_kv_heads} KV heads ({num_heads} query "
+                             f"heads): with more ranks than KV heads, tp must be a multiple of the KV heads and "
+                             f"divide the query heads")
+        per, copies = num_heads // tp, tp // num_kv_heads
+        return [HeadShard(t * per, per, t // copies, 1) for t in range(tp)]
     out = []
     for t in range(tp):
         a, b = shard_range(num_kv_heads, tp, t)

@@ -105,18 +105,11 @@ class LLMEngine:
             parse_grammar(params.structured_outputs)  # a schema xgrammar refuses fails here, not in a step
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"{NO_TOKENIZER}: give prompt_token_ids")
-                prompt_token_ids = self.tokenizer.encode(require_unicode(prompt, "prompt"),
-                                                         add_special_tokens=True)
-            else:
-                prompt_token_ids = prompt
+            prompt_token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else prompt
         max_len = self.scheduler.config.max_model_len
         prompt_token_ids = truncated(list(prompt_token_ids), params, max_len)
         # the frontend's prompt check (one token at least, ids in the vocabulary, room for one output token)
-        check_prompt(prompt_token_ids, RequestLimits(max_len, self.scheduler.config.max_num_seqs,
-                                                     self.model_config.vocab_size))
+        check_prompt(prompt_token_ids, self.request_limits)
         check_logit_bias(params, self.model_config.vocab_size)
         room = max_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -137,6 +130,18 @@ class LLMEngine:
         if self._batched is not None:
             self._batched.add(seq)
         return seq
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """The limits a prompt is checked against (core/validation.py), as the frontends see them."""
+        return RequestLimits(self.scheduler.config.max_model_len, self.scheduler.config.max_num_seqs,
+                             self.model_config.vocab_size)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids, with the tokenizer's special tokens (a ValueError without one)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{NO_TOKENIZER}: give prompt_token_ids")
+        return self.tokenizer.encode(require_unicode(text, "prompt"), add_special_tokens=True)
 
     def _resolve_bad_words(self, params: SamplingParams) -> None:
         """bad_words as token sequences of this model's tokenizer (sampling/bad_words.py), each id checked."""

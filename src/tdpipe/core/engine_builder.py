@@ -189,15 +189,15 @@ class EngineBuilder:
         simulated = self.executor_factory is not None
         # every part of the folder checked before anything heavy starts (stages, kernels): one clear line
         tok_path = self.config.tokenizer or self.model_path
-        skip = self.config.skip_tokenizer_init
-        hf = load_hf_config(self.model_path) if simulated else \
-            check_model_folder(self.model_path, tokenizer=self.config.tokenizer is None and not skip)
-        self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
-        if not simulated and not skip:  # loads while the executor starts; joined in build()
+        load_tok = not simulated and not self.config.skip_tokenizer_init
+        hf = load_hf_config(self.model_path) if simulated else check_model_folder(self.model_path, tokenizer=False)
+        if load_tok:  # the tokenizer's folder (--tokenizer's, or the model's) checked once, before anything starts
             if self.config.tokenizer is not None and not os.path.isdir(self.config.tokenizer):
                 raise MissingModelFile(f"tokenizer {self.config.tokenizer}: not a folder (give the folder that "
                                        "holds tokenizer.json or the model's other tokenizer files)")
-            check_tokenizer_files(tok_path)  # one line naming the folder, before anything starts
+            check_tokenizer_files(tok_path)
+        self.model_config = self._with_quantization(ModelConfig.from_hf(hf))
+        if load_tok:  # loads while the executor starts; joined in build()
             if self.platform.name == "cpu":  # the kernels' loader imports setuptools: not beside the thread
                 import_build_tools()
             self._pending_tokenizer = load_tokenizer_in_background(tok_path)

@@ -20,7 +20,7 @@ from tdpipe.interrupt import deferred_sigint, raise_if_dropped
 from tdpipe.core.output_processor import OutputProcessor
 from tdpipe.entrypoints.replicas import ReplicaRunner
 from tdpipe.core.weight_sync import WeightSource
-from tdpipe.core.validation import RequestLimits, check_prompt
+from tdpipe.core.validation import check_prompt
 from tdpipe.outputs import CompletionOutput, Logprob, RequestOutput
 from tdpipe.sampling.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tdpipe.sampling.params import SamplingParams
@@ -257,16 +257,11 @@ class LLM:
         the wrong shape, empty or too long is a ValueError naming it; nothing runs then."""
         engine = self._one_engine("beam_search()")
         tok = engine.tokenizer
-        limits = RequestLimits(engine.scheduler.config.max_model_len, engine.scheduler.config.max_num_seqs,
-                               engine.model_config.vocab_size)
         ids_list = []
         for i, prompt in enumerate(self._as_list(prompts)):
             text, ids = self._split_prompt(prompt, i)
-            if ids is None:
-                if tok is None:
-                    raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt_token_ids")
-                ids = tok.encode(text, add_special_tokens=True)
-            check_prompt(ids, limits, f"prompt {i}")
+            ids = engine.encode_prompt(text) if ids is None else ids
+            check_prompt(ids, engine.request_limits, f"prompt {i}")
             ids_list.append(ids)
 
         def step(token_lists: list[list[int]]) -> list[dict[int, Logprob]]:

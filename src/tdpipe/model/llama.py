@@ -272,9 +272,8 @@ class LlamaForCausalLM(nn.Module):
     def shard_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, end) of the checkpoint tensor `name` that this rank holds; None: all of it. Rows of
         column-parallel weights (and their biases), columns of row-parallel ones (their biases whole: rank 0
-        adds them, load_weights), vocabulary rows. Tensors
-        stored fused (Phi-3's qkv_proj, gate_up_proj) are read whole and cut in load_weights: a rank's part
-        of them is several row ranges."""
+        adds them, load_weights), vocabulary rows. Tensors stored fused (Phi-3's qkv_proj, gate_up_proj) are
+        read whole and cut in load_weights: a rank's part of them is several row ranges."""
         if self.tp.size == 1:
             return None
         name = canonical_name(name) or name

@@ -49,8 +49,9 @@ def published_config(name: str) -> dict[str, Any]:
 
 def tensor_shapes(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, init) of every tensor of a checkpoint with this config, in HF names, for each supported
-    family (tdpipe/families.py): biases (Qwen2's q/k/v, attention_bias, mlp_bias), q/k norms (Qwen3, Gemma 3), Gemma's four norms per
-    layer (initialised to zeros: Gemma scales by 1 + w), Phi-3's fused qkv_proj and gate_up_proj."""
+    family (tdpipe/families.py): biases (Qwen2's q/k/v, attention_bias, mlp_bias), q/k norms (Qwen3,
+    Gemma 3), Gemma's four norms per layer (initialised to zeros: Gemma scales by 1 + w), Phi-3's fused
+    qkv_proj and gate_up_proj."""
     from tdpipe.families import biases, family_of
 
     arch, fam, cfg = family_of(cfg)

@@ -95,13 +95,13 @@ class ChatServing:
         cur = StreamCursor(n)
         prompt_tokens = len(it.prompt_ids)
         tok = self.s.get_engine().tokenizer
-        cached = [0]  # the prompt tokens the prefix cache held (the outputs say so from the first token)
+        cached = 0  # the prompt tokens the prefix cache held (the outputs say so from the first token)
 
         def chunk(choices: list[ChatStreamChoice], usage: bool) -> ChatCompletionChunk:
             c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
                                     choices=choices)
             if usage:
-                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens), cached[0])
+                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens), cached)
             return c
 
         # the role first, as OpenAI does: a client sees each answer begin before its first token
@@ -112,7 +112,7 @@ class ChatServing:
                 yield sse(chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=it.prompt_text),
                                                   logprobs=None, finish_reason=None)], prep.continuous_usage))
         async for _, out in run.outputs():
-            cached[0] = out.num_cached_tokens
+            cached = out.num_cached_tokens
             for c in out.outputs:
                 step = cur.advance(c.index, c)
                 if step is None:

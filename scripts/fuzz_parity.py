@@ -33,7 +33,7 @@ from tdpipe.model.random_model import write_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "tie_word_embeddings")  # printed with each result
+              "head_dim", "vocab_size", "tie_word_embeddings", "sliding_window", "layer_types")  # printed with each result
 N_OUT = 12
 
 
@@ -89,7 +89,17 @@ def prompt_lps(llm: LLM, ids: list[int]) -> list[float]:
 
 def run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module, layers: int, kv: int,
             heads: int) -> tuple[bool, str]:
-    """(passed, what ran) for one checkpoint."""
+    """(passed, what ran) for one checkpoint; a crash is re-raised naming the settings it ran under."""
+    drawn: dict = {}
+    try:
+        return _run_one(mode, rng, folder, model, layers, kv, heads, drawn)
+    except Exception as e:
+        raise RuntimeError(f"under {drawn}") from e
+
+
+def _run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module, layers: int, kv: int,
+             heads: int, drawn: dict) -> tuple[bool, str]:
+    """run_one's body; `drawn` receives the settings as soon as they are drawn."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     prompts = [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (rng.randint(1, 60), rng.randint(1, 40), 3)]
@@ -98,6 +108,7 @@ def run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module, 
     if mode == "quant":
         kw = dict(pipeline_parallel_size=pp, quantization=rng.choice(["w8a8", "w8a8", "none"]),
                   kv_cache_dtype=rng.choice(["auto", "int8"]), dtype=rng.choice(["float32", "bfloat16"]))
+        drawn.update(kw, prompt_len=len(prompts[0]) + len(prompts[1]) + 3)
         ids = prompts[0] + prompts[1] + [5, 6, 7]
         with LLM(model=folder, dtype="float32", kv_cache_memory=32 << 20) as llm:
             ref = prompt_lps(llm, ids)
@@ -114,6 +125,7 @@ def run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module, 
 
         folder = str(write_gguf(folder, Path(folder) / "m.gguf", dtype="f32"))
         kw = dict(pipeline_parallel_size=min(pp, 2))
+        drawn.update(kw)
     else:
         tp = rng.choice([1, 2]) if kv % 2 == 0 and heads % 2 == 0 and pp == 1 else 1
         policies = ["separate", "hybrid", "throttle", "td-pipe"] if pp > 1 else ["separate", "hybrid"]
@@ -123,6 +135,7 @@ def run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module, 
         budget = rng.choice([None, 16, 64])
         if budget is not None:
             kw["max_num_batched_tokens"] = budget
+        drawn.update(kw)
     with LLM(model=folder, dtype="float32", kv_cache_memory=32 << 20, **kw) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True), use_tqdm=False)

@@ -128,7 +128,9 @@ def test_long_prompt_in_less_kv_memory_than_all_global():
 
 def test_pp2_local_pools_per_stage_match_transformers(tmp_path):
     """pp = 2: each stage holds its layers' caches (stage 0: sliding-window layers in their pool, stage 1:
-    the global layer), the local tables reach the stages as deltas (pipeline/wire/block_sync.py)."""
+    the global layer), the local tables reach the stages as deltas (pipeline/wire/block_sync.py). Two
+    samples of each prompt: their copy-on-write copies in the local pool reach stage 1 too, which has no
+    local pool and must leave them alone (it indexed them into its global cache and crashed)."""
     from transformers import AutoModelForCausalLM
 
     from tdpipe import LLM
@@ -141,11 +143,13 @@ def test_pp2_local_pools_per_stage_match_transformers(tmp_path):
         wp = llm.engine.block_manager.window_pool
         assert wp is not None and wp.num_blocks < llm.engine.block_manager.num_blocks
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=N_OUT, ignore_eos=True), use_tqdm=False)
+                            SamplingParams(n=2, temperature=0.0, max_tokens=N_OUT, ignore_eos=True), use_tqdm=False)
         llm.engine.block_manager.check_no_leaks()
+        assert llm.engine.config.parallel.pipeline_parallel_size == 2
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(model, p, N_OUT)
+        ref = hf_greedy(model, p, N_OUT)
+        assert [c.token_ids for c in o.outputs] == [ref, ref]
 
 
 def shared_prefix_prompts(seed: int) -> list[list[int]]:

@@ -292,11 +292,13 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: the KV of block src into block dst, in every layer of this slice. Runs in the
         compute thread just before the batch that writes dst, so it sees every earlier batch's writes."""
-        if self.local_cache is None:
-            self._copy(self.kv_cache, copies)
-            return
         ng = self.num_global_blocks  # local blocks are numbered past the global pool (block_manager.py)
-        for cache, pairs in ((self.kv_cache.global_cache, [c for c in copies if c[0] < ng]),
+        glob = [c for c in copies if c[0] < ng]
+        if self.local_cache is None:  # no sliding layer in this slice: the local pool's copies are not its own
+            if glob:
+                self._copy(self.kv_cache, glob)
+            return
+        for cache, pairs in ((self.kv_cache.global_cache, glob),
                              (self.local_cache, [(a - ng, b - ng) for a, b in copies if a >= ng])):
             if pairs:
                 self._copy(cache, pairs)

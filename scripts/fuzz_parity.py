@@ -1,18 +1,20 @@
 """Randomised parity sweep against transformers: tiny checkpoints of every family with odd shapes (head dims
 16-80, heads 1-9, GQA 1-3, intermediate sizes not a multiple of 32, 1-5 layers, tied or not, Llama's optional
-biases and llama3 rope, Gemma 3's layer kinds, Phi-3's partial rotary), saved by transformers itself, run
-through tdpipe in float32 under a random layout and scheduler setting, compared token for token.
+biases and llama3 rope, Gemma 2's soft-caps, Gemma 3's layer kinds, Phi-3's partial rotary), saved by
+transformers itself, run through tdpipe in float32 under a random layout and scheduler setting, compared token
+for token.
 
     .venv/bin/python scripts/fuzz_parity.py --seed 1 --count 16              # greedy, pp 1-3, tp 1-2
     .venv/bin/python scripts/fuzz_parity.py --mode quant --seed 3 --count 20 # W8A8 / int8 KV / bf16
     .venv/bin/python scripts/fuzz_parity.py --mode gguf --seed 5 --count 16  # exported to GGUF and back
 
-`greedy`: tdpipe's tokens must equal transformers' (prefix caching, chunked prefill, block sizes and the
-policies drawn too). `quant`: the prompt's log-probabilities must stay near the float model's (mean gap below
-0.15 nats) and n = 2 sampling with logprobs must run. `gguf`: the checkpoint goes through tdpipe's GGUF
-export and loader first. Exit status 1 on any difference or error. Bugs it found are fixed and tested
-(tests/e2e/test_families_engine.py: Llama's attention_bias and mlp_bias; tests/unit/test_gguf_export.py:
-biased q/k rows). Configurations transformers itself refuses are skipped.
+`greedy`: tdpipe's tokens must equal transformers' (prefix caching, chunked prefill, block sizes, the
+policies and n = 1 or 2 greedy samples drawn too). `quant`: the prompt's log-probabilities must stay near the
+float model's (mean gap below 0.15 nats) and n = 2 sampling with logprobs must run. `gguf`: the checkpoint
+goes through tdpipe's GGUF export and loader first. Exit status 1 on any difference or error. Bugs it found
+are fixed and tested (tests/e2e/test_families_engine.py: Llama's attention_bias and mlp_bias;
+tests/unit/test_gguf_export.py: biased q/k rows; tests/e2e/test_sliding_window.py: forked samples on a stage
+without sliding layers). Configurations transformers itself refuses are skipped.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ from tdpipe import LLM, SamplingParams
 from tdpipe.bench.parity import hf_greedy
 from tdpipe.model.random_model import write_tokenizer
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "vocab_size", "tie_word_embeddings", "sliding_window", "layer_types")  # printed with each result
+              "head_dim", "vocab_size", "tie_word_embeddings", "sliding_window", "layer_types",
+              "attn_logit_softcapping", "final_logit_softcapping")  # printed with each result
 N_OUT = 12
 
 
@@ -56,6 +59,9 @@ def draw_config(rng: random.Random, families: tuple[str, ...]) -> tuple[str, typ
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}]))
     elif fam == "mistral":
         kw["sliding_window"] = rng.choice([None, 12, 30])
+    elif fam == "gemma2":
+        kw.update(query_pre_attn_scalar=rng.choice([hd, 24]), sliding_window=rng.choice([8, 16]),
+                  attn_logit_softcapping=rng.choice([None, 1.5, 50.0]), final_logit_softcapping=rng.choice([None, 2.0]))
     elif fam == "gemma3":
         kw.update(query_pre_attn_scalar=rng.choice([hd, 24]), sliding_window=rng.choice([8, 16]),
                   layer_types=[rng.choice(["sliding_attention", "full_attention"])
@@ -63,7 +69,7 @@ def draw_config(rng: random.Random, families: tuple[str, ...]) -> tuple[str, typ
     elif fam == "phi3":
         kw["partial_rotary_factor"] = rng.choice([1.0, 0.5])
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma": "Gemma",
-             "gemma3": "Gemma3", "phi3": "Phi3"}
+             "gemma2": "Gemma2", "gemma3": "Gemma3", "phi3": "Phi3"}
     cfg_cls = getattr(hf, "Gemma3TextConfig" if fam == "gemma3" else f"{names[fam]}Config")
     return fam, getattr(hf, f"{names[fam]}ForCausalLM"), cfg_cls, kw
 
@@ -136,11 +142,16 @@ def _run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module,
         if budget is not None:
             kw["max_num_batched_tokens"] = budget
         drawn.update(kw)
+    # n = 2: forked blocks, copy-on-write in every pool (a request's samples run together: max_num_seqs >= n)
+    samples = 1 if mode == "gguf" or kw.get("max_num_seqs") == 1 else rng.choice([1, 2])
+    drawn["n"] = samples
     with LLM(model=folder, dtype="float32", kv_cache_memory=32 << 20, **kw) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True), use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
-    return got == ref, f"{kw}" + ("" if got == ref else f"\n  got {got}\n  ref {ref}")
+                            SamplingParams(n=samples, temperature=0, max_tokens=N_OUT, ignore_eos=True),
+                            use_tqdm=False)
+    got = [[c.token_ids for c in o.outputs] for o in outs]
+    want = [[r] * samples for r in ref]
+    return got == want, f"{drawn}" + ("" if got == want else f"\n  got {got}\n  ref {want}")
 
 
 def main(argv: list[str] | None = None) -> int:

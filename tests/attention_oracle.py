@@ -26,9 +26,9 @@ def kernel():
     return k
 
 
-def dense_causal(q, ks, vs, cu, lens, scale, window=0):
+def dense_causal(q, ks, vs, cu, lens, scale, window=0, softcap=0.0):
     """Truth in float64 from contiguous tensors: query j of sequence s sits at position len - n + j
-    (and, with a window W, sees keys from its position - W + 1 on)."""
+    (and, with a window W, sees keys from its position - W + 1 on); `softcap` c: scores c * tanh(s / c)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     hq = q.shape[1]
     for s, (k, v) in enumerate(zip(ks, vs)):
@@ -37,6 +37,8 @@ def dense_causal(q, ks, vs, cu, lens, scale, window=0):
         g = hq // k.shape[1]
         kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, kk) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         mask = torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None]
         if window:
             mask |= torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None] - window

@@ -70,6 +70,7 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings times this, rounded to their dtype (Gemma: sqrt(hidden))
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c) when set
+    attn_softcap: float | None = None  # attention scores = c * tanh(scores / c) before the mask (Gemma 2)
     local_rope_theta: float | None = None  # rope base of the windowed layers; None: rope_theta (Gemma 3: 10k)
     partial_rotary_factor: float = 1.0  # rope on the first head_dim * factor dims only (Phi-3/4)
 
@@ -85,13 +86,13 @@ class ModelConfig:
         act = fam.act_aliases.get(act, act)
         _check(act in families.ACTIVATIONS, f"{arch}: hidden activation {act!r} is not supported; supported: "
                                             f"{', '.join(families.ACTIVATIONS)}")
-        _check(hf.get("attn_logit_softcapping") is None,
-               f"{arch}: attn_logit_softcapping {hf.get('attn_logit_softcapping')} is not supported (tdpipe's "
-               "attention has no logit soft-capping; Gemma 3 configs set it to null)")
+        attn_softcap = hf.get("attn_logit_softcapping")
+        _check(attn_softcap is None or (isinstance(attn_softcap, (int, float)) and attn_softcap > 0),
+               f"{arch}: attn_logit_softcapping must be a positive number or null, got {attn_softcap!r}")
         _check(not hf.get("use_bidirectional_attention"), f"{arch}: use_bidirectional_attention is not supported")
         theta, scaling = families.rope_settings(hf)
         hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
-        local_theta = families.rope_settings(hf, local=True)[0] if fam.windows == "gemma" else None
+        local_theta = families.rope_settings(hf, local=True)[0] if fam.local_rope else None
         scalar = hf.get("query_pre_attn_scalar")
         qkv_bias, o_bias, mlp_bias = families.biases(fam, hf)
         return cls(
@@ -121,6 +122,7 @@ class ModelConfig:
             embed_scale=hidden ** 0.5 if fam.embed_scale else None,
             attn_scale=None if scalar is None else float(scalar) ** -0.5,
             final_logit_softcap=hf.get("final_logit_softcapping"),
+            attn_softcap=None if attn_softcap is None else float(attn_softcap),
             local_rope_theta=local_theta,
             partial_rotary_factor=families.partial_rotary_factor(hf),
         )

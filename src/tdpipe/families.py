@@ -24,12 +24,14 @@ class Family:
     sandwich_norms: bool = False  # norms after attention and around the MLP (Gemma 2/3)
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     windows: str = "none"  # which layers slide: none | all (Mistral, Phi-3) | qwen | gemma
+    local_rope: bool = False  # the sliding layers turn with a base of their own (Gemma 3's rope_local_base_freq)
     defaults: dict[str, Any] = field(default_factory=dict)  # transformers' defaults for absent keys
     # activation names the family's transformers config rewrites (Gemma: the legacy "gelu" means the tanh one)
     act_aliases: dict[str, str] = field(default_factory=dict)
 
 
-_GEMMA3 = Family(qk_norm=True, norm="gemma", sandwich_norms=True, embed_scale=True, windows="gemma", defaults={
+_GEMMA3 = Family(qk_norm=True, norm="gemma", sandwich_norms=True, embed_scale=True, windows="gemma", local_rope=True,
+                 defaults={
     # Gemma3TextConfig's defaults (a Gemma3ForConditionalGeneration text_config leaves most of them out)
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
@@ -37,6 +39,17 @@ _GEMMA3 = Family(qk_norm=True, norm="gemma", sandwich_norms=True, embed_scale=Tr
     "sliding_window": 4096, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0, "hidden_activation": "gelu_pytorch_tanh", "eos_token_id": 1,
     "bos_token_id": 2})
+
+# Gemma 2: Gemma 3's layer without q/k norms, every other layer sliding (the first one slides), the attention
+# scores soft-capped (attn_logit_softcapping) and the logits too (final_logit_softcapping)
+_GEMMA2 = Family(norm="gemma", sandwich_norms=True, embed_scale=True, windows="gemma", defaults={
+    # Gemma2Config's defaults
+    "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 2, "rope_theta": 10_000.0,
+    "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    "eos_token_id": 1, "bos_token_id": 2})
 
 # Gemma 1: Gemma's norms, scaled embeddings and GeGLU on Llama's layer, every layer global
 _GEMMA = Family(norm="gemma", embed_scale=True, act_aliases={"gelu": "gelu_pytorch_tanh"}, defaults={
@@ -48,6 +61,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": Family(qkv_bias=True, bias_keys=(), windows="qwen"),
     "Qwen3ForCausalLM": Family(qk_norm=True, windows="qwen"),
     "GemmaForCausalLM": _GEMMA,
+    "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,  # its text_config; the vision tower is not loaded
     "Phi3ForCausalLM": Family(windows="all", bias_keys=(), defaults={"sliding_window": None}),
@@ -88,7 +102,7 @@ def layer_windows(fam: Family, hf: dict[str, Any], num_layers: int) -> list[int 
     if types is None and fam.windows == "qwen":  # Qwen2/3: the layers from max_window_layers on slide
         start = hf.get("max_window_layers", 28)
         types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
-    if types is None:  # Gemma 3: five local layers, then a global one (sliding_window_pattern 6)
+    if types is None:  # Gemma 3: five local layers, then a global one (sliding_window_pattern 6; Gemma 2: 2)
         n = hf.get("sliding_window_pattern", 6)
         types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:

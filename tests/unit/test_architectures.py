@@ -1,9 +1,10 @@
-"""The families beside Llama and Qwen2 (Qwen3, Mistral, Gemma 3 text, Phi-3): config.json parsing per family
+"""The families beside Llama and Qwen2 (Qwen3, Mistral, Gemma 1/2/3, Phi-3): config.json parsing per family
 (windows per layer, rope per layer kind, refusals) and one forward of tdpipe's decoder against transformers on
 tiny random configs, prefill and decode, float32 (the same numbers, not merely close)."""
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
+                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
@@ -34,6 +35,9 @@ def hf_configs() -> dict:
                                              rope_scaling=dict(PHI3_ROPE), pad_token_id=0, eos_token_id=1,
                                              bos_token_id=2)),
         "gemma": (GemmaForCausalLM, GemmaConfig(**SIZES, head_dim=32)),
+        # caps low enough that these random weights' scores and logits bend under them
+        "gemma2": (Gemma2ForCausalLM, Gemma2Config(**SIZES, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
         # Llama's optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
         "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True)),
     }
@@ -93,7 +97,7 @@ def run_steps(model: TdLlama, prompts: list[list[int]], decode: list[list[int]])
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "llama_bias"])
 def test_logits_match_transformers(family):
     """Two prompts longer than the windows (Mistral 20, Gemma 3's local layers 8), prefilled together, then
     three decode steps through the paged cache: every step's logits equal transformers' on the whole text."""
@@ -232,9 +236,9 @@ def test_phi3_longrope_and_partial_rotary():
 def test_refusals_name_the_problem():
     base = {"architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
-    with pytest.raises(ValueError, match="attn_logit_softcapping 50.0 is not supported"):
-        ModelConfig.from_hf({**base, "attn_logit_softcapping": 50.0})
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: Gemma3ForCausalLM, .*"
+    with pytest.raises(ValueError, match="attn_logit_softcapping must be a positive number or null, got -1.0"):
+        ModelConfig.from_hf({**base, "attn_logit_softcapping": -1.0})
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: Gemma2ForCausalLM, Gemma3ForCausalLM, .*"
                                          "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         ModelConfig.from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
@@ -246,7 +250,7 @@ def test_refusals_name_the_problem():
 
 # ----------------------------------------------------------------------------------- loading
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "llama_bias"])
 def test_random_checkpoints_have_transformers_names_and_shapes(family):
     """random:NAME folders (model/random_model.py) hold exactly the tensors transformers' model of that
     config has, so both load them."""
@@ -261,7 +265,8 @@ def test_random_checkpoints_have_transformers_names_and_shapes(family):
 @pytest.mark.parametrize("cls, cfg_cls, extra", [
     (LlamaForCausalLM, LlamaConfig, {}), (Qwen2ForCausalLM, Qwen2Config, {}), (Qwen3ForCausalLM, Qwen3Config, {}),
     (MistralForCausalLM, MistralConfig, {}), (Phi3ForCausalLM, Phi3Config, {"pad_token_id": 0}),
-    (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16}), (GemmaForCausalLM, GemmaConfig, {"head_dim": 16})])
+    (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16}), (GemmaForCausalLM, GemmaConfig, {"head_dim": 16}),
+    (Gemma2ForCausalLM, Gemma2Config, {"head_dim": 16})])
 @pytest.mark.parametrize("attention_bias, mlp_bias", [(True, True), (False, False), (True, False)])
 def test_biases_follow_transformers_per_family(cls, cfg_cls, extra, attention_bias, mlp_bias):
     """Which linears carry a bias, for each family and each setting of the attention_bias / mlp_bias keys
@@ -368,7 +373,7 @@ def test_multimodal_gemma3_folder_runs_its_text_decoder(tmp_path):
     torch.testing.assert_close(run_steps(ours, [ids], [])[0][0], ref, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])  # Mistral's bf16 path is Llama's
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])  # Mistral's bf16 path is Llama's
 def test_bf16_error_like_transformers_own(family):
     """bf16 (the fused CPU kernels where the family uses them, torch ops for Gemma's norms and GeGLU): tdpipe's
     distance to the float32 logits stays near transformers' own bf16 distance."""

@@ -292,3 +292,36 @@ def test_kernel_cache_key_follows_the_source(tmp_path):
     src.write_text("int f(int window = 0) { return window; }\n")
     assert jit.cpu_tag(src, jit.CFLAGS) != before
     assert jit.cpu_tag(src, jit.CFLAGS + ["-DX"]) != jit.cpu_tag(src, jit.CFLAGS)
+
+
+# soft-capped scores (Gemma 2's attn_logit_softcapping): c * tanh(s / c) before the mask and softmax. Queries
+# and keys scaled up so that scores reach the cap (plain N(0, 1) data would barely bend under c = 50).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("softcap", [3.0, 50.0])
+@pytest.mark.parametrize("scalar", [True, False])
+def test_softcap_kernel_reference_and_prefill_match_the_dense_truth(kernel, monkeypatch, dtype, window, softcap,
+                                                                    scalar):
+    monkeypatch.setattr(pa, "scalar_kernel", lambda kern: scalar)  # the scalar build's split keeps the cap
+    lens, nqs = WINDOW_BATCH
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 8, 2, 3, 64, lens, nqs, seed=int(softcap) + window)
+    q = (q.float() * 6).to(dtype)
+    truth = dense_causal(q, ks, vs, cu, lens, 0.5, window, softcap)
+    uncapped = dense_causal(q, ks, vs, cu, lens, 0.5, window)
+    assert (truth - uncapped).abs().max() > 0.05  # the cap bends these scores
+    for out in (pa.paged_attention(q, kc, vc, bt, cu, lens, 0.5, sliding_window=window, softcap=softcap),
+                pa.paged_attention_ref(q, kc, vc, bt, cu, lens, 0.5, sliding_window=window, softcap=softcap)):
+        torch.testing.assert_close(out.double(), truth, **TOL[dtype])
+    fresh = [5, 17, 30]
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 8, 2, 3, 64, fresh, fresh, seed=3)
+    q = (q.float() * 6).to(dtype)
+    truth = dense_causal(q, ks, vs, cu, fresh, 0.5, window, softcap)
+    out = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.5, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), truth, **TOL[dtype])
+
+
+def test_softcap_is_refused_by_the_triton_path(monkeypatch):
+    monkeypatch.setattr(pa, "use_triton", lambda t: True)
+    q, kc, vc, bt, cu, ks, vs = make_batch(torch.float32, 8, 1, 1, 16, [4], [1])
+    with pytest.raises(ValueError, match="soft-capping"):
+        pa.paged_attention(q, kc, vc, bt, cu, [4], 0.25, softcap=30.0)

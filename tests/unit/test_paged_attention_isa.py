@@ -37,9 +37,9 @@ def lower(kernel):
     return mod
 
 
-def _run(kern, q, kc, vc, bt, cu, lens, scale, window=0):
+def _run(kern, q, kc, vc, bt, cu, lens, scale, window=0, softcap=0.0):
     return kern.paged_attention(q, kc, vc, bt, torch.tensor(cu, dtype=torch.int32),
-                                torch.tensor(lens, dtype=torch.int32), scale, window)
+                                torch.tensor(lens, dtype=torch.int32), scale, window, softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,3 +82,21 @@ def test_lower_isa_stores_the_reference_int8_rows(lower, dtype):
     lower.store_kv(k, v, caches[0], caches[1], slots)
     pa.store_kv_ref(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_lower_isa_softcap(lower, kernel, dtype, window, int8):
+    """Soft-capped scores (Gemma 2) in both builds, on float and int8 caches: queries scaled up so the cap
+    of 3 bends the scores."""
+    lens, nqs = [200, 150, 90, 7, 3, 64], [1, 20, 40, 7, 1, 1]
+    make = (lambda: make_int8_batch(dtype, 16, 2, 2, 64, lens, nqs, seed=11)) if int8 else \
+        (lambda: make_batch(dtype, 16, 2, 2, 64, lens, nqs, seed=11))
+    q, kc, vc, bt, cu, ks, vs = make()
+    q = (q.float() * 6).to(dtype)
+    truth = dense_causal(q, ks, vs, cu, lens, 0.5, window, 3.0)
+    assert (truth - dense_causal(q, ks, vs, cu, lens, 0.5, window)).abs().max() > 0.05
+    for kern in (lower, kernel):
+        torch.testing.assert_close(_run(kern, q, kc, vc, bt, cu, lens, 0.5, window, 3.0).double(), truth,
+                                   **TOL[dtype])

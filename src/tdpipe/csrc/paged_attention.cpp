@@ -17,6 +17,8 @@
 // looked up in the block table (the cache manager frees them; their entries may hold stale ids); rows
 // of a prefill item whose windows start later mask the keys before theirs.
 //
+// Soft-capping c (0: none; Gemma 2): each score s becomes c * tanh(s / c) before the mask and softmax.
+//
 // Vector layout trick: a "chunk" is 32 head_dim elements held in two 16-lane fp32 vectors. For bf16 the
 // two vectors are the even and the odd elements (one AND + one shift per 64-byte load, no shuffles),
 // so q and the output accumulator are kept in that same permuted order and un-permuted at the end.
@@ -29,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <vector>
@@ -87,6 +90,7 @@ inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 inline float vhadd(vf a) { return _mm512_reduce_add_ps(a); }
 inline __mmask16 mask16(int n) {
@@ -172,6 +176,7 @@ inline vf vmul(vf x, vf y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b,
 inline vf vadd(vf x, vf y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline vf vsub(vf x, vf y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
 inline vf vmax(vf x, vf y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+inline vf vdiv(vf x, vf y) { return {_mm256_div_ps(x.a, y.a), _mm256_div_ps(x.b, y.b)}; }
 inline float hmax8(__m256 x) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -283,6 +288,7 @@ TDPIPE_VBIN(vmul, a.x[i] * b.x[i])
 TDPIPE_VBIN(vadd, a.x[i] + b.x[i])
 TDPIPE_VBIN(vsub, a.x[i] - b.x[i])
 TDPIPE_VBIN(vmax, std::max(a.x[i], b.x[i]))
+TDPIPE_VBIN(vdiv, a.x[i] / b.x[i])
 #undef TDPIPE_VBIN
 inline vf vfma(vf a, vf b, vf c) {
   vf r;
@@ -606,7 +612,30 @@ struct Args {
   char* out;         // contiguous [T, Hq, D] of dtype qdt
   float qscale;      // softmax scale * log2(e)
   int window;        // sliding window W (query p sees keys p-W+1 .. p); 0: none
+  float cap2;        // soft-cap c * log2(e) on the base-2 scores (Gemma 2's attn_logit_softcapping); 0: none
 };
+
+// Soft-capping (Gemma 2): a score s becomes c * tanh(s / c) before the softmax. The scores here are
+// already base 2 (times log2(e)), so the cap is C = c * log2(e) on them. With u = s / C and
+// e = exp(-2|u|) (vexp2 takes arguments <= 0): tanh(u) = u * (1 - e) / ((1 + e) |u|), so C tanh(u) =
+// s * (1 - e) / ((1 + e) (|u| + tiny)), which is 0 at s = 0. Masked lanes (-inf) are clamped for the
+// arithmetic and added back as (s - clamped): -inf stays -inf, finite lanes add 0.
+inline void softcap_rows(float* sc, int R, int ntp, float cap2) {
+  const vf inv = vset1(1.0f / cap2), m2log2e = vset1(-2.0f * kLog2e), one = vset1(1.0f);
+  const vf floor = vset1(-1e30f), tiny = vset1(1e-30f);
+  for (int r = 0; r < R; ++r) {
+    float* sr = sc + r * kTokTile;
+    for (int g = 0; g < ntp; g += kLanes) {
+      const vf s = vload(sr + g);
+      const vf x = vmax(s, floor);
+      const vf u = vmul(x, inv);
+      const vf au = vmax(u, vsub(vzero(), u));
+      const vf e = vexp2(vmul(au, m2log2e));
+      const vf t = vdiv(vsub(one, e), vmul(vadd(one, e), vadd(au, tiny)));
+      vstore(sr + g, vadd(vmul(x, t), vsub(s, x)));
+    }
+  }
+}
 
 template <typename Q>
 inline void load_q_row(const Q* src, int D, float scale, float* dst, int (*pos)(int)) {
@@ -788,6 +817,8 @@ void run_item(const Args<T>& a, const Item& it, const Item* next, bool first, Sc
       kQkFns[NC - 1](w.qs, Dp, R, w.ks, nt, w.lo, w.lim, t0, w.sc, pf);
     }
 
+    if (a.cap2 > 0.f) softcap_rows(w.sc, R, ntp, a.cap2);
+
     // Online softmax (base 2; the scale and log2(e) are folded into the scores). The running sum is
     // kept as 16 lanes per row (no horizontal add per tile) and the rescale factor is only computed
     // when the running max actually moves.
@@ -846,8 +877,9 @@ void check_cache(const at::Tensor& kc, const at::Tensor& vc) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                           const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+                           const at::Tensor& seq_lens, double scale, int64_t sliding_window, double softcap) {
   check_cache(k_cache, v_cache);
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window must be >= 0 (0: none)");
   const int window = int(sliding_window);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3, "q must be a CPU tensor [T, Hq, D]");
@@ -929,6 +961,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     a.out = static_cast<char*>(out.data_ptr());
     a.qscale = float(scale) * kLog2e;
     a.window = window;
+    a.cap2 = float(softcap) * kLog2e;
     const int64_t n = int64_t(items.size());
     // bf16 q: vdpbf16ps on the keys as stored (bf16) or converted to bf16 per tile (int8, exact)
     const bool dot = kHaveDot && !std::is_same_v<T, float> && a.qdt == at::kBFloat16;
@@ -1117,7 +1150,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention over a paged KV cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("cu_seqlens_q"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("store_kv", &store_kv, "Scatter K/V rows into the paged cache", py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::call_guard<py::gil_scoped_release>());

@@ -57,6 +57,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_softcap or 0.0  # Gemma 2's attn_logit_softcapping
         self.window = window
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps)
@@ -78,10 +79,10 @@ class Attention(nn.Module):
         pa.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         w = self.window
         if meta.fresh and not pa.kernel_prefill(q, k_cache):
-            o = pa.prefill_attention(q, k, v, meta.cu_seqlens_list, self.scale, w)
+            o = pa.prefill_attention(q, k, v, meta.cu_seqlens_list, self.scale, w, self.softcap)
         else:
             o = pa.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-                                   self.scale, w)
+                                   self.scale, w, self.softcap)
         return self.tp.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
 
 

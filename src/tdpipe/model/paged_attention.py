@@ -140,10 +140,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
                         cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float,
                         seqs: Sequence[int] | None = None, out: torch.Tensor | None = None,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Reference: per sequence, gather its blocks, dense fp32 attention with a causal mask. Any device.
     `seqs`: only these sequences (their rows of `out`, which it then fills in place). `sliding_window` W:
-    query position p sees keys p-W+1 .. p only; blocks wholly before the first query's window are skipped."""
+    query position p sees keys p-W+1 .. p only; blocks wholly before the first query's window are skipped.
+    `softcap` c > 0: scores become c * tanh(scores / c) before the mask (Gemma 2)."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -166,6 +167,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 for c in (k_cache, v_cache))
         qs = q[q0:q1].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(seq_len - n, seq_len, device=q.device)
         kpos = torch.arange(b0 * bs, seq_len, device=q.device)
         mask = kpos[None, :] > qpos[:, None]  # [n, L]
@@ -184,6 +187,12 @@ def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return cache_rows.float()
 
 
+def _no_softcap_triton(softcap: float) -> None:
+    if softcap:
+        raise ValueError("attention logit soft-capping (Gemma 2's attn_logit_softcapping) runs through the CPU "
+                         "kernel only; the Triton kernels do not take it")
+
+
 def _no_int8_triton(cache: torch.Tensor) -> None:
     if kv_quant.is_int8(cache):
         raise ValueError("an int8 KV cache (kv_cache_dtype 'int8') runs through the CPU kernel only; the Triton "
@@ -200,22 +209,24 @@ def _attention_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> ModuleType | No
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
                     cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over cached K/V; returns [T, Hq, D] in q's dtype.
 
     block_tables int32 [S, max_blocks], cu_seqlens_q int32 [S+1], seq_lens int32 [S] (lists accepted).
     `sliding_window` W (None / 0: none): each query sees its last W keys, itself included; blocks wholly
-    before a sequence's first query's window are not read (module docstring).
+    before a sequence's first query's window are not read (module docstring). `softcap` c > 0: scores
+    become c * tanh(scores / c) before the mask (Gemma 2's attn_logit_softcapping).
     """
     if use_triton(q):
         _no_int8_triton(k_cache)
+        _no_softcap_triton(softcap)
         return _triton().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                          sliding_window=sliding_window)
     window = int(sliding_window or 0)
     kern = _attention_kernel(q, k_cache)
     if kern is None:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                   sliding_window=window)
+                                   sliding_window=window, softcap=softcap)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if not isinstance(block_tables, torch.Tensor):
@@ -225,10 +236,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         chunks = [s for s in range(len(cu) - 1) if cu[s + 1] - cu[s] > 1]
         if chunks:
             return _split_by_query_len(kern, q, k_cache, v_cache, block_tables, cu, seq_lens, scale, chunks,
-                                       window)
+                                       window, softcap)
     return kern.paged_attention(q, k_cache, v_cache, _int_tensor(block_tables, torch.int32),
                                 _int_tensor(cu_seqlens_q, torch.int32), _int_tensor(seq_lens, torch.int32),
-                                float(scale), window)
+                                float(scale), window, float(softcap))
 
 
 @functools.cache
@@ -244,7 +255,7 @@ def scalar_kernel(kern: ModuleType) -> bool:
 
 def _split_by_query_len(kern: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu: list[int], seq_lens: IntSeq, scale: float,
-                        chunks: list[int], window: int = 0) -> torch.Tensor:
+                        chunks: list[int], window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Decode rows (one query each) through the kernel, prefill chunks through the torch path."""
     out = torch.empty_like(q)
     lens = _as_list(seq_lens)
@@ -256,9 +267,9 @@ def _split_by_query_len(kern: ModuleType, q: torch.Tensor, k_cache: torch.Tensor
                                          block_tables[idx].to(torch.int32).contiguous(),
                                          torch.arange(len(decode) + 1, dtype=torch.int32),
                                          torch.tensor([lens[s] for s in decode], dtype=torch.int32),
-                                         float(scale), window)
+                                         float(scale), window, float(softcap))
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu, lens, scale, seqs=chunks, out=out,
-                               sliding_window=window)
+                               sliding_window=window, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -284,12 +295,14 @@ def kernel_prefill(q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int |
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: IntSeq,
-                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                      scale: float, sliding_window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal self-attention of fresh sequences packed varlen-style (q [T, Hq, D], k/v [T, Hkv, D]).
 
     Uses SDPA; sequences of equal length are batched into one call. `sliding_window` W (None / 0: none):
     query i sees keys i-W+1 .. i. A sequence of at least W tokens gets an explicit banded causal mask, as
     transformers' SDPA path builds it (shorter ones keep `is_causal`, where the band changes nothing).
+    `softcap` c > 0 (Gemma 2): SDPA cannot cap its scores, so the scores are computed as transformers' eager
+    attention computes them, c * tanh(scores / c), then the mask and a float32 softmax.
     """
     cu = _as_list(cu_seqlens)
     t, hq, d = q.shape
@@ -307,13 +320,32 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             first = torch.tensor(starts, device=q.device)[:, None]
             rows = (first + torch.arange(n, device=q.device)).reshape(-1)
             qs, ks, vs = (x[rows].view(len(starts), n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
-        if sliding_window and n >= sliding_window:
+        if softcap:
+            mask = _band_mask(n, sliding_window, q.device) if sliding_window else _band_mask(n, n, q.device)
+            o = _capped_attention(qs, ks, vs, mask, scale, softcap)
+        elif sliding_window and n >= sliding_window:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_band_mask(n, sliding_window, q.device),
                                                scale=scale, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out[rows] = o.transpose(1, 2).reshape(-1, hq, d)
     return out
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, op for op as transformers' eager Gemma 2 attention in float32:
+    q [B, Hq, n, D], k/v [B, Hkv, n, D], mask bool [n, n] (True: may see). bf16 inputs are computed in float32
+    too (scores near the cap, 50, keep 2-3 bits after the point in bf16), the output cast back."""
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    w = torch.matmul(q, k.transpose(-1, -2)) * scale
+    w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+    return torch.matmul(torch.softmax(w, dim=-1), v).to(dtype)
 
 
 def _band_mask(n: int, window: int, device: torch.device) -> torch.Tensor:

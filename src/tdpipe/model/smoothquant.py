@@ -73,9 +73,9 @@ def layer_names(model: nn.Module) -> LayerNames:
     cfg = model.config
     kind = cfg.model_type
     inter, kv = cfg.intermediate_size, cfg.num_key_value_heads * _head_dim(cfg)
-    if kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text"):
-        gemma = kind in ("gemma", "gemma3_text")
-        sandwich = kind == "gemma3_text"  # its post_attention_layernorm is on the attention's output
+    if kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"):
+        gemma = kind in ("gemma", "gemma2", "gemma3_text")
+        sandwich = kind in ("gemma2", "gemma3_text")  # their post_attention_layernorm is on the attention's output
         return LayerNames("input_layernorm", "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
                           ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                           ("mlp.gate_proj", "mlp.up_proj"), ("mlp.up_proj", 0), "mlp.down_proj", "self_attn.o_proj",
@@ -85,7 +85,7 @@ def layer_names(model: nn.Module) -> LayerNames:
         return LayerNames("input_layernorm", "post_attention_layernorm", ("self_attn.qkv_proj",),
                           ("mlp.gate_up_proj",), ("mlp.gate_up_proj", inter), "mlp.down_proj", "self_attn.o_proj",
                           ("self_attn.qkv_proj", q + kv), False)
-    raise ValueError(f"smoothquant: model type {kind!r} is not supported; supported: gemma, gemma3_text, "
+    raise ValueError(f"smoothquant: model type {kind!r} is not supported; supported: gemma, gemma2, gemma3_text, "
                      "llama, mistral, phi3, qwen2, qwen3")
 
 

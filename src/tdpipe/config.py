@@ -30,7 +30,7 @@ def int8_kv_row_width(head_dim: int) -> int:
 
 @dataclass
 class ModelConfig:
-    """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3
+    """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3
     (text) and Phi-3 (tdpipe/families.py)."""
 
     architecture: str
@@ -65,7 +65,7 @@ class ModelConfig:
     # what sets the other families apart from Llama (tdpipe/families.py fills them from config.json)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3, Gemma 3)
     norm: str = "rms"  # "rms": w * x (Llama); "gemma": x * (1 + w), multiplied in float32 (Gemma 3)
-    sandwich_norms: bool = False  # norms on the attention output and around the MLP (Gemma 3)
+    sandwich_norms: bool = False  # norms on the attention output and around the MLP (Gemma 2/3)
     hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh
     embed_scale: float | None = None  # embeddings times this, rounded to their dtype (Gemma: sqrt(hidden))
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)

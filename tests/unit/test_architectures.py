@@ -300,6 +300,9 @@ def test_shipped_configs_of_the_new_families():
     assert (g.hidden_size, g.num_layers, g.num_heads, g.num_kv_heads, g.head_dim, g.vocab_size) == \
         (640, 18, 4, 1, 256, 262144)
     assert g.layer_windows == ([512] * 5 + [None]) * 3 and abs(g.num_params() - 268e6) < 1e6
+    g2 = ModelConfig.from_hf(rm.published_config("gemma-2-2b"))  # 2.61B parameters, as published
+    assert g2.layer_windows == [4096, None] * 13 and (g2.attn_softcap, g2.final_logit_softcap) == (50.0, 30.0)
+    assert abs(g2.num_params() - 2.614e9) < 1e6 and g2.local_rope_theta is None
     q = ModelConfig.from_hf(rm.published_config("qwen3-0.6b"))
     assert q.qk_norm and q.head_dim == 128 and abs(q.num_params() - 596e6) < 1e6
 

@@ -6,10 +6,12 @@ and a chunked-prefill case. The 30-layer run cycles through 30 distinct layer ca
 so nothing stays in the last-level cache between calls. `--device cuda` times the Triton kernels
 (model/triton_attention.py; run on an H200); `--backend triton` runs them on CPU tensors through
 Triton's interpreter (correctness of the bench's own path only: use tiny shapes, the times mean nothing).
+`--softcap C` caps the scores as Gemma 2 does (C tanh(s / C)); `--json FILE` writes the figures too.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -68,7 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the Triton kernels")
     p.add_argument("--backend", choices=list(pa.BACKENDS), default="auto",
                    help="triton: the Triton kernels on CPU tensors too (interpreted: tiny shapes only)")
+    p.add_argument("--softcap", type=float, default=0.0,
+                   help="attention logit soft-cap C (Gemma 2's attn_logit_softcapping, 50): scores become "
+                        "C tanh(s / C); 0: none")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     args = p.parse_args(argv)
+    if args.softcap < 0:
+        p.error(f"--softcap must be >= 0, got {args.softcap}")
+    result: dict[str, object] = {"args": vars(args)}
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         t0 = time.perf_counter()
         kern = pa.load_kernel()
+        result["kernel"] = "torch" if kern is None else kern.kernel_info()
         print(f"kernel: {'unavailable (pure-torch path)' if kern is None else kern.kernel_info()}, "
               f"load/build {time.perf_counter() - t0:.1f} s")
 
@@ -108,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()} threads; K+V per layer {kv_bytes / 1e6:.1f} MB")
 
     def layer_call(layer: int) -> torch.Tensor:
-        return pa.paged_attention(q, cache[layer, 0], cache[layer, 1], bt, cu, lens, scale)
+        return pa.paged_attention(q, cache[layer, 0], cache[layer, 1], bt, cu, lens, scale, softcap=args.softcap)
 
     t1, b1 = _time(lambda: layer_call(0), args.iters, warmup=2)
     print(f"  1 layer (same cache):  {t1 * 1e3:7.2f} ms/layer  {kv_bytes / t1 / 1e9:6.1f} GB/s  "
@@ -121,17 +131,21 @@ def main(argv: list[str] | None = None) -> None:
     tn, bn = (x / nl for x in _time(all_layers, max(2, args.iters // 3)))
     print(f"  x{nl} layers:            {tn * 1e3:7.2f} ms/layer  {kv_bytes / tn / 1e9:6.1f} GB/s  "
           f"({tn * nl * 1e3:.1f} ms per step; best {bn * 1e3:.2f} ms/layer, {kv_bytes / bn / 1e9:.1f} GB/s)")
+    result["decode"] = {"one_layer_ms": t1 * 1e3, "one_layer_best_ms": b1 * 1e3, "per_layer_ms": tn * 1e3,
+                        "per_layer_best_ms": bn * 1e3, "kv_bytes_per_layer": kv_bytes,
+                        "gb_per_s": kv_bytes / tn / 1e9}
 
     if not args.no_ref:
         out = layer_call(0)
         _sync()
         tr0 = time.perf_counter()
-        ref = pa.paged_attention_ref(q, cache[0, 0], cache[0, 1], bt, cu, lens, scale)
+        ref = pa.paged_attention_ref(q, cache[0, 0], cache[0, 1], bt, cu, lens, scale, softcap=args.softcap)
         _sync()
         tr = time.perf_counter() - tr0
         err = (out.float() - ref.float()).abs().max().item()
         print(f"  reference:             {tr * 1e3:7.2f} ms/layer  {kv_bytes / tr / 1e9:6.1f} GB/s  "
               f"(kernel {tr / t1:.0f}x faster, max |diff| {err:.2e})")
+        result["reference"] = {"ms": tr * 1e3, "max_abs_diff": err}
 
     # store_kv: one decode step's new tokens, and a prefill-sized batch.
     for ntok in (b, min(8192, num_blocks * bs)):
@@ -158,14 +172,19 @@ def main(argv: list[str] | None = None) -> None:
         cuc = torch.arange(0, ns * chunk + 1, chunk, dtype=torch.int32, device=dev)
         lc = torch.full((ns,), ctx, dtype=torch.int32, device=dev)
         kc, vc, btc = cache[0, 0], cache[0, 1], bt[:ns]
-        tc, _ = _time(lambda: pa.paged_attention(qc, kc, vc, btc, cuc, lc, scale), args.iters)
+        tc, _ = _time(lambda: pa.paged_attention(qc, kc, vc, btc, cuc, lc, scale, softcap=args.softcap), args.iters)
         flops = 4 * d * hq * sum(ctx - chunk + j + 1 for j in range(chunk)) * ns
         msg = (f"chunked prefill: {ns} x {chunk} queries over {ctx} keys: {tc * 1e3:.2f} ms  "
                f"{flops / tc / 1e9:.1f} GFLOP/s")
+        result["chunked_prefill"] = {"ms": tc * 1e3, "gflop_per_s": flops / tc / 1e9}
         if not args.no_ref:
-            tcr, _ = _time(lambda: pa.paged_attention_ref(qc, kc, vc, btc, cuc, lc, scale), 2)
+            tcr, _ = _time(lambda: pa.paged_attention_ref(qc, kc, vc, btc, cuc, lc, scale, softcap=args.softcap), 2)
             msg += f"  (reference {tcr * 1e3:.2f} ms)"
         print(msg)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

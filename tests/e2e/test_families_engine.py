@@ -96,6 +96,17 @@ def test_greedy_parity_tp2_gemma2_capped_and_sliding(families):
     assert _run(folder, prompts, tensor_parallel_size=2) == ref
 
 
+def test_greedy_parity_gemma2_through_a_gguf_file(families, tmp_path):
+    """Gemma 2 written as llama.cpp's converter writes it (norms as 1 + w, the caps and the window in the
+    metadata), read back by tdpipe's GGUF loader: transformers' greedy tokens, at pp = 1 and 2."""
+    from tdpipe.model.gguf_export import write_gguf
+
+    folder, prompts, ref = families("gemma2")
+    path = str(write_gguf(folder, tmp_path / "gemma2.gguf", dtype="f32"))
+    assert _run(path, prompts) == ref
+    assert _run(path, prompts, pipeline_parallel_size=2) == ref
+
+
 def test_greedy_parity_tp2_phi3_fused_tensors(families):
     folder, prompts, ref = families("phi3")
     assert _run(folder, prompts, tensor_parallel_size=2) == ref

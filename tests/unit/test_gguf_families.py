@@ -1,4 +1,4 @@
-"""GGUF conversion per architecture (llama, Mistral-as-llama, qwen2, qwen3, phi3, gemma3).
+"""GGUF conversion per architecture (llama, Mistral-as-llama, qwen2, qwen3, phi3, gemma2, gemma3).
 
 Each test writes a tiny GGUF the way llama.cpp's converter does (its tensor names, its q/k row permutation
 for Llama, its 1 + w Gemma norms, Phi-3's fused tensors and LongRoPE factor tensors) from a random
@@ -175,6 +175,15 @@ def _cases() -> dict[str, _Case]:
                                            eos_token_id=2,
                                            architectures=["Phi3ForCausalLM"], **_common()),
                       "llama", longrope, chat_template=_PHI3_CHAT),
+        # what llama.cpp's converter writes for Gemma 2: the window and both caps; the layers alternate
+        "gemma2": _Case("gemma2", T.Gemma2Config(vocab_size=n_sp, head_dim=32, query_pre_attn_scalar=32,
+                                                 sliding_window=8, attn_logit_softcapping=50.0,
+                                                 final_logit_softcapping=30.0, architectures=["Gemma2ForCausalLM"],
+                                                 **_common()),
+                        "gemma",
+                        lambda w: (w.add_sliding_window(8), w.add_attn_logit_softcapping(50.0),
+                                   w.add_final_logit_softcapping(30.0)),
+                        names=_GEMMA_NAMES, norm_plus_one=True),
         "gemma3": _Case("gemma3", T.Gemma3TextConfig(vocab_size=n_sp, head_dim=32, query_pre_attn_scalar=32,
                                                      layer_types=["sliding_attention", "full_attention"],
                                                      sliding_window=8, architectures=["Gemma3ForCausalLM"],
@@ -300,6 +309,10 @@ def test_configs_carry_family_keys(written: dict) -> None:
     assert phi["rope_scaling"]["rope_type"] == "longrope"
     assert phi["rope_scaling"]["long_factor"] == [1.0 + i / 8 for i in range(4)]
     assert phi["partial_rotary_factor"] == 0.5 and "partial_rotary_factor" not in cfg["llama"]
+    g2 = cfg["gemma2"]
+    assert (g2["model_type"], g2["head_dim"], g2["sliding_window"], g2["query_pre_attn_scalar"]) == ("gemma2", 32, 8, 32)
+    assert (g2["attn_logit_softcapping"], g2["final_logit_softcapping"]) == (50.0, 30.0)
+    assert g2["layer_types"] == ["sliding_attention", "full_attention"] and "rope_local_base_freq" not in g2
     g = cfg["gemma3"]
     assert (g["model_type"], g["head_dim"], g["sliding_window"]) == ("gemma3_text", 32, 8)
     assert g["layer_types"] == ["sliding_attention", "full_attention"]
@@ -333,7 +346,7 @@ def test_gemma3_default_window_pattern(tmp_path: Path) -> None:
     assert cfg["layer_types"] == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen3", "phi3", "mistral"])
 def test_folder_tokenizer_and_chat_template(family: str, written: dict, tmp_path: Path) -> None:
     """The converted folder's tokenizer is transformers' GGUF tokenizer (same ids, BOS where the family adds
     one); a chat template in the file is kept, and a file without one (Gemma 3 270M base) converts fine and

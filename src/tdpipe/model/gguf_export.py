@@ -27,7 +27,7 @@ from tdpipe.model.gguf_families import FAMILIES, GLOBAL_NAMES, Family
 
 # HF architecture -> what llama.cpp writes in general.architecture (Mistral is written as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
 DTYPES = ("bf16", "f16", "f32")  # tensor types written (norms and 1-D tensors always F32, as llama.cpp does)
 
 
@@ -81,6 +81,28 @@ def _metadata(w: Any, cfg: dict[str, Any], family: Family, name: str) -> None:
     w.add_file_type(1)  # MOSTLY_F16 (informative only)
     if family.model_type in ("mistral", "phi3") and cfg.get("sliding_window"):
         w.add_sliding_window(int(cfg["sliding_window"]))
+    if family.model_type == "gemma2":
+        _gemma2_metadata(w, cfg, head_dim)
+
+
+def _gemma2_metadata(w: Any, cfg: dict[str, Any], head_dim: int) -> None:
+    """What llama.cpp's converter writes for Gemma 2 (the window and both caps), and attention.scale where
+    the config's query_pre_attn_scalar is not the one llama.cpp derives (hidden / heads at 46 layers, else
+    head_dim): llama.cpp itself would then scale differently, tdpipe's loader reads the key."""
+    types = cfg.get("layer_types")
+    if types is not None and types != ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]:
+        raise ValueError("config layer_types: GGUF export writes Gemma 2's own alternation only (the first "
+                         "layer sliding)")
+    w.add_sliding_window(int(cfg.get("sliding_window") or 4096))
+    for key, add in (("attn_logit_softcapping", w.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", w.add_final_logit_softcapping)):
+        if cfg.get(key):
+            add(float(cfg[key]))
+    qpas = cfg.get("query_pre_attn_scalar", 256)
+    derived = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else head_dim
+    if qpas != derived:
+        w.add_attention_scale(float(qpas) ** -0.5)
 
 
 def _tokenizer(w: Any, folder: Path, cfg: dict[str, Any]) -> None:
@@ -159,6 +181,8 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "bf16", name: s
     for f, key, g, t in plan:
         with safe_open(str(f), "pt") as st:
             x = st.get_tensor(key).float()
+        if family.norm_offset and key.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+            x = x + family.norm_offset
         if family.permute_qk and g.endswith((".attn_q.weight", ".attn_q.bias")):  # biases turn with their rows
             x = permute_rope_rows(x, heads)
         elif family.permute_qk and g.endswith((".attn_k.weight", ".attn_k.bias")):

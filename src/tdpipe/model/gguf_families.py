@@ -52,6 +52,9 @@ _DECODER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 2/3: a norm after attention and one on each side of the MLP
+_SANDWICH_NAMES = {**_DECODER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                   "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -161,16 +164,44 @@ def _gemma3_layer_types(meta: Meta, layers: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
 
 
-def _gemma3(meta: Meta) -> dict[str, Any]:
+def query_pre_attn_scalar(meta: Meta, layers_27b: int) -> int | float:
+    """Gemma 2/3's attention scale as llama.cpp derives it: the file's attention.scale (1/sqrt(scalar)) where
+    it states one, else hidden / heads for the 27B models (`layers_27b` layers: 46 in Gemma 2, 62 in Gemma 3)
+    and head_dim for the others."""
     layers, hidden = int(meta.key("block_count")), int(meta.key("embedding_length"))
-    heads = int(meta.key("attention.head_count"))
-    head_dim = int(meta.key("attention.key_length"))
     scale = meta.key("attention.scale", None)
-    if scale:  # llama.cpp's 1/sqrt(query_pre_attn_scalar)
+    if scale:
         qpas = float(np.float32(1.0) / (np.float32(scale) ** 2))
-        qpas = int(round(qpas)) if abs(qpas - round(qpas)) < 1e-3 else qpas
-    else:  # llama.cpp: the 27B (62 layers) scales by hidden / heads, the others by head_dim
-        qpas = hidden // heads if layers == 62 else head_dim
+        return int(round(qpas)) if abs(qpas - round(qpas)) < 1e-3 else qpas
+    return hidden // int(meta.key("attention.head_count")) if layers == layers_27b else \
+        int(meta.key("attention.key_length"))
+
+
+def _gemma2(meta: Meta) -> dict[str, Any]:
+    """llama.cpp's converter writes the caps and the window; the layers alternate, the first one sliding,
+    and rope turns with base 10 000 unless the file says otherwise (as llama.cpp reads it)."""
+    layers = int(meta.key("block_count"))
+    softcap = meta.key("final_logit_softcapping", None)
+    attn_softcap = meta.key("attn_logit_softcapping", None)
+    return {
+        "head_dim": int(meta.key("attention.key_length")),
+        "rope_theta": float(meta.key("rope.freq_base", 10_000.0)),
+        "sliding_window": int(meta.key("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "query_pre_attn_scalar": query_pre_attn_scalar(meta, 46),
+        "final_logit_softcapping": float(softcap) if softcap else None,
+        "attn_logit_softcapping": float(attn_softcap) if attn_softcap else None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "pad_token_id": _pad_id(meta),
+    }
+
+
+def _gemma3(meta: Meta) -> dict[str, Any]:
+    layers = int(meta.key("block_count"))
+    head_dim = int(meta.key("attention.key_length"))
+    qpas = query_pre_attn_scalar(meta, 62)
     softcap = meta.key("final_logit_softcapping", None)
     attn_softcap = meta.key("attn_logit_softcapping", None)
     window = meta.key("attention.sliding_window")
@@ -221,14 +252,8 @@ FAMILIES: dict[str, Family] = {
                     "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
                     "ffn_up": "mlp.gate_up_proj",  # gate and up fused, gate first: HF's layout
                     "ffn_down": "mlp.down_proj"}, _phi3, partial_rotary=True),
-    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text",
-                     {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-                      "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                      "attn_v": "self_attn.v_proj",
-                      "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                      "ffn_down": "mlp.down_proj"} | _QK_NORM_NAMES,
-                     _gemma3, norm_offset=1.0),
+    "gemma2": Family("Gemma2ForCausalLM", "gemma2", _SANDWICH_NAMES, _gemma2, norm_offset=1.0),
+    "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", _SANDWICH_NAMES | _QK_NORM_NAMES, _gemma3, norm_offset=1.0),
 }
 # The names llama.cpp writes in general.architecture (Mistral is written as llama).
 SUPPORTED_ARCHS = sorted(set(FAMILIES) - {"mistral"})

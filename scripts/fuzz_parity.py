@@ -1,8 +1,8 @@
 """Randomised parity sweep against transformers: tiny checkpoints of every family with odd shapes (head dims
 16-80, heads 1-9, GQA 1-3, intermediate sizes not a multiple of 32, 1-5 layers, tied or not, Llama's optional
-biases and llama3 rope, Gemma 2's soft-caps, Gemma 3's layer kinds, Phi-3's partial rotary), saved by
-transformers itself, run through tdpipe in float32 under a random layout and scheduler setting, compared token
-for token.
+biases and llama3 rope, Gemma 2's soft-caps, Gemma 3's layer kinds, Phi-3's partial rotary, Granite's
+multipliers), saved by transformers itself, run through tdpipe in float32 under a random layout and scheduler
+setting, compared token for token.
 
     .venv/bin/python scripts/fuzz_parity.py --seed 1 --count 16              # greedy, pp 1-3, tp 1-2
     .venv/bin/python scripts/fuzz_parity.py --mode quant --seed 3 --count 20 # W8A8 / int8 KV / bf16
@@ -34,7 +34,7 @@ from tdpipe import LLM, SamplingParams
 from tdpipe.bench.parity import hf_greedy
 from tdpipe.model.random_model import write_tokenizer
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite")
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "tie_word_embeddings", "sliding_window", "layer_types",
               "attn_logit_softcapping", "final_logit_softcapping")  # printed with each result
@@ -67,10 +67,14 @@ def draw_config(rng: random.Random, families: tuple[str, ...]) -> tuple[str, typ
         kw.update(query_pre_attn_scalar=rng.choice([hd, 24]), sliding_window=rng.choice([8, 16]),
                   layer_types=[rng.choice(["sliding_attention", "full_attention"])
                                for _ in range(kw["num_hidden_layers"])])
+    elif fam == "granite":
+        kw.update(embedding_multiplier=rng.choice([1.0, 3.0, 12.0]), attention_multiplier=rng.choice([0.05, 0.2]),
+                  residual_multiplier=rng.choice([0.22, 1.0]), logits_scaling=rng.choice([1.0, 8.0]),
+                  attention_bias=rng.choice([True, False]), mlp_bias=rng.choice([True, False]))
     elif fam == "phi3":
         kw["partial_rotary_factor"] = rng.choice([1.0, 0.5])
     names = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma": "Gemma",
-             "gemma2": "Gemma2", "gemma3": "Gemma3", "phi3": "Phi3"}
+             "gemma2": "Gemma2", "gemma3": "Gemma3", "phi3": "Phi3", "granite": "Granite"}
     cfg_cls = getattr(hf, "Gemma3TextConfig" if fam == "gemma3" else f"{names[fam]}Config")
     return fam, getattr(hf, f"{names[fam]}ForCausalLM"), cfg_cls, kw
 

@@ -31,7 +31,7 @@ def int8_kv_row_width(head_dim: int) -> int:
 @dataclass
 class ModelConfig:
     """The decoder's shape, read from a Hugging Face config.json: Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3
-    (text) and Phi-3 (tdpipe/families.py)."""
+    (text), Phi-3 and Granite (tdpipe/families.py)."""
 
     architecture: str
     vocab_size: int
@@ -71,6 +71,8 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c) when set
     attn_softcap: float | None = None  # attention scores = c * tanh(scores / c) before the mask (Gemma 2)
+    residual_scale: float = 1.0  # each attention and MLP output times this before it joins the residual (Granite)
+    logits_scale: float = 1.0  # the logits divided by this (Granite's logits_scaling)
     local_rope_theta: float | None = None  # rope base of the windowed layers; None: rope_theta (Gemma 3: 10k)
     partial_rotary_factor: float = 1.0  # rope on the first head_dim * factor dims only (Phi-3/4)
 
@@ -94,6 +96,12 @@ class ModelConfig:
         hidden, layers = hf["hidden_size"], hf["num_hidden_layers"]
         local_theta = families.rope_settings(hf, local=True)[0] if fam.local_rope else None
         scalar = hf.get("query_pre_attn_scalar")
+        mult = {k: float(hf.get(k, 1.0)) for k in ("embedding_multiplier", "attention_multiplier",
+                                                   "residual_multiplier", "logits_scaling")} \
+            if fam.multipliers else {}
+        _check(all(v > 0 for v in mult.values()), f"{arch}: multipliers must be positive, got {mult}")
+        embed_scale = hidden ** 0.5 if fam.embed_scale else mult.get("embedding_multiplier")
+        attn_scale = None if scalar is None else float(scalar) ** -0.5
         qkv_bias, o_bias, mlp_bias = families.biases(fam, hf)
         return cls(
             architecture=arch,
@@ -119,8 +127,10 @@ class ModelConfig:
             norm=fam.norm,
             sandwich_norms=fam.sandwich_norms,
             hidden_act=act,
-            embed_scale=hidden ** 0.5 if fam.embed_scale else None,
-            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            embed_scale=None if embed_scale == 1.0 else embed_scale,
+            attn_scale=mult.get("attention_multiplier", attn_scale),
+            residual_scale=mult.get("residual_multiplier", 1.0),
+            logits_scale=mult.get("logits_scaling", 1.0),
             final_logit_softcap=hf.get("final_logit_softcapping"),
             attn_softcap=None if attn_softcap is None else float(attn_softcap),
             local_rope_theta=local_theta,

@@ -25,6 +25,9 @@ class Family:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     windows: str = "none"  # which layers slide: none | all (Mistral, Phi-3) | qwen | gemma
     local_rope: bool = False  # the sliding layers turn with a base of their own (Gemma 3's rope_local_base_freq)
+    # Granite's four scalars: embedding_multiplier, attention_multiplier (the softmax scale),
+    # residual_multiplier (on each attention and MLP output) and logits_scaling (the logits divided by it)
+    multipliers: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)  # transformers' defaults for absent keys
     # activation names the family's transformers config rewrites (Gemma: the legacy "gelu" means the tanh one)
     act_aliases: dict[str, str] = field(default_factory=dict)
@@ -65,6 +68,7 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3,  # its text_config; the vision tower is not loaded
     "Phi3ForCausalLM": Family(windows="all", bias_keys=(), defaults={"sliding_window": None}),
+    "GraniteForCausalLM": Family(bias_keys=("attention_bias", "mlp_bias"), multipliers=True),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation (model/cpu_ops.py)
 ROPE_TYPES = ("llama3", "linear", "longrope")  # besides plain rope (model/layers.py: rope_inv_freq)

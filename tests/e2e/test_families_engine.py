@@ -2,14 +2,15 @@
 random tiny checkpoints saved by transformers itself (its names, its config.json), float32, at pp = 1 for
 each family and pp = 2 for each, tp = 2 for Phi-3 (fused q/k/v and gate/up tensors cut per rank).
 Llama with attention_bias and mlp_bias at pp = 1, 2, tp = 2 (row-parallel biases added once) and W8A8.
-Gemma 2 with its soft-capped attention scores and logits, at pp = 1, 2 and tp = 2.
+Gemma 2 with its soft-capped attention scores and logits, at pp = 1, 2 and tp = 2; Granite's multipliers.
 Prompts run past the sliding windows (Mistral 20 tokens, Gemma 2/3's local layers 8), the case a window that is
 read but not applied gets wrong; Gemma 3 has the 262,144-token vocabulary of the published models."""
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from conftest import hf_greedy, prompt_lps
 from tdpipe import LLM, SamplingParams
@@ -38,6 +39,10 @@ def _configs() -> dict:
         "gemma2": (Gemma2ForCausalLM, Gemma2Config(**SIZES, vocab_size=300, head_dim=32, query_pre_attn_scalar=24,
                                                    sliding_window=8, attn_logit_softcapping=2.0,
                                                    final_logit_softcapping=3.0)),
+        # Granite's multipliers on the embeddings, the attention scale, each residual branch and the logits
+        "granite": (GraniteForCausalLM, GraniteConfig(**SIZES, vocab_size=300, embedding_multiplier=3.0,
+                                                      attention_multiplier=0.2, residual_multiplier=0.3,
+                                                      logits_scaling=4.0)),
         # one KV head (as Gemma 3 270M): at tp = 2 each rank holds a copy of it and half its query heads
         "llama_kv1": (LlamaForCausalLM, LlamaConfig(**{**SIZES, "num_key_value_heads": 1}, vocab_size=300)),
         # Llama with its optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
@@ -77,14 +82,14 @@ def _run(folder: str, prompts: list[list[int]], **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite"])
 def test_greedy_parity_pp1(families, name):
     folder, prompts, ref = families(name)
     assert max(len(p) for p in prompts) + N_OUT > 2 * MISTRAL_WINDOW  # well past every window
     assert _run(folder, prompts) == ref
 
 
-@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite"])
 def test_greedy_parity_pp2(families, name):
     folder, prompts, ref = families(name)
     assert _run(folder, prompts, pipeline_parallel_size=2, layer_partition=[2, 2], lm_head_split=0.0) == ref

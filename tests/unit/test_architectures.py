@@ -1,12 +1,12 @@
-"""The families beside Llama and Qwen2 (Qwen3, Mistral, Gemma 1/2/3, Phi-3): config.json parsing per family
-(windows per layer, rope per layer kind, refusals) and one forward of tdpipe's decoder against transformers on
-tiny random configs, prefill and decode, float32 (the same numbers, not merely close)."""
+"""The families beside Llama and Qwen2 (Qwen3, Mistral, Gemma 1/2/3, Phi-3, Granite): config.json parsing per
+family (windows per layer, rope per layer kind, refusals) and one forward of tdpipe's decoder against
+transformers on tiny random configs, prefill and decode, float32 (the same numbers, not merely close)."""
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from tdpipe.config import ModelConfig
 from tdpipe.model import random_model as rm
@@ -40,6 +40,9 @@ def hf_configs() -> dict:
                                                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
         # Llama's optional biases: q/k/v/o (attention_bias) and gate/up/down (mlp_bias)
         "llama_bias": (LlamaForCausalLM, LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True)),
+        # Granite's four multipliers, none of them 1
+        "granite": (GraniteForCausalLM, GraniteConfig(**SIZES, embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                      residual_multiplier=0.3, logits_scaling=4.0)),
     }
 
 
@@ -97,7 +100,7 @@ def run_steps(model: TdLlama, prompts: list[list[int]], decode: list[list[int]])
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "llama_bias", "granite"])
 def test_logits_match_transformers(family):
     """Two prompts longer than the windows (Mistral 20, Gemma 3's local layers 8), prefilled together, then
     three decode steps through the paged cache: every step's logits equal transformers' on the whole text."""
@@ -250,7 +253,7 @@ def test_refusals_name_the_problem():
 
 # ----------------------------------------------------------------------------------- loading
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "llama_bias", "granite"])
 def test_random_checkpoints_have_transformers_names_and_shapes(family):
     """random:NAME folders (model/random_model.py) hold exactly the tensors transformers' model of that
     config has, so both load them."""
@@ -266,7 +269,7 @@ def test_random_checkpoints_have_transformers_names_and_shapes(family):
     (LlamaForCausalLM, LlamaConfig, {}), (Qwen2ForCausalLM, Qwen2Config, {}), (Qwen3ForCausalLM, Qwen3Config, {}),
     (MistralForCausalLM, MistralConfig, {}), (Phi3ForCausalLM, Phi3Config, {"pad_token_id": 0}),
     (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16}), (GemmaForCausalLM, GemmaConfig, {"head_dim": 16}),
-    (Gemma2ForCausalLM, Gemma2Config, {"head_dim": 16})])
+    (Gemma2ForCausalLM, Gemma2Config, {"head_dim": 16}), (GraniteForCausalLM, GraniteConfig, {})])
 @pytest.mark.parametrize("attention_bias, mlp_bias", [(True, True), (False, False), (True, False)])
 def test_biases_follow_transformers_per_family(cls, cfg_cls, extra, attention_bias, mlp_bias):
     """Which linears carry a bias, for each family and each setting of the attention_bias / mlp_bias keys
@@ -376,7 +379,7 @@ def test_multimodal_gemma3_folder_runs_its_text_decoder(tmp_path):
     torch.testing.assert_close(run_steps(ours, [ids], [])[0][0], ref, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])  # Mistral's bf16 path is Llama's
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3", "granite"])  # Mistral's bf16 is Llama's
 def test_bf16_error_like_transformers_own(family):
     """bf16 (the fused CPU kernels where the family uses them, torch ops for Gemma's norms and GeGLU): tdpipe's
     distance to the float32 logits stays near transformers' own bf16 distance."""

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
-                          GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          GemmaForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from tdpipe.model import smoothquant as sq
 
@@ -23,6 +23,8 @@ def tiny(family: str):
                                                        sliding_window=8)),
         "phi3": (Phi3ForCausalLM, Phi3Config(**SIZES, pad_token_id=0, eos_token_id=1, bos_token_id=2)),
         "gemma": (GemmaForCausalLM, GemmaConfig(**SIZES, head_dim=16)),
+        "granite": (GraniteForCausalLM, GraniteConfig(**SIZES, embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                      residual_multiplier=0.3, logits_scaling=4.0)),
         "gemma2": (Gemma2ForCausalLM, Gemma2Config(**SIZES, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                                                    attn_logit_softcapping=5.0, final_logit_softcapping=10.0)),
         # biases on every linear: v's and up's are divided with their rows, the others stay
@@ -44,7 +46,7 @@ def windows() -> list[list[int]]:
     return [torch.randint(3, 300, (40,), generator=g).tolist() for _ in range(3)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "gemma2", "gemma3", "phi3", "llama_bias", "granite"])
 def test_smoothing_keeps_the_function_and_divides_the_inputs(family):
     model = tiny(family)
     ids = torch.tensor([windows()[0]])

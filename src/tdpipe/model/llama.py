@@ -133,6 +133,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp, window)
         self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
+        self.residual_scale = cfg.residual_scale  # Granite's residual_multiplier; 1 elsewhere
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -140,8 +141,11 @@ class DecoderLayer(nn.Module):
         """Returns (this layer's MLP output, the residual stream before it); their sum is the layer output."""
         h, residual = self._input_norm(x, residual)
         h = self.self_attn(h, rotary, meta, k_cache, v_cache)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
         h = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h * self.residual_scale if self.residual_scale != 1.0 else h), residual
 
     def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_layernorm of the layer input, the residual stream): the first layer starts the stream with
@@ -224,7 +228,10 @@ class LlamaForCausalLM(nn.Module):
             scale = self._embed_scales[dtype] = float(torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(dtype))
         return scale
 
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+    def _finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's logits_scaling, then Gemma 2's final soft-cap, where the family has them."""
+        if self.cfg.logits_scale != 1.0:
+            logits = logits / self.cfg.logits_scale
         c = self.cfg.final_logit_softcap
         return logits if c is None else torch.tanh(logits / c) * c
 
@@ -252,8 +259,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head, only on the rows that are sampled: this rank's vocabulary range [S, V_rank]
         (all of it with T = 1)."""
-        logits = self.lm_head(self.norm(hidden))
-        return logits if self.cfg.final_logit_softcap is None else self._softcap(logits)
+        return self._finish_logits(self.lm_head(self.norm(hidden)))
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -262,8 +268,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """This slice's part of the lm_head on already normalised rows (the head split across stages)."""
-        logits = self.lm_head(normed)
-        return logits if self.cfg.final_logit_softcap is None else self._softcap(logits)
+        return self._finish_logits(self.lm_head(normed))
 
     @torch.inference_mode()
     def greedy_ids(self, local_logits: torch.Tensor) -> torch.Tensor:

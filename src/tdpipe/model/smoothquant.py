@@ -73,7 +73,7 @@ def layer_names(model: nn.Module) -> LayerNames:
     cfg = model.config
     kind = cfg.model_type
     inter, kv = cfg.intermediate_size, cfg.num_key_value_heads * _head_dim(cfg)
-    if kind in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"):
+    if kind in ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text"):
         gemma = kind in ("gemma", "gemma2", "gemma3_text")
         sandwich = kind in ("gemma2", "gemma3_text")  # their post_attention_layernorm is on the attention's output
         return LayerNames("input_layernorm", "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm",
@@ -86,7 +86,7 @@ def layer_names(model: nn.Module) -> LayerNames:
                           ("mlp.gate_up_proj",), ("mlp.gate_up_proj", inter), "mlp.down_proj", "self_attn.o_proj",
                           ("self_attn.qkv_proj", q + kv), False)
     raise ValueError(f"smoothquant: model type {kind!r} is not supported; supported: gemma, gemma2, gemma3_text, "
-                     "llama, mistral, phi3, qwen2, qwen3")
+                     "granite, llama, mistral, phi3, qwen2, qwen3")
 
 
 def _head_dim(cfg: object) -> int:

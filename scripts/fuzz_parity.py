@@ -4,7 +4,7 @@ biases and llama3 rope, Gemma 2's soft-caps, Gemma 3's layer kinds, Phi-3's part
 multipliers), saved by transformers itself, run through tdpipe in float32 under a random layout and scheduler
 setting, compared token for token.
 
-    .venv/bin/python scripts/fuzz_parity.py --seed 1 --count 16              # greedy, pp 1-3, tp 1-2
+    .venv/bin/python scripts/fuzz_parity.py --seed 1 --count 16              # greedy, pp 1-3, tp 1-2 (P x T)
     .venv/bin/python scripts/fuzz_parity.py --mode quant --seed 3 --count 20 # W8A8 / int8 KV / bf16
     .venv/bin/python scripts/fuzz_parity.py --mode gguf --seed 5 --count 16  # exported to GGUF and back
 
@@ -143,7 +143,8 @@ def _run_one(mode: str, rng: random.Random, folder: str, model: torch.nn.Module,
         kw = dict(pipeline_parallel_size=min(pp, 2))
         drawn.update(kw)
     else:
-        tp = rng.choice([1, 2]) if kv % 2 == 0 and heads % 2 == 0 and pp == 1 else 1
+        # T = 2 where the heads split (a single KV head is copied to both ranks), up to P x T = 2 x 2
+        tp = rng.choice([1, 2]) if heads % 2 == 0 and (kv % 2 == 0 or kv == 1) and pp <= 2 else 1
         policies = ["separate", "hybrid", "throttle", "td-pipe"] if pp > 1 else ["separate", "hybrid"]
         kw = dict(pipeline_parallel_size=pp, tensor_parallel_size=tp, scheduler=rng.choice(policies),
                   block_size=rng.choice([8, 16, 32]), enable_prefix_caching=rng.choice([True, False]),

@@ -319,9 +319,3 @@ def test_softcap_kernel_reference_and_prefill_match_the_dense_truth(kernel, monk
     out = pa.prefill_attention(q, torch.cat(ks), torch.cat(vs), cu, 0.5, sliding_window=window, softcap=softcap)
     torch.testing.assert_close(out.double(), truth, **TOL[dtype])
 
-
-def test_softcap_is_refused_by_the_triton_path(monkeypatch):
-    monkeypatch.setattr(pa, "use_triton", lambda t: True)
-    q, kc, vc, bt, cu, ks, vs = make_batch(torch.float32, 8, 1, 1, 16, [4], [1])
-    with pytest.raises(ValueError, match="soft-capping"):
-        pa.paged_attention(q, kc, vc, bt, cu, [4], 0.25, softcap=30.0)

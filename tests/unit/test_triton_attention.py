@@ -1,7 +1,7 @@
 """Triton paged attention (model/triton_attention.py) under Triton's CPU interpreter, against float64 dense
 attention: store_kv, prefill with and without a cached prefix, decode with and without split-K, GQA, head
-sizes 64 / 80 / 128 / 256, block sizes 16 / 5 / 8, odd lengths and block boundaries, sliding windows,
-float32 / bfloat16 / float16 caches; the forced-Triton dispatch on CPU tensors and a tiny model's logits.
+sizes 64 / 80 / 128 / 256, block sizes 16 / 5 / 8, odd lengths and block boundaries, sliding windows, Gemma 2's
+soft-capped scores, float32 / bfloat16 / float16 caches; the forced-Triton dispatch on CPU tensors and a tiny model's logits.
 
 The interpreter runs the kernels' code on CPU tensors (correctness only; compiled-mode numerics and speed
 need a GPU); the kernels use it for CPU tensors whether or not TRITON_INTERPRET=1 is set. It multiplies
@@ -174,10 +174,12 @@ def test_forced_backend_routes_cpu_tensors_through_triton(ta, monkeypatch, backe
         backend("cuda")
 
 
-def test_tiny_model_logits_match_the_cpu_kernel(backend):
-    """A 2-layer Llama-shaped model (random weights, GQA 2, head size 64, block size 16) through the engine's
-    steps: a fresh prefill, a chunk over its cached prefix, two decode steps over 3 sequences. Logits through
-    the Triton kernels (forced on CPU) equal those through the C++ kernel path."""
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_tiny_model_logits_match_the_cpu_kernel(backend, family):
+    """A 2-layer model (random weights, GQA 2, head size 64, block size 16) through the engine's steps: a
+    fresh prefill, a chunk over its cached prefix, two decode steps over 3 sequences. Logits through the
+    Triton kernels (forced on CPU) equal those through the C++ kernel path; Llama's layer, and Gemma 2's with
+    a 16-token window on its first layer and soft-capped scores."""
     from tdpipe.config import ModelConfig
     from tdpipe.model.llama import LlamaForCausalLM
     from tdpipe.step_input import StepInput
@@ -186,6 +188,9 @@ def test_tiny_model_logits_match_the_cpu_kernel(backend):
     hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 96,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2,
           "vocab_size": 97, "max_position_embeddings": 256}
+    if family == "gemma2":
+        hf.update(architectures=["Gemma2ForCausalLM"], query_pre_attn_scalar=64, sliding_window=16,
+                  attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
     cfg = ModelConfig.from_hf(hf)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
@@ -266,3 +271,22 @@ def test_decode_tiles_follow_the_h100_tuning(ta):
     assert ta.decode_tiles(64, 512) == (64, 4, 3)
     assert ta.decode_tiles(256, 512) == (32, 8, 3)
     assert ta.decode_tiles(64, 24) == (32, 4, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("nqs,partition_size", [(MIXED[1], None), ([1] * 5, None), ([1] * 5, 32)],
+                         ids=["prefill", "decode", "decode-split"])
+def test_softcap(ta, dtype, window, nqs, partition_size):
+    """Gemma 2's c tanh(s / c) on the scores, in the prefill and both decode kernels: queries scaled up so
+    that the cap of 3 bends the scores (the capped truth is far from the uncapped one)."""
+    lens = MIXED[0]
+    q, kc, vc, bt, cu, ks, vs = make_batch(dtype, 16, 2, 3, 64, lens, nqs, seed=7)
+    q = (q.float() * 6).to(dtype)
+    truth = dense_causal(q, ks, vs, cu, lens, 0.5, window or 0, 3.0)
+    assert (truth - dense_causal(q, ks, vs, cu, lens, 0.5, window or 0)).abs().max() > 0.05
+    out = ta.paged_attention(q, kc, vc, bt, torch.tensor(cu, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             0.5, sliding_window=window, partition_size=partition_size, softcap=3.0)
+    torch.testing.assert_close(out.double(), truth, **TOL16[dtype])
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        ta.paged_attention(q, kc, vc, bt, cu, lens, 0.5, softcap=-1.0)

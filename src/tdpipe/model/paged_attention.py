@@ -13,7 +13,8 @@ on: the block-table entries before it are never looked up, so a cache manager ma
 leave stale ids behind. The K/V of every position from there on must be stored.
 
 Backends: CPU tensors take the C++ kernel (model/triton_attention.py is never imported for them); CUDA
-tensors take the Triton kernels (model/triton_attention.py; run on an H200, sliding window not yet).
+tensors take the Triton kernels (model/triton_attention.py; run on an H200, sliding window and Gemma 2's
+soft-cap not yet: those two are checked under Triton's interpreter only).
 TDPIPE_ATTENTION_BACKEND=triton (or set_attention_backend("triton")) sends CPU tensors through the Triton
 kernels too, run by Triton's interpreter: the engine's GPU attention path, checked on a CPU (about 2000x
 slower than compiled; tests only).
@@ -187,12 +188,6 @@ def _rows(cache_rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return cache_rows.float()
 
 
-def _no_softcap_triton(softcap: float) -> None:
-    if softcap:
-        raise ValueError("attention logit soft-capping (Gemma 2's attn_logit_softcapping) runs through the CPU "
-                         "kernel only; the Triton kernels do not take it")
-
-
 def _no_int8_triton(cache: torch.Tensor) -> None:
     if kv_quant.is_int8(cache):
         raise ValueError("an int8 KV cache (kv_cache_dtype 'int8') runs through the CPU kernel only; the Triton "
@@ -219,9 +214,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if use_triton(q):
         _no_int8_triton(k_cache)
-        _no_softcap_triton(softcap)
         return _triton().paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                         sliding_window=sliding_window)
+                                         sliding_window=sliding_window, softcap=softcap)
     window = int(sliding_window or 0)
     kern = _attention_kernel(q, k_cache)
     if kern is None:

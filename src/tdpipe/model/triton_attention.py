@@ -19,7 +19,8 @@ attends causally. Three kernels:
   With a single partition the first kernel writes the output directly.
 
 Both attention kernels take an optional sliding window W: query position p sees keys p-W+1 .. p (Mistral /
-Gemma convention, HF's `kv_idx > q_idx - sliding_window`).
+Gemma convention, HF's `kv_idx > q_idx - sliding_window`), and an optional soft-cap c (Gemma 2): each score
+s becomes c tanh(s / c) before the mask and softmax.
 
 Kernels are wrapped lazily, for whichever mode triton runs in: model/triton_jit.py says why.
 """
@@ -73,9 +74,10 @@ def _store_kv_body(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
 def _prefill_body(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_cb, stride_ch, stride_ct, stride_bt,
-                  num_seqs, head_dim, block_size, qk_scale, window,
+                  num_seqs, head_dim, block_size, qk_scale, window, cap2,
                   G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr):
+                  BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr, FP32_DOT: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     """Program (tile, kv head). Sequence s owns tiles cu[s] // BLOCK_Q + s .. cu[s+1] // BLOCK_Q + s (an
     upper bound on its ceil(n_s / BLOCK_Q) tiles); spare tiles find no rows and store nothing."""
     pid = tl.program_id(0)
@@ -129,6 +131,8 @@ def _prefill_body(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
         else:
             scores = tl.dot(q, k)
         scores = scores * qk_scale  # log2 domain: scale * log2(e)
+        if SOFTCAP:  # c tanh(s / c) on base-2 scores (cap2 = c log2(e)); tanh(u) = 1 - 2 / (exp(2u) + 1)
+            scores = cap2 * (1.0 - 2.0 / (tl.exp2(scores / cap2 * 2.8853900817779268) + 1.0))  # 2 log2(e)
         seen = k_ok[None, :] & (kpos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             seen = seen & (q_pos[:, None] - kpos[None, :] < window)
@@ -153,9 +157,9 @@ def _prefill_body(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr,
 def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, bt_ptr, cu_ptr, lens_ptr,
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_cb, stride_ch, stride_ct, stride_bt,
-                 num_heads, num_parts, head_dim, block_size, qk_scale, window, partition_size,
+                 num_heads, num_parts, head_dim, block_size, qk_scale, window, partition_size, cap2,
                  G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+                 USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (sequence, kv head, partition): the G query heads of one decode row against one partition
     of the context. SPLIT: store the partial (max, sum, normalised output) for _reduce_body, else the
     output."""
@@ -195,7 +199,10 @@ def _decode_body(q_ptr, kc_ptr, vc_ptr, out_ptr, part_m_ptr, part_l_ptr, part_o_
             scores = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             scores = tl.dot(q, k)
-        scores = tl.where(k_ok[None, :], scores * qk_scale, float("-inf"))
+        scores = scores * qk_scale
+        if SOFTCAP:  # c tanh(s / c) on base-2 scores (cap2 = c log2(e)); tanh(u) = 1 - 2 / (exp(2u) + 1)
+            scores = cap2 * (1.0 - 2.0 / (tl.exp2(scores / cap2 * 2.8853900817779268) + 1.0))  # 2 log2(e)
+        scores = tl.where(k_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -328,13 +335,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: IntSeq,
                     cu_seqlens_q: IntSeq, seq_lens: IntSeq, scale: float, sliding_window: int | None = None,
-                    partition_size: int | None = None) -> torch.Tensor:
+                    partition_size: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged cache; [T, Hq, D] in q's dtype.
 
     Every sequence must have at least one query row. A batch of decode rows only (T == number of
     sequences) takes the flash-decoding kernels, split into partitions of `partition_size` keys when the
     longest possible context (block_tables' width x block_size) exceeds it; anything else the prefill
-    kernel. `sliding_window` W: each query sees its last W keys (itself included)."""
+    kernel. `sliding_window` W: each query sees its last W keys (itself included). `softcap` c > 0: scores
+    become c tanh(s / c) (Gemma 2)."""
     t, hq, d = q.shape
     if t == 0:
         return torch.empty_like(q)
@@ -360,6 +368,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # their raw bits (triton 3.9), so there they are widened to float32 after the same rounding.
     fp32_dot = k_cache.dtype == torch.float32 or (kern.interpreted and k_cache.dtype == torch.bfloat16)
     qk_scale = float(scale) * _LOG2E
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
+    cap2 = float(softcap) * _LOG2E
     block_d = max(16, pow2(d))  # tl.dot wants every dimension >= 16 when compiled
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0))
@@ -377,9 +388,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         with launching(kern):
             kern.decode[(num_seqs, hkv, num_parts)](
                 q, k_cache, v_cache, out, part_m, part_l, part_o, bt, cu, lens, *strides,
-                hq, num_parts, d, bs, qk_scale, window, part,
+                hq, num_parts, d, bs, qk_scale, window, part, cap2,
                 G=g, BLOCK_G=max(16, pow2(g)), BLOCK_N=block_n, BLOCK_D=block_d, USE_WINDOW=use_window,
-                SPLIT=split, FP32_DOT=fp32_dot, num_warps=warps, num_stages=stages)
+                SPLIT=split, FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages)
             if split:
                 kern.reduce[(num_seqs, hq)](out, part_m, part_l, part_o, cu, lens, out.stride(0), out.stride(1),
                                             hq, num_parts, d, part, BLOCK_P=pow2(num_parts), BLOCK_D=block_d)
@@ -391,6 +402,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (t // block_q + num_seqs, hkv)
     with launching(kern):
         kern.prefill[grid](q, k_cache, v_cache, out, bt, cu, lens, *strides, num_seqs, d, bs, qk_scale,
-                           window, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                           USE_WINDOW=use_window, FP32_DOT=fp32_dot, num_warps=_warps(d))
+                           window, cap2, G=g, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                           USE_WINDOW=use_window, FP32_DOT=fp32_dot, SOFTCAP=softcap > 0, num_warps=_warps(d))
     return out

@@ -41,11 +41,17 @@ class FakeTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, conversation: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """`tools` (the template's variable): their names first; an assistant's calls as name(arguments), the
+        arguments as the template sees them (an object, not JSON text)."""
         for i, m in enumerate(conversation):
             if m["role"] == "system" and i > 0:
                 raise ValueError("System message must be at the beginning.")
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in conversation)
+        text = "" if tools is None else "<|tools|>" + ",".join(t["function"]["name"] for t in tools) + "\n"
+        for m in conversation:
+            calls = "".join(f"{c['function']['name']}({sorted(c['function']['arguments'].items())})"
+                            for c in m.get("tool_calls") or [])
+            text += f"<|{m['role']}|>{m['content']}{calls}\n"
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
 
@@ -74,6 +80,7 @@ class FakeAsyncLLM:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.requests: list[tuple[list[int], SamplingParams, str]] = []  # every generate() call, in order
+        self.script: str | None = None  # when set, every answer is this text, then EOS
         self.prompt_tokens = self.generation_tokens = 0
         self._dead = asyncio.Event()
         # what `tdpipe serve` reads besides the EngineClient contract (AsyncLLM has them too)
@@ -108,7 +115,7 @@ class FakeAsyncLLM:
             max_tokens = params.max_tokens or self.max_model_len - len(ids)
             while True:
                 await self._tick()
-                tok = self._next(ids, out, params, rng)
+                tok = self._next(ids, out, params, rng) if self.script is None else self._scripted(out)
                 out.append(tok)
                 self.generation_tokens += 1
                 self.used_blocks[request_id] = -(-(len(ids) + len(out)) // self.block_size)
@@ -189,6 +196,10 @@ class FakeAsyncLLM:
             for w in waits:
                 w.cancel()
         self.check_health()
+
+    def _scripted(self, out: list[int]) -> int:
+        ids = self.tokenizer.encode(self.script or "", add_special_tokens=False) + [EOS]
+        return ids[len(out)] if len(out) < len(ids) else EOS
 
     @staticmethod
     def _next(prompt: list[int], out: list[int], params: SamplingParams, rng: random.Random) -> int:

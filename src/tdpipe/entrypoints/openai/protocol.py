@@ -3,7 +3,7 @@
 Requests are validated strictly: "max_tokens": "10" or "stream": 1 is a 400 naming the field, never a silent
 coercion. Unknown top-level fields are ignored and named in the answer (ignored_fields.py; vLLM's
 behaviour: clients send newer fields), except the ones in UNSUPPORTED, which would change the result if
-ignored (suffix, tools...): those are a 400 unless they hold their neutral value.
+ignored (suffix, functions...): those are a 400 unless they hold their neutral value.
 """
 from __future__ import annotations
 
@@ -48,9 +48,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _is(None, False),
     "length_penalty": _is(None, 1, 1.0),
     "logits_processors": _none_or_empty,
-    "tools": _none_or_empty,
-    "functions": _none_or_empty,
-    "tool_choice": _is(None, "none", "auto"),
+    "functions": _none_or_empty,  # the legacy names of tools and tool_choice
     "function_call": _is(None, "none", "auto"),
     "chat_template": _is(None),
     "documents": _none_or_empty,
@@ -223,16 +221,19 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls (entrypoints/openai/tool_calls.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self, where: str) -> str:
         """The content as one string: a list of {"type": "text", "text": ...} parts is joined (images and
-        audio are not supported)."""
+        audio are not supported). An assistant message that only calls tools has none: ""."""
         c = self.content
         if isinstance(c, str):
             return c
         if c is None:
-            raise bad_request(f"'{where}.content' is required (tool calls are not supported)",
-                              f"{where}.content", "invalid_value")
+            if self.tool_calls:
+                return ""
+            raise bad_request(f"'{where}.content' is required", f"{where}.content", "invalid_value")
         parts = []
         for j, part in enumerate(c):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -241,6 +242,18 @@ class ChatMessage(_Request):
                                   f"{where}.content[{j}]", "invalid_value")
             parts.append(part["text"])
         return "".join(parts)
+
+
+def _checked_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls: each {"id"?, "type": "function", "function": {"name", "arguments"}}
+    (arguments a JSON string, or an object); a 400 naming the bad one."""
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or \
+                not isinstance(fn.get("arguments", "{}"), str | dict):
+            raise bad_request(f"'{where}[{j}]' must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                              "\"arguments\": ...}}", f"{where}[{j}]", "invalid_value")
+    return calls
 
 
 def chat_messages(raw: list[Any]) -> Iterator[ChatMessage]:
@@ -285,6 +298,9 @@ class _ChatTemplateFlags(_Request):
 
 class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
     messages: list[Any]  # ChatMessage each, checked by conversation() (chat_messages)
+    tools: list[Any] | None = None  # checked by tool_calls.plan, with tool_choice
+    tool_choice: Any = None  # none | auto (the default with tools) | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted; the parser returns every call the answer makes
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
     add_special_tokens: bool = False  # vLLM: the template already has them
@@ -308,12 +324,13 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
             if m.role not in ROLES:
                 raise bad_request(f"'{where}.role': unknown role {m.role!r} (expected one of "
                                   f"{', '.join(ROLES)})", f"{where}.role", "invalid_value")
-            if (m.model_extra or {}).get("tool_calls"):
-                raise bad_request(f"'{where}.tool_calls': tool calls are not supported",
-                                  f"{where}.tool_calls", "unsupported_parameter")
-            msg = {"role": m.role, "content": m.text(where)}
+            msg: dict[str, Any] = {"role": m.role, "content": m.text(where)}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = _checked_calls(m.tool_calls, f"{where}.tool_calls")
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             conv.append(msg)
         return conv
 
@@ -406,14 +423,22 @@ class CompletionResponse(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # left out when the answer calls no tool
+
+    @model_serializer(mode="wrap")
+    def _no_empty_calls(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if not d.get("tool_calls"):
+            d.pop("tool_calls", None)
+        return d
 
 
 class ChatChoice(_Choice):
     index: int
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -432,6 +457,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each {"index", "id", "type", "function"}
 
     @model_serializer(mode="wrap")
     def _changed_only(self, handler: Any) -> dict[str, Any]:
@@ -442,7 +468,7 @@ class ChatStreamChoice(_Choice):
     index: int
     delta: DeltaMessage
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

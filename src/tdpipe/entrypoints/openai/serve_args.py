@@ -11,6 +11,9 @@ from tdpipe.config import EngineConfig
 from tdpipe.engine_args import EngineArgs
 
 
+TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices (entrypoints/openai/tool_calls.py)
+
+
 @dataclass
 class ServerConfig:
     """What the HTTP layer needs; build_app reads the first four, `serve` the rest."""
@@ -32,8 +35,16 @@ class ServerConfig:
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens (OpenAI's field), the
     # prompt tokens the prefix cache held
     enable_prompt_tokens_details: bool = False
+    # vLLM's tool calling flags: tool_choice "auto" needs both (entrypoints/openai/tool_calls.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # hermes
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser hermes)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it to serve without a key)")
         for name in ("max_waiting_requests", "max_request_body_bytes", "max_prompts_per_request",
@@ -92,6 +103,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in every answer (OpenAI's field, vLLM's "
                         "flag): the prompt tokens the prefix cache held")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model call the request's tools when tool_choice is \"auto\" (the default with "
+                        "tools); needs --tool-call-parser (vLLM's flag)")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are read from the answer's text: hermes, <tool_call>{\"name\": ..., "
+                        "\"arguments\": ...}</tool_call> (Qwen2.5 / Qwen3, Hermes)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it: the same as --model (give one of the two)")
     EngineArgs.add_cli_args(p)
@@ -107,7 +124,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         host=a.host, port=a.port,
                         shutdown_grace_s=a.shutdown_grace, timeout_keep_alive_s=a.timeout_keep_alive,
                         access_log=not a.no_access_log,
-                        enable_prompt_tokens_details=a.enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=a.enable_prompt_tokens_details,
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:

@@ -1,30 +1,38 @@
 """POST /v1/chat/completions: messages through the model's chat template (add_generation_prompt=True) ->
-a chat.completion object or its SSE stream of chat.completion.chunk deltas."""
+a chat.completion object or its SSE stream of chat.completion.chunk deltas; the request's tools through the
+template and the answer's tool calls out of it (tool_calls.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tdpipe.core.engine_client import EngineClient
+from tdpipe.core.validation import RequestError, check_grammar
 from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.logprobs import chat_logprobs
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                 ChatCompletionResponse, ChatMessageOut, ChatStreamChoice,
-                                                DeltaMessage)
+                                                DeltaMessage, renamed)
 from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, StreamCursor,
                                                sse, sse_events)
+from tdpipe.entrypoints.conversation import template_conversation
+from tdpipe.entrypoints.openai.tool_calls import HermesStream, ToolPlan, parse_forced, parse_hermes, plan
+from tdpipe.sampling.structured import StructuredOutputsParams
 from tdpipe.tokenizer import NoChatTemplate, chat_prompt
 
 
-def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: bool,
+def apply_template(tok: Any, conv: list[dict[str, Any]], add_generation_prompt: bool,
                    add_special_tokens: bool, continue_final_message: bool = False,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                   template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None
+                   ) -> list[int]:
     """The conversation's prompt token ids; a template that rejects it (roles out of order...) is a 400."""
     try:
-        text, ids = chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt,
-                                continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        text, ids = chat_prompt(tok, template_conversation(conv), add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                                tools=tools)
     except NoChatTemplate as e:
         raise bad_request(str(e), "messages", "invalid_value") from None
     except Exception as e:  # noqa: BLE001 - jinja2 and the template's own raise_exception
@@ -33,18 +41,91 @@ def apply_template(tok: Any, conv: list[dict[str, str]], add_generation_prompt: 
     return tok.encode(text, add_special_tokens=True) if add_special_tokens else ids
 
 
+def answer(tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
+    """The message of a whole answer, and its finish reason: the text as content, or with tools its calls
+    ("tool_calls" when the model chose to call under "auto", as vLLM reports it; a forced call keeps the
+    model's reason)."""
+    if tools.mode == "auto":
+        content, calls = parse_hermes(text)
+        return ChatMessageOut(content=content, tool_calls=calls), ("tool_calls" if calls else finish_reason)
+    if tools.mode in ("named", "required"):
+        calls = parse_forced(tools, text)
+        return ChatMessageOut(content="" if calls else text, tool_calls=calls), finish_reason
+    return ChatMessageOut(content=text), finish_reason
+
+
+class StreamedCalls:
+    """One streamed choice's tool calls: under "auto" its text goes through the hermes stream parser (content
+    until a call begins, each call whole once it closes); a forced call is sent whole when the answer ends.
+    Each call delta carries its index among the choice's calls, as OpenAI's stream does."""
+
+    def __init__(self, tools: ToolPlan) -> None:
+        self.tools = tools
+        self.parser = HermesStream() if tools.mode == "auto" else None
+        self.forced = ""  # a forced call's text so far
+        self.sent = 0
+
+    def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        if self.tools.mode == "none":
+            return (DeltaMessage(content=text) if text else DeltaMessage()), (finish_reason if finished else None)
+        content, calls = "", []
+        if self.parser is not None:
+            content, calls = self.parser.feed(text)
+            if finished:
+                content += self.parser.finish()
+        else:
+            self.forced += text
+            if finished:
+                calls = parse_forced(self.tools, self.forced)
+                content = "" if calls else self.forced
+        out = [{"index": self.sent + k, **c} for k, c in enumerate(calls)]
+        self.sent += len(calls)
+        delta = DeltaMessage(content=content or None, tool_calls=out or None)
+        if not finished:
+            return delta, None
+        return delta, ("tool_calls" if self.parser is not None and self.parser.calls else finish_reason)
+
+
 class ChatServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
 
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        cfg = self.s.config
+        return plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+
+    @staticmethod
+    def constrain(req: ChatCompletionRequest, sp: Any, tools: ToolPlan) -> Any:
+        """tool_choice "required" or a named function: the output held to their JSON schema (structured
+        output, as vLLM does), which excludes the request's own constraint."""
+        if tools.schema is None:
+            return sp
+        if sp.structured_outputs is not None:
+            raise bad_request(f"tool_choice {req.tool_choice!r} constrains the output itself: drop the request's "
+                              "response_format / structured_outputs / guided_* field", "tool_choice",
+                              "invalid_value")
+        return replace(sp, structured_outputs=StructuredOutputsParams(json=tools.schema))
+
+    @staticmethod
+    def _check_tool_grammar(sp: Any) -> None:
+        """A forced call's schema compiled (a tool's parameters may be a schema xgrammar refuses): a 400 naming
+        the tools."""
+        try:
+            check_grammar(sp)
+        except RequestError as e:
+            raise bad_request(renamed(str(e), "json", "the tool's parameters schema"), "tools", e.code) from None
+
     def prepare(self, req: ChatCompletionRequest, eng: EngineClient, name: str, ignored: list[str], sp: Any,
-                max_field: str) -> Prepared:
+                max_field: str, tools: ToolPlan) -> Prepared:
         """The conversation through the chat template, validated (on the tokenizer thread)."""
-        self.s.check_grammar(req, sp)
+        if tools.schema is None:
+            self.s.check_grammar(req, sp)
+        else:
+            self._check_tool_grammar(sp)
         conv = req.conversation()
         add_generation_prompt, continue_final = req.template_flags()
         ids = apply_template(eng.tokenizer, conv, add_generation_prompt, req.add_special_tokens, continue_final,
-                             req.template_kwargs())
+                             req.template_kwargs(), tools.tools)
         rid = self.s.new_id("chatcmpl")
         er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options
@@ -57,19 +138,21 @@ class ChatServing:
         eng = self.s.engine()
         name, ignored = self.s.common_checks(req, eng)
         max_tokens, max_field = req.output_limit()
-        sp = self.s.sampling_params(req, max_tokens, max_field, eng)
-        run = await self.s.admitted(eng, 1, lambda: self.prepare(req, eng, name, ignored, sp, max_field),
+        tools = self.tool_plan(req)
+        sp = self.constrain(req, self.s.sampling_params(req, max_tokens, max_field, eng), tools)
+        run = await self.s.admitted(eng, 1, lambda: self.prepare(req, eng, name, ignored, sp, max_field, tools),
                                     "messages")
         prep = run.prep
         if prep.stream:
-            return SSEResponse(sse_events(self._stream(prep, run)), on_close=run.close, headers=prep.headers())
+            return SSEResponse(sse_events(self._stream(prep, run, tools)), on_close=run.close,
+                               headers=prep.headers())
         try:
-            body = await self.s.until_disconnect(raw.receive, self._full(prep, run))
+            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, tools))
         finally:
             run.close()
         return None if body is None else JSONResponse(body, headers=prep.headers())
 
-    async def _full(self, prep: Prepared, run: Run) -> dict:
+    async def _full(self, prep: Prepared, run: Run, tools: ToolPlan) -> dict:
         last = None
         async for _, out in run.outputs():
             last = out
@@ -77,8 +160,8 @@ class ChatServing:
         tok = self.s.get_engine().tokenizer
         choices = []
         for c in last.outputs:
-            choice = ChatChoice(index=c.index, message=ChatMessageOut(content=(it.prompt_text or "") + c.text),
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            message, finish = answer(tools, (it.prompt_text or "") + c.text, c.finish_reason)
+            choice = ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason)
             if it.params.logprobs is not None and c.logprobs is not None:
                 choice.logprobs = chat_logprobs(tok, c.token_ids, c.logprobs, it.params.logprobs)
             if prep.return_token_ids:
@@ -89,10 +172,11 @@ class ChatServing:
         return ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                       choices=choices, usage=usage).model_dump()
 
-    async def _stream(self, prep: Prepared, run: Run) -> AsyncIterator[bytes]:
+    async def _stream(self, prep: Prepared, run: Run, tools: ToolPlan) -> AsyncIterator[bytes]:
         it = prep.items[0]
         n = it.params.n
         cur = StreamCursor(n)
+        calls = [StreamedCalls(tools) for _ in range(n)]
         prompt_tokens = len(it.prompt_ids)
         tok = self.s.get_engine().tokenizer
         cached = 0  # the prompt tokens the prefix cache held (the outputs say so from the first token)
@@ -117,9 +201,8 @@ class ChatServing:
                 step = cur.advance(c.index, c)
                 if step is None:
                     continue
-                choice = ChatStreamChoice(index=c.index,
-                                          delta=DeltaMessage(content=step.text) if step.text else DeltaMessage(),
-                                          finish_reason=c.finish_reason if step.finished else None)
+                delta, finish = calls[c.index].delta(step.text, step.finished, c.finish_reason)
+                choice = ChatStreamChoice(index=c.index, delta=delta, finish_reason=finish)
                 if step.finished:
                     choice.stop_reason = c.stop_reason
                 if it.params.logprobs is not None and c.logprobs is not None:

@@ -102,7 +102,9 @@ MATRIX = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      400, "messages[0].content[0]"),
     (CHAT, {"messages": U, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    (CHAT, {"messages": U, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    (CHAT, {"messages": U, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function.name"),
+    (CHAT, {"messages": U, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice.function.name"),
     (CHAT, {"messages": U, "response_format": {"type": "xml"}}, 400, "response_format.type"),
     (CHAT, {"messages": U, "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema.schema"),
     (CHAT, {"messages": U, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {

@@ -41,9 +41,11 @@ class FakeTokenizer:
         return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, conversation: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                            **variables: object) -> str:
         """`tools` (the template's variable): their names first; an assistant's calls as name(arguments), the
-        arguments as the template sees them (an object, not JSON text)."""
+        arguments as the template sees them (an object, not JSON text). Other variables (chat_template_kwargs:
+        enable_thinking...) are accepted and unused, as a template that does not read them does."""
         for i, m in enumerate(conversation):
             if m["role"] == "system" and i > 0:
                 raise ValueError("System message must be at the beginning.")

@@ -208,7 +208,7 @@ async def test_named_call_is_held_to_its_schema(stream):
     else:
         msg = r.json()["choices"][0]["message"]
         calls = msg["tool_calls"]
-        assert msg["content"] == ""
+        assert msg["content"] == "" and r.json()["choices"][0]["finish_reason"] == "stop"
     assert _names_args(calls) == [("get_weather", {"city": "Paris"})]
 
 
@@ -218,6 +218,7 @@ async def test_required_calls_one_or_more():
     async with await _client(eng) as c:
         r = await c.post(CHAT, json={"messages": USER, "tools": [WEATHER, CLOCK], "tool_choice": "required"})
     assert eng.requests[-1][1].structured_outputs.json["type"] == "array"
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"  # named calls keep "stop" (OpenAI's rule)
     assert _names_args(r.json()["choices"][0]["message"]["tool_calls"]) == [("get_time", {}),
                                                                            ("get_weather", {"city": "Rome"})]
 

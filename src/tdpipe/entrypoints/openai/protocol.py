@@ -301,6 +301,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
     tools: list[Any] | None = None  # checked by tool_calls.plan, with tool_choice
     tool_choice: Any = None  # none | auto (the default with tools) | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # accepted; the parser returns every call the answer makes
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (with --reasoning-parser)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None
     add_special_tokens: bool = False  # vLLM: the template already has them
@@ -424,13 +425,16 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning: str | None = None  # with --reasoning-parser (vLLM's field); left out otherwise
     tool_calls: list[dict[str, Any]] | None = None  # left out when the answer calls no tool
 
     @model_serializer(mode="wrap")
-    def _no_empty_calls(self, handler: Any) -> dict[str, Any]:
+    def _no_empty_extras(self, handler: Any) -> dict[str, Any]:
         d = handler(self)
         if not d.get("tool_calls"):
             d.pop("tool_calls", None)
+        if d.get("reasoning") is None:
+            d.pop("reasoning", None)
         return d
 
 
@@ -457,6 +461,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser
     tool_calls: list[dict[str, Any]] | None = None  # each {"index", "id", "type", "function"}
 
     @model_serializer(mode="wrap")

@@ -12,6 +12,7 @@ from tdpipe.engine_args import EngineArgs
 
 
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices (entrypoints/openai/tool_calls.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser's choices (entrypoints/openai/reasoning.py)
 
 
 @dataclass
@@ -38,11 +39,15 @@ class ServerConfig:
     # vLLM's tool calling flags: tool_choice "auto" needs both (entrypoints/openai/tool_calls.py)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # hermes
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think>...</think> to message.reasoning
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser hermes)")
         if self.api_key is not None and not self.api_key:
@@ -109,6 +114,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool calls are read from the answer's text: hermes, <tool_call>{\"name\": ..., "
                         "\"arguments\": ...}</tool_call> (Qwen2.5 / Qwen3, Hermes)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="a thinking model's <think>...</think> goes to the message's `reasoning` field, the rest "
+                        "to its content (vLLM's flag; qwen3 also ends the reasoning at a <tool_call>)")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it: the same as --model (give one of the two)")
     EngineArgs.add_cli_args(p)
@@ -125,7 +133,8 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         shutdown_grace_s=a.shutdown_grace, timeout_keep_alive_s=a.timeout_keep_alive,
                         access_log=not a.no_access_log,
                         enable_prompt_tokens_details=a.enable_prompt_tokens_details,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                        reasoning_parser=a.reasoning_parser)
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:

@@ -3,7 +3,7 @@ a chat.completion object or its SSE stream of chat.completion.chunk deltas; the 
 template and the answer's tool calls out of it (tool_calls.py)."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -19,6 +19,7 @@ from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
 from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, StreamCursor,
                                                sse, sse_events)
 from tdpipe.entrypoints.conversation import template_conversation
+from tdpipe.entrypoints.openai.reasoning import ReasoningStream, split
 from tdpipe.entrypoints.openai.tool_calls import HermesStream, ToolPlan, parse_forced, parse_hermes, plan
 from tdpipe.sampling.structured import StructuredOutputsParams
 from tdpipe.tokenizer import NoChatTemplate, chat_prompt
@@ -41,17 +42,65 @@ def apply_template(tok: Any, conv: list[dict[str, Any]], add_generation_prompt: 
     return tok.encode(text, add_special_tokens=True) if add_special_tokens else ids
 
 
+@dataclass
+class Shape:
+    """How an answer's text becomes its message: the request's tools, and the reasoning parser (None: no
+    reasoning field) with the template's enable_thinking and the request's include_reasoning."""
+
+    tools: ToolPlan
+    reasoning: str | None = None
+    thinking: bool = True
+    include_reasoning: bool = True
+
+
+def message_of(shape: Shape, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
+    """A whole answer's message: its reasoning split off first (reasoning.py), the rest through answer()."""
+    if shape.reasoning is None:
+        return answer(shape.tools, text, finish_reason)
+    reasoning, content = split(shape.reasoning, text, shape.thinking)
+    message, finish = answer(shape.tools, content or "", finish_reason)
+    if content is None and not message.tool_calls:
+        message.content = None  # the answer ended inside its reasoning
+    message.reasoning = reasoning if shape.include_reasoning else None
+    return message, finish
+
+
 def answer(tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
-    """The message of a whole answer, and its finish reason: the text as content, or with tools its calls
-    ("tool_calls" when the model chose to call under "auto", as vLLM reports it; a forced call keeps the
-    model's reason)."""
+    """The message of a whole answer, and its finish reason: the text as content, or with tools its calls.
+    The reason is "tool_calls" when the model called under "auto", or answered "required" to its end, and
+    the model's own for a named call (OpenAI's rule, which vLLM follows)."""
     if tools.mode == "auto":
         content, calls = parse_hermes(text)
         return ChatMessageOut(content=content, tool_calls=calls), ("tool_calls" if calls else finish_reason)
     if tools.mode in ("named", "required"):
         calls = parse_forced(tools, text)
-        return ChatMessageOut(content="" if calls else text, tool_calls=calls), finish_reason
+        return ChatMessageOut(content="" if calls else text, tool_calls=calls), forced_reason(tools, finish_reason)
     return ChatMessageOut(content=text), finish_reason
+
+
+def forced_reason(tools: ToolPlan, finish_reason: str | None) -> str | None:
+    return "tool_calls" if tools.mode == "required" and finish_reason == "stop" else finish_reason
+
+
+class StreamedChoice:
+    """One streamed choice: its reasoning split off as it comes (reasoning.py), the rest through
+    StreamedCalls."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+        self.reasoning = ReasoningStream(shape.reasoning, shape.thinking) if shape.reasoning else None
+        self.calls = StreamedCalls(shape.tools)
+
+    def delta(self, text: str, finished: bool, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        if self.reasoning is None:
+            return self.calls.delta(text, finished, finish_reason)
+        thought, text = self.reasoning.feed(text)
+        if finished:
+            thought += self.reasoning.finish()
+        delta, finish = self.calls.delta(text, finished, finish_reason)
+        if thought and self.shape.include_reasoning:
+            delta.reasoning = thought
+        return delta, finish
 
 
 class StreamedCalls:
@@ -83,16 +132,20 @@ class StreamedCalls:
         delta = DeltaMessage(content=content or None, tool_calls=out or None)
         if not finished:
             return delta, None
-        return delta, ("tool_calls" if self.parser is not None and self.parser.calls else finish_reason)
+        if self.parser is None:
+            return delta, forced_reason(self.tools, finish_reason)
+        return delta, ("tool_calls" if self.parser.calls else finish_reason)
 
 
 class ChatServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
 
-    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
+    def shape(self, req: ChatCompletionRequest) -> Shape:
         cfg = self.s.config
-        return plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+        tools = plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+        thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        return Shape(tools, cfg.reasoning_parser, thinking, req.include_reasoning)
 
     @staticmethod
     def constrain(req: ChatCompletionRequest, sp: Any, tools: ToolPlan) -> Any:
@@ -138,21 +191,21 @@ class ChatServing:
         eng = self.s.engine()
         name, ignored = self.s.common_checks(req, eng)
         max_tokens, max_field = req.output_limit()
-        tools = self.tool_plan(req)
-        sp = self.constrain(req, self.s.sampling_params(req, max_tokens, max_field, eng), tools)
-        run = await self.s.admitted(eng, 1, lambda: self.prepare(req, eng, name, ignored, sp, max_field, tools),
-                                    "messages")
+        shape = self.shape(req)
+        sp = self.constrain(req, self.s.sampling_params(req, max_tokens, max_field, eng), shape.tools)
+        run = await self.s.admitted(eng, 1, lambda: self.prepare(req, eng, name, ignored, sp, max_field,
+                                                                 shape.tools), "messages")
         prep = run.prep
         if prep.stream:
-            return SSEResponse(sse_events(self._stream(prep, run, tools)), on_close=run.close,
+            return SSEResponse(sse_events(self._stream(prep, run, shape)), on_close=run.close,
                                headers=prep.headers())
         try:
-            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, tools))
+            body = await self.s.until_disconnect(raw.receive, self._full(prep, run, shape))
         finally:
             run.close()
         return None if body is None else JSONResponse(body, headers=prep.headers())
 
-    async def _full(self, prep: Prepared, run: Run, tools: ToolPlan) -> dict:
+    async def _full(self, prep: Prepared, run: Run, shape: Shape) -> dict:
         last = None
         async for _, out in run.outputs():
             last = out
@@ -160,7 +213,7 @@ class ChatServing:
         tok = self.s.get_engine().tokenizer
         choices = []
         for c in last.outputs:
-            message, finish = answer(tools, (it.prompt_text or "") + c.text, c.finish_reason)
+            message, finish = message_of(shape, (it.prompt_text or "") + c.text, c.finish_reason)
             choice = ChatChoice(index=c.index, message=message, finish_reason=finish, stop_reason=c.stop_reason)
             if it.params.logprobs is not None and c.logprobs is not None:
                 choice.logprobs = chat_logprobs(tok, c.token_ids, c.logprobs, it.params.logprobs)
@@ -172,11 +225,11 @@ class ChatServing:
         return ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                       choices=choices, usage=usage).model_dump()
 
-    async def _stream(self, prep: Prepared, run: Run, tools: ToolPlan) -> AsyncIterator[bytes]:
+    async def _stream(self, prep: Prepared, run: Run, shape: Shape) -> AsyncIterator[bytes]:
         it = prep.items[0]
         n = it.params.n
         cur = StreamCursor(n)
-        calls = [StreamedCalls(tools) for _ in range(n)]
+        calls = [StreamedChoice(shape) for _ in range(n)]
         prompt_tokens = len(it.prompt_ids)
         tok = self.s.get_engine().tokenizer
         cached = 0  # the prompt tokens the prefix cache held (the outputs say so from the first token)

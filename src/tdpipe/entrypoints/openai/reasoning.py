@@ -1,0 +1,81 @@
+"""Reasoning on /v1/chat/completions, as vLLM's --reasoning-parser serves it: a thinking model's answer opens
+with its reasoning, `<think> ... </think>`, which goes to the message's `reasoning` field; the rest is the
+content (and the tool calls, when tools are parsed: tool_calls.py reads only the content).
+
+  deepseek_r1  reasoning until </think>; the opening <think> may be missing (the template wrote it into the
+               prompt); an answer without </think> is all reasoning, cut off before its content.
+  qwen3        the same, and a <tool_call> inside the reasoning ends it (the call is content); with
+               chat_template_kwargs {"enable_thinking": false} there is no reasoning at all.
+
+A request's `include_reasoning: false` (vLLM's field) drops the reasoning from the answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END, TOOL_START = "<think>", "</think>", "<tool_call>"
+
+
+def _markers(parser: str) -> tuple[str, ...]:
+    return (THINK_START, THINK_END, TOOL_START) if parser == "qwen3" else (THINK_START, THINK_END)
+
+
+def split(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole answer; content None when the answer ended inside its reasoning."""
+    if not thinking:
+        return None, text
+    s = ReasoningStream(parser)
+    reasoning, content = s.feed(text)
+    reasoning += s.finish()
+    return reasoning, (content or None) if not s.in_reasoning else None
+
+
+@dataclass
+class ReasoningStream:
+    """The streamed form of split: text in, (reasoning delta, content delta) out. In the reasoning an
+    opening <think> is dropped, </think> ends it, and for qwen3 a <tool_call> ends it too (the call is
+    content); a trailing prefix of any of these is held back until the next text decides."""
+
+    parser: str
+    thinking: bool = True
+    held: str = ""
+
+    def __post_init__(self) -> None:
+        self.in_reasoning = self.thinking
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        if not self.in_reasoning:
+            return "", delta
+        self.held += delta
+        reasoning = ""
+        while True:
+            hits = [(i, m) for m in _markers(self.parser) if (i := self.held.find(m)) >= 0]
+            if not hits:
+                keep = max(_partial_suffix(self.held, m) for m in _markers(self.parser))
+                cut = len(self.held) - keep
+                reasoning, self.held = reasoning + self.held[:cut], self.held[cut:]
+                return reasoning, ""
+            i, m = min(hits)
+            reasoning += self.held[:i]
+            if m == THINK_START:  # the opening tag (or a repeat of it): not text
+                self.held = self.held[i + len(m):]
+                continue
+            rest = self.held[i + len(m):] if m == THINK_END else self.held[i:]  # a call stays content
+            self.held, self.in_reasoning = "", False
+            return reasoning, rest
+
+    def finish(self) -> str:
+        """What is still held: reasoning (the answer ended inside it)."""
+        held, self.held = self.held, ""
+        return held
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+__all__ = ["ReasoningStream", "split"]

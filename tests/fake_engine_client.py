@@ -23,6 +23,7 @@ class FakeTokenizer:
 
     bos_token_id = BOS
     eos_token_id = EOS
+    chat_template: str | None = ""  # "": the built-in rendering below; a Jinja text (--chat-template): that
 
     def __len__(self) -> int:
         return 256 + OFFSET
@@ -46,6 +47,12 @@ class FakeTokenizer:
         """`tools` (the template's variable): their names first; an assistant's calls as name(arguments), the
         arguments as the template sees them (an object, not JSON text). Other variables (chat_template_kwargs:
         enable_thinking...) are accepted and unused, as a template that does not read them does."""
+        template = variables.pop("chat_template", None) or self.chat_template
+        if template:
+            import jinja2
+
+            return jinja2.Template(template).render(messages=conversation, tools=tools,
+                                                    add_generation_prompt=add_generation_prompt, **variables)
         for i, m in enumerate(conversation):
             if m["role"] == "system" and i > 0:
                 raise ValueError("System message must be at the beginning.")

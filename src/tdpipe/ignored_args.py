@@ -35,6 +35,12 @@ IGNORED: dict[str, IgnoredArg] = {
                                          "N"),
     "distributed_executor_backend": IgnoredArg("tdpipe starts its own stage processes (torchrun or Ray across "
                                                "nodes: docs/parallelism.md)", "NAME"),
+    "tokenizer_mode": IgnoredArg("tdpipe uses the model folder's Hugging Face (fast) tokenizer", "MODE"),
+    "load_format": IgnoredArg("weights are read from the folder's safetensors, or the GGUF file", "FORMAT"),
+    "revision": IgnoredArg("--model is a local folder or file: there is no revision to pick", "REV"),
+    "tokenizer_revision": IgnoredArg("the tokenizer is a local folder: there is no revision to pick", "REV"),
+    "max_log_len": IgnoredArg("tdpipe never logs prompts", "N"),
+    "disable_fastapi_docs": IgnoredArg("the server has no documentation routes (/docs, /openapi.json)"),
 }
 
 

@@ -110,15 +110,17 @@ def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
 
 def chat_prompt(tokenizer: Any, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None
+                ) -> tuple[str, list[int]]:
     """A conversation through the model's chat template: the prompt text and its token ids (the template
     carries the special tokens, so none are added again). `continue_final_message` leaves the last message
     open (no end-of-turn after it), so the model goes on with it: a prefilled start of the answer (vLLM's and
     transformers' name); it excludes add_generation_prompt. `template_kwargs`: more variables for the
     template (check_template_kwargs); `tools`: OpenAI's tool definitions, the template's `tools` variable
-    (passed only when given). A model without a template (a base model such as Gemma 3 270M) raises
+    (passed only when given); `chat_template`: a Jinja template used instead of the model's (vLLM's
+    keyword). A model without a template (a base model such as Gemma 3 270M) and no `chat_template` raises
     NoChatTemplate, one line, rather than transformers' paragraph."""
-    if getattr(tokenizer, "chat_template", "") is None:  # transformers' tokenizers: None when the model has none
+    if chat_template is None and getattr(tokenizer, "chat_template", "") is None:  # transformers: None if none
         raise NoChatTemplate("this model has no chat template (a base model): send plain prompts (completions) "
                              "instead of messages")
     if continue_final_message and add_generation_prompt:
@@ -128,6 +130,8 @@ def chat_prompt(tokenizer: Any, conversation: list[dict[str, Any]], add_generati
     extra.update(check_template_kwargs(template_kwargs))
     if tools is not None:
         extra["tools"] = tools
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **extra)
     return text, tokenizer.encode(text, add_special_tokens=False)

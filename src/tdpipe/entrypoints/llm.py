@@ -282,13 +282,14 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message`: the model continues the last message (a prefilled start of the answer)
         instead of opening a new turn; give add_generation_prompt=False with it (vLLM's rule).
         `chat_template_kwargs`: more variables for the template (Qwen3's {"enable_thinking": False}).
         `tools`: OpenAI's tool definitions, the template's `tools` (vLLM's keyword); the answer's calls are
-        left in its text (the server parses them: docs/serving.md)."""
+        left in its text (the server parses them: docs/serving.md). `chat_template`: a Jinja template used
+        instead of the model's (vLLM's keyword)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         template_kwargs = check_template_kwargs(chat_template_kwargs)  # a bad one fails the call, before any run
         tok = self.get_tokenizer()
@@ -300,7 +301,7 @@ class LLM:
             try:  # a malformed conversation fails as its own request, with the message's number
                 conv = template_conversation(check_conversation(conv))
                 text, ids = chat_prompt(tok, conv, add_generation_prompt, continue_final_message, template_kwargs,
-                                        tools)
+                                        tools, chat_template)
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
             except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) too
                 prompts.append(_Rejected(f"conversation {i}: {e}"))

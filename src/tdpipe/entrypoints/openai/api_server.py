@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -79,6 +80,12 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
     limit = config.max_request_body_bytes
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    # added last, so outermost: a browser's preflight (OPTIONS) is answered before the key is asked for
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
+    if engine is not None:
+        _use_chat_template(engine, config)
     _add_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -189,7 +196,14 @@ def build_app(engine: EngineClient | None, config: ServerConfig | None = None) -
 def set_engine(app: FastAPI, engine: EngineClient) -> None:
     """Attach the engine once it has started (serve builds the app first, so /health answers 503
     meanwhile)."""
+    _use_chat_template(engine, app.state.config)
     app.state.engine = engine
+
+
+def _use_chat_template(engine: EngineClient, config: ServerConfig) -> None:
+    """--chat-template: the engine's tokenizer renders with it from now on (chat, /tokenize)."""
+    if config.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = config.chat_template
 
 
 def _model_card(serving: OpenAIServing) -> ModelCard:
@@ -391,7 +405,7 @@ def uvicorn_config(app: FastAPI, config: ServerConfig) -> Any:
     return uvicorn.Config(app, lifespan="off", access_log=config.access_log, http=IdleClosingProtocol,
                           timeout_graceful_shutdown=config.shutdown_grace_s,
                           timeout_keep_alive=config.timeout_keep_alive_s,
-                          limit_concurrency=config.max_connections, log_level="info")
+                          limit_concurrency=config.max_connections, log_level=config.uvicorn_log_level)
 
 
 async def serve(engine_config: Any, config: ServerConfig, sock: socket.socket) -> int:

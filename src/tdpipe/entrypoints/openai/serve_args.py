@@ -4,6 +4,7 @@ server only to serve, so the server may import ServerConfig from here without a 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
@@ -12,7 +13,8 @@ from tdpipe.engine_args import EngineArgs
 
 
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices (entrypoints/openai/tool_calls.py)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser's choices (entrypoints/openai/reasoning.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # --reasoning-parser's choices (entrypoints/openai/reasoning.py)
 
 
 @dataclass
@@ -40,6 +42,13 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # hermes
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser: <think>...</think> to message.reasoning
+    chat_template: str | None = None  # vLLM's --chat-template: this Jinja text instead of the model's own
+    uvicorn_log_level: str = "info"
+    # vLLM's CORS settings and defaults: any origin, method and header, without credentials
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -48,6 +57,9 @@ class ServerConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
                              f"{self.reasoning_parser!r}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, got "
+                             f"{self.uvicorn_log_level!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser hermes)")
         if self.api_key is not None and not self.api_key:
@@ -104,7 +116,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="close an idle keep-alive connection after this long; keep it above the clients' "
                         "pool expiry (httpx and the openai client: 5 s, aiohttp: 15 s), or a request sent "
                         f"as the server closes the connection fails (default {d.timeout_keep_alive_s:g})")
-    g.add_argument("--no-access-log", action="store_true", help="no log line per HTTP request")
+    g.add_argument("--no-access-log", "--disable-uvicorn-access-log", dest="no_access_log", action="store_true",
+                   help="no log line per HTTP request (the second name is vLLM's)")
+    g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=d.uvicorn_log_level,
+                   help="uvicorn's own log level (vLLM's flag)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's own, "
+                        "or for a model that has none (vLLM's flag)")
+    g.add_argument("--allowed-origins", type=_json_list, default=list(d.allowed_origins), metavar="JSON",
+                   help="CORS: origins browsers may call from, a JSON list (vLLM's flag and default: [\"*\"])")
+    g.add_argument("--allowed-methods", type=_json_list, default=list(d.allowed_methods), metavar="JSON",
+                   help="CORS: allowed methods, a JSON list (default [\"*\"])")
+    g.add_argument("--allowed-headers", type=_json_list, default=list(d.allowed_headers), metavar="JSON",
+                   help="CORS: allowed headers, a JSON list (default [\"*\"])")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in every answer (OpenAI's field, vLLM's "
                         "flag): the prompt tokens the prefix cache held")
@@ -134,7 +159,34 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         access_log=not a.no_access_log,
                         enable_prompt_tokens_details=a.enable_prompt_tokens_details,
                         enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                        reasoning_parser=a.reasoning_parser)
+                        reasoning_parser=a.reasoning_parser, chat_template=read_chat_template(a.chat_template),
+                        uvicorn_log_level=a.uvicorn_log_level, allowed_origins=tuple(a.allowed_origins),
+                        allowed_methods=tuple(a.allowed_methods), allowed_headers=tuple(a.allowed_headers),
+                        allow_credentials=a.allow_credentials)
+
+
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's form of the CORS flags)."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, such as '[\"*\"]', got {text!r}")
+    return v
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template's text: the file it names, or the value itself when it is a Jinja template (vLLM reads
+    it the same way); anything else is one error naming the flag."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:

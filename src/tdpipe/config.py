@@ -352,6 +352,8 @@ class ParallelConfig:
 
 
 DISAGGREGATIONS = ("none", "pd")  # --disaggregation (core/pd_parts.py)
+# the generation_config.json keys that set sampling defaults (vLLM's get_diff_sampling_param reads these six)
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 QUANTIZATIONS = ("auto", "none", "w8a8", "gguf", "awq")  # --quantization: how the linears run (model/quantization.py)
 
 
@@ -362,6 +364,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # no tokenizer at all: token ids in, token ids out (vLLM's)
     # auto: the model's generation_config.json sets the sampling defaults (vLLM's); vllm: tdpipe's own
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: these generation_config.json keys over the file's (auto) or alone
+    override_generation_config: dict[str, Any] | None = None
     dtype: str = "auto"  # auto | bfloat16 | float32
     quantization: str = "auto"  # one of QUANTIZATIONS (model/quantization.py)
     seed: int = 0
@@ -404,6 +408,12 @@ class EngineConfig:
                f"sampling_device must be one of {', '.join(SAMPLING_DEVICES)}, got {self.sampling_device!r}")
         _check(self.generation_config in GENERATION_CONFIGS, f"generation_config must be one of "
                f"{', '.join(GENERATION_CONFIGS)}, got {self.generation_config!r}")
+        over = self.override_generation_config
+        _check(over is None or isinstance(over, dict), f"override_generation_config must be a dict or None, got "
+                                                       f"{over!r}")
+        unknown = sorted(set(over or {}) - set(GENERATION_SAMPLING_KEYS))
+        _check(not unknown, f"override_generation_config: {', '.join(map(repr, unknown))} is not a sampling key "
+                            f"of generation_config.json (known: {', '.join(GENERATION_SAMPLING_KEYS)})")
         _check(self.parallel.disaggregation == "none" or self.scheduler.policy == "separate",
                f"scheduler is {self.scheduler.policy!r}: disaggregation 'pd' schedules each side itself (whole "
                "prompts on the prefill instances, every running request on the decode instances); leave scheduler "

@@ -19,7 +19,7 @@ from tdpipe.config import (DEVICES, DISAGGREGATIONS, GENERATION_CONFIGS, KV_CACH
                            SAMPLING_DEVICES, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig)
 from tdpipe.core.scheduler.registry import get_policy, knob_owners, policies, policy_names
 from tdpipe.ignored_args import add_ignored_flags, drop_ignored, warn_ignored_flags
-from tdpipe.options import add_flag, add_flags, flagged, from_namespace, option
+from tdpipe.options import add_flag, add_flags, flagged, from_namespace, json_object, option
 from tdpipe.platforms import check_device
 from tdpipe.predictor.factory import check_predictor_spec
 
@@ -98,6 +98,11 @@ class EngineArgs:
                                         "repetition_penalty, max_new_tokens), as vLLM does; vllm = tdpipe's (vLLM's) "
                                         "own defaults (default: %(default)s)", "--generation-config",
         choices=list(GENERATION_CONFIGS))
+    override_generation_config: dict[str, Any] | None = option(
+        EngineConfig.override_generation_config, "JSON of generation_config.json keys (temperature, top_p, top_k, "
+                                                 "min_p, repetition_penalty, max_new_tokens) over the model's file "
+                                                 "with --generation-config auto, or alone with vllm (vLLM's flag)",
+        "--override-generation-config", type=json_object, metavar="JSON")
     skip_tokenizer_init: bool = option(
         EngineConfig.skip_tokenizer_init, "load no tokenizer (vLLM's): prompts must be token ids and outputs "
                                           "have no text, as RL rollouts that tokenize themselves run; offline "
@@ -353,7 +358,7 @@ class EngineArgs:
         check_device(self.device)  # DeviceUnavailable, one line; the engine builder resolves auto
         return EngineConfig(
             model=self.model, tokenizer=self.tokenizer, skip_tokenizer_init=self.skip_tokenizer_init,
-            generation_config=self.generation_config,
+            generation_config=self.generation_config, override_generation_config=self.override_generation_config,
             dtype=self.dtype, quantization=self.quantization, seed=self.seed,
             num_threads=self.num_threads, trace=self.trace,
             record_history=self.record_history, collect_trace=self.collect_trace,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any, Callable
 
 Text = str | Callable[[], str]  # a help text, or a function that writes it when the parser is built
@@ -29,6 +30,17 @@ def option(default: Any, help: Text, *flags: str, type: Callable[[str], Any] | N
     meta = {"flags": flags, "help": help, "type": type, "metavar": metavar, "choices": choices, "action": action,
             "group": group, "shown": shown}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value ('{"temperature": 0.5}'); a usage error otherwise."""
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, such as '{{\"temperature\": 0.5}}', got {text!r}")
+    return v
 
 
 def flagged(cls: type) -> list[dataclasses.Field]:

@@ -205,9 +205,10 @@ class EngineBuilder:
 
     def _sampling_defaults(self) -> dict[str, Any]:
         """What the model's generation_config.json sets for requests that leave it out (--generation-config)."""
+        override = self.config.override_generation_config
         if self.hf_config is not None:  # an in-memory config has no folder
-            return {}
-        return model_sampling_defaults(self.model_path, self.config.generation_config)
+            return model_sampling_defaults(None, "vllm", override)
+        return model_sampling_defaults(self.model_path, self.config.generation_config, override)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

@@ -88,3 +88,24 @@ def test_offline_chat_template_keyword():
     with pytest.raises(NoChatTemplate):
         chat_prompt(tok, USER)
     assert chat_prompt(tok, USER, chat_template=TEMPLATE)[0] == "[user:hi]>"
+
+
+def test_run_batch_shapes_answers_with_the_same_flags(tmp_path):
+    """run-batch takes serve's answer flags (tools, reasoning, chat template, cached tokens) and refuses a bad
+    combination before it writes anything."""
+    from tdpipe.entrypoints.openai.serve_args import answer_settings
+    from tdpipe.entrypoints.preflight import PreflightError
+    from tdpipe.entrypoints.run_batch import cmd_run_batch
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}\n')
+    a = build_parser().parse_args(["run-batch", "-i", str(src), "-o", str(out), "--reasoning-parser", "qwen3",
+                                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                   "--chat-template", TEMPLATE, "--enable-prompt-tokens-details"])
+    assert answer_settings(a) == {"chat_template": TEMPLATE, "enable_prompt_tokens_details": True,
+                                  "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+                                  "reasoning_parser": "qwen3"}
+    bad = build_parser().parse_args(["run-batch", "-i", str(src), "-o", str(out), "--enable-auto-tool-choice"])
+    with pytest.raises(PreflightError, match="needs tool_call_parser"):
+        cmd_run_batch(bad)
+    assert not out.exists()

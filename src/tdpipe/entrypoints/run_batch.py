@@ -21,6 +21,7 @@ from typing import Any
 from tdpipe import aio
 from tdpipe.engine_args import EngineArgs
 from tdpipe.entrypoints.batch_file import BatchLine, BatchSink, error_record, parse_batch, response_record
+from tdpipe.entrypoints.openai.serve_args import ServerConfig, add_answer_flags, answer_settings
 from tdpipe.entrypoints.preflight import PreflightError, check_model, check_readable, check_writable
 
 CONCURRENCY_PER_SEQ = 2  # default --max-concurrency = this x max_num_seqs: a full batch and as many queued
@@ -51,6 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the model name a body's 'model' must match (default: the model folder's name; a "
                         "body without 'model' always matches)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_answer_flags(p.add_argument_group("answers (as `tdpipe serve` shapes them)"))
     EngineArgs.add_cli_args(p)
     p.set_defaults(fn=cmd_run_batch)
 
@@ -66,6 +68,10 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
     if a.max_concurrency is not None and a.max_concurrency < 1:
         raise PreflightError(f"--max-concurrency must be >= 1, got {a.max_concurrency}")
     ecfg = EngineArgs.from_cli(a).create_engine_config()  # bad engine flags fail here, before anything is written
+    try:  # so do the answer flags (--chat-template's file, --enable-auto-tool-choice without a parser)
+        ServerConfig(**answer_settings(a))
+    except ValueError as e:
+        raise PreflightError(str(e)) from None
     from tdpipe.core.async_llm import AsyncLLM
 
     AsyncLLM.check_config(ecfg)
@@ -186,7 +192,8 @@ async def _run(ecfg: Any, requests: list[BatchLine], sink: BatchSink, bar: Any,
             return outcome
         try:
             await BatchRunner(llm, sink, bar, stop, outcome, a.served_model_name,
-                              a.max_concurrency or CONCURRENCY_PER_SEQ * llm.max_num_seqs).run(requests)
+                              a.max_concurrency or CONCURRENCY_PER_SEQ * llm.max_num_seqs,
+                              answer_settings(a)).run(requests)
         finally:
             await llm.shutdown(grace_s=0)
         return outcome
@@ -209,22 +216,23 @@ class BatchRunner:
     retried, an abort is left unanswered (and reported)."""
 
     def __init__(self, llm: Any, sink: BatchSink, bar: Any, stop: asyncio.Event, outcome: Outcome,
-                 served_model_name: str | None, concurrency: int) -> None:
+                 served_model_name: str | None, concurrency: int, answers: dict[str, Any] | None = None) -> None:
+        """`answers`: ServerConfig keywords of the answer-shaping flags (serve_args.answer_settings)."""
         self.llm = llm
         self.sink = sink
         self.bar = bar
         self.stop = stop
         self.outcome = outcome
         self.served_model_name = served_model_name
+        self.answers = answers or {}
         self.concurrency = concurrency
 
     def app(self) -> Any:
         from tdpipe.entrypoints.openai.api_server import build_app
-        from tdpipe.entrypoints.openai.serve_args import ServerConfig
 
         limit = max(ServerConfig.max_waiting_requests, self.concurrency)  # admission never refuses our own
         return build_app(self.llm, ServerConfig(served_model_name=self.served_model_name,
-                                                max_waiting_requests=limit, access_log=False))
+                                                max_waiting_requests=limit, access_log=False, **self.answers))
 
     async def run(self, requests: list[BatchLine]) -> None:
         import httpx

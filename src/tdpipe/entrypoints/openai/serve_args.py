@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from tdpipe.config import EngineConfig
 from tdpipe.engine_args import EngineArgs
@@ -120,9 +121,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="no log line per HTTP request (the second name is vLLM's)")
     g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=d.uvicorn_log_level,
                    help="uvicorn's own log level (vLLM's flag)")
-    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                   help="a Jinja chat template (a file, or the template itself) used instead of the model's own, "
-                        "or for a model that has none (vLLM's flag)")
     g.add_argument("--allowed-origins", type=_json_list, default=list(d.allowed_origins), metavar="JSON",
                    help="CORS: origins browsers may call from, a JSON list (vLLM's flag and default: [\"*\"])")
     g.add_argument("--allowed-methods", type=_json_list, default=list(d.allowed_methods), metavar="JSON",
@@ -130,6 +128,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--allowed-headers", type=_json_list, default=list(d.allowed_headers), metavar="JSON",
                    help="CORS: allowed headers, a JSON list (default [\"*\"])")
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    add_answer_flags(g)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it: the same as --model (give one of the two)")
+    EngineArgs.add_cli_args(p)
+    return p
+
+
+def add_answer_flags(g: argparse._ActionsContainer) -> None:
+    """The flags that shape answers (serve and run-batch share them): the chat template, tool calls,
+    reasoning, the usage's cached tokens."""
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's own, "
+                        "or for a model that has none (vLLM's flag)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in every answer (OpenAI's field, vLLM's "
                         "flag): the prompt tokens the prefix cache held")
@@ -142,10 +153,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="a thinking model's <think>...</think> goes to the message's `reasoning` field, the rest "
                         "to its content (vLLM's flag; qwen3 also ends the reasoning at a <tool_call>)")
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it: the same as --model (give one of the two)")
-    EngineArgs.add_cli_args(p)
-    return p
+
+
+def answer_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """ServerConfig's keywords from add_answer_flags' flags."""
+    return {"chat_template": read_chat_template(a.chat_template),
+            "enable_prompt_tokens_details": a.enable_prompt_tokens_details,
+            "enable_auto_tool_choice": a.enable_auto_tool_choice, "tool_call_parser": a.tool_call_parser,
+            "reasoning_parser": a.reasoning_parser}
 
 
 def server_config(a: argparse.Namespace) -> ServerConfig:
@@ -156,10 +171,7 @@ def server_config(a: argparse.Namespace) -> ServerConfig:
                         max_prompts_per_request=a.max_prompts_per_request, max_connections=a.max_connections,
                         host=a.host, port=a.port,
                         shutdown_grace_s=a.shutdown_grace, timeout_keep_alive_s=a.timeout_keep_alive,
-                        access_log=not a.no_access_log,
-                        enable_prompt_tokens_details=a.enable_prompt_tokens_details,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                        reasoning_parser=a.reasoning_parser, chat_template=read_chat_template(a.chat_template),
+                        access_log=not a.no_access_log, **answer_settings(a),
                         uvicorn_log_level=a.uvicorn_log_level, allowed_origins=tuple(a.allowed_origins),
                         allowed_methods=tuple(a.allowed_methods), allowed_headers=tuple(a.allowed_headers),
                         allow_credentials=a.allow_credentials)

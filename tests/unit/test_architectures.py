@@ -241,7 +241,8 @@ def test_refusals_name_the_problem():
             "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
     with pytest.raises(ValueError, match="attn_logit_softcapping must be a positive number or null, got -1.0"):
         ModelConfig.from_hf({**base, "attn_logit_softcapping": -1.0})
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: Gemma2ForCausalLM, Gemma3ForCausalLM, .*"
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: Gemma2ForCausalLM, "
+                                         "Gemma3ForCausalLM, .*"
                                          "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
         ModelConfig.from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):

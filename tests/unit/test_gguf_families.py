@@ -310,7 +310,8 @@ def test_configs_carry_family_keys(written: dict) -> None:
     assert phi["rope_scaling"]["long_factor"] == [1.0 + i / 8 for i in range(4)]
     assert phi["partial_rotary_factor"] == 0.5 and "partial_rotary_factor" not in cfg["llama"]
     g2 = cfg["gemma2"]
-    assert (g2["model_type"], g2["head_dim"], g2["sliding_window"], g2["query_pre_attn_scalar"]) == ("gemma2", 32, 8, 32)
+    assert (g2["model_type"], g2["head_dim"], g2["sliding_window"], g2["query_pre_attn_scalar"]) == \
+        ("gemma2", 32, 8, 32)
     assert (g2["attn_logit_softcapping"], g2["final_logit_softcapping"]) == (50.0, 30.0)
     assert g2["layer_types"] == ["sliding_attention", "full_attention"] and "rope_local_base_freq" not in g2
     g = cfg["gemma3"]

@@ -115,7 +115,8 @@ def test_preflight_accepts_known_random_models_and_names_unknown_ones():
     from tdpipe.entrypoints.preflight import PreflightError, check_model
 
     check_model("random:qwen2.5-0.5b")
-    with pytest.raises(PreflightError, match="random:nope: unknown random model; known: random:gemma-2-2b, random:gemma-3-270m, random:llama"):
+    with pytest.raises(PreflightError, match="random:nope: unknown random model; known: random:gemma-2-2b, "
+                                             "random:gemma-3-270m, random:llama"):
         check_model("random:nope")
     with pytest.raises(PreflightError, match="--model /no/such: no such file or directory"):
         check_model("/no/such")

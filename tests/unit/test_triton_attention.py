@@ -1,7 +1,8 @@
 """Triton paged attention (model/triton_attention.py) under Triton's CPU interpreter, against float64 dense
 attention: store_kv, prefill with and without a cached prefix, decode with and without split-K, GQA, head
-sizes 64 / 80 / 128 / 256, block sizes 16 / 5 / 8, odd lengths and block boundaries, sliding windows, Gemma 2's
-soft-capped scores, float32 / bfloat16 / float16 caches; the forced-Triton dispatch on CPU tensors and a tiny model's logits.
+sizes 64 / 80 / 128 / 256, block sizes 16 / 5 / 8, odd lengths and block boundaries, sliding windows,
+Gemma 2's soft-capped scores, float32 / bfloat16 / float16 caches; the forced-Triton dispatch on CPU tensors
+and a tiny model's logits.
 
 The interpreter runs the kernels' code on CPU tensors (correctness only; compiled-mode numerics and speed
 need a GPU); the kernels use it for CPU tensors whether or not TRITON_INTERPRET=1 is set. It multiplies

@@ -14,8 +14,8 @@ from tdpipe.engine_args import EngineArgs
 
 
 TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices (entrypoints/openai/tool_calls.py)
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # --reasoning-parser's choices (entrypoints/openai/reasoning.py)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # --reasoning-parser's choices (entrypoints/openai/reasoning.py)
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass

@@ -247,3 +247,21 @@ async def test_earlier_calls_and_tool_results_go_back_into_the_template():
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls[0]"
         r = await c.post(CHAT, json={"messages": [{"role": "assistant", "content": None}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_parallel_tool_calls_false_keeps_the_first_call(stream):
+    eng = FakeAsyncLLM(max_model_len=1024)
+    eng.script = CALLS
+    async with await _client(eng, **AUTO) as c:
+        r = await c.post(CHAT, json={"messages": USER, "tools": [WEATHER, CLOCK], "parallel_tool_calls": False,
+                                     "stream": stream})
+    if stream:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+                  if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+        calls = [c for d in deltas for c in d.get("tool_calls") or []]
+    else:
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert _names_args(calls) == [("get_weather", {"city": "Paris"})]
+    req = plan([WEATHER, CLOCK], "required", False, None, parallel_tool_calls=False)
+    assert req.schema["maxItems"] == 1 and req.single

@@ -300,7 +300,7 @@ class ChatCompletionRequest(_GenerationRequest, _ChatTemplateFlags):
     messages: list[Any]  # ChatMessage each, checked by conversation() (chat_messages)
     tools: list[Any] | None = None  # checked by tool_calls.plan, with tool_choice
     tool_choice: Any = None  # none | auto (the default with tools) | required | {"type": "function", ...}
-    parallel_tool_calls: bool | None = None  # accepted; the parser returns every call the answer makes
+    parallel_tool_calls: bool | None = None  # false: the first call only (vLLM's rule)
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (with --reasoning-parser)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both work
     max_completion_tokens: int | None = None

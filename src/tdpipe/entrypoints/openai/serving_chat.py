@@ -71,6 +71,7 @@ def answer(tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatM
     the model's own for a named call (OpenAI's rule, which vLLM follows)."""
     if tools.mode == "auto":
         content, calls = parse_hermes(text)
+        calls = calls[:1] if tools.single else calls
         return ChatMessageOut(content=content, tool_calls=calls), ("tool_calls" if calls else finish_reason)
     if tools.mode in ("named", "required"):
         calls = parse_forced(tools, text)
@@ -127,6 +128,8 @@ class StreamedCalls:
             if finished:
                 calls = parse_forced(self.tools, self.forced)
                 content = "" if calls else self.forced
+        if self.tools.single:  # parallel_tool_calls false: the first call only
+            calls = calls[:max(0, 1 - self.sent)]
         out = [{"index": self.sent + k, **c} for k, c in enumerate(calls)]
         self.sent += len(calls)
         delta = DeltaMessage(content=content or None, tool_calls=out or None)
@@ -143,7 +146,8 @@ class ChatServing:
 
     def shape(self, req: ChatCompletionRequest) -> Shape:
         cfg = self.s.config
-        tools = plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser)
+        tools = plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                     req.parallel_tool_calls)
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
         return Shape(tools, cfg.reasoning_parser, thinking, req.include_reasoning)
 

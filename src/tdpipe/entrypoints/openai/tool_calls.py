@@ -49,6 +49,7 @@ class ToolPlan:
     name: str | None = None  # the named function
     schema: dict[str, Any] | None = None
     parser: str | None = None  # auto: the parser of the answer's text
+    single: bool = False  # parallel_tool_calls false: the first call only (vLLM's rule)
 
     @property
     def parses(self) -> bool:
@@ -92,8 +93,19 @@ def _params(fn: dict[str, Any]) -> dict[str, Any]:
     return fn.get("parameters") or {"type": "object", "properties": {}}
 
 
-def plan(tools: Any, tool_choice: Any, enable_auto: bool, parser: str | None) -> ToolPlan:
-    """The request's tools and tool_choice checked and resolved (vLLM's rules); a 400 naming the field."""
+def plan(tools: Any, tool_choice: Any, enable_auto: bool, parser: str | None,
+         parallel_tool_calls: bool | None = None) -> ToolPlan:
+    """The request's tools and tool_choice checked and resolved (vLLM's rules); a 400 naming the field.
+    `parallel_tool_calls` false: at most one call ("required" holds the array to one item)."""
+    p = _plan(tools, tool_choice, enable_auto, parser)
+    if parallel_tool_calls is False:
+        p.single = True
+        if p.mode == "required" and p.schema is not None:
+            p.schema = {**p.schema, "maxItems": 1}
+    return p
+
+
+def _plan(tools: Any, tool_choice: Any, enable_auto: bool, parser: str | None) -> ToolPlan:
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
             raise bad_request("'tool_choice' names a tool but 'tools' is empty", "tool_choice", "invalid_value")

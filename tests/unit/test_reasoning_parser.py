@@ -109,3 +109,16 @@ async def test_a_call_after_the_reasoning_is_parsed(stream):
         thought, content, calls = msg["reasoning"], msg["content"], msg["tool_calls"]
     assert thought == "I need the weather." and not (content or "").strip() and finish == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("w", {"c": 1})]
+
+
+async def test_a_constrained_answer_has_no_reasoning():
+    """A forced call or structured output holds the answer to a grammar from its first token: with a
+    reasoning parser the whole answer is still the call (or the content), never reasoning."""
+    tools = [{"type": "function", "function": {"name": "w"}}]
+    r = await _post('{"c": 1}', {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "w"}}},
+                    reasoning_parser="qwen3")
+    msg = r.json()["choices"][0]["message"]
+    assert "reasoning" not in msg and [(c["function"]["name"], c["function"]["arguments"])
+                                       for c in msg["tool_calls"]] == [("w", '{"c": 1}')]
+    r = await _post('{"a": 2}', {"response_format": {"type": "json_object"}}, reasoning_parser="qwen3")
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": '{"a": 2}'}

@@ -149,7 +149,9 @@ class ChatServing:
         tools = plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                      req.parallel_tool_calls)
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        return Shape(tools, cfg.reasoning_parser, thinking, req.include_reasoning)
+        # an output held to a grammar (a forced call, structured output) has no reasoning before it
+        constrained = tools.schema is not None or req.structured()[0] is not None
+        return Shape(tools, cfg.reasoning_parser, thinking and not constrained, req.include_reasoning)
 
     @staticmethod
     def constrain(req: ChatCompletionRequest, sp: Any, tools: ToolPlan) -> Any:

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tdpipe.model.gguf_families import FAMILIES, GLOBAL_NAMES, Family
+from tdpipe.model.gguf_families import (FAMILIES, GEMMA2_27B_LAYERS, GLOBAL_NAMES, Family,
+                                        derived_query_pre_attn_scalar)
 
 # HF architecture -> what llama.cpp writes in general.architecture (Mistral is written as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -100,7 +101,8 @@ def _gemma2_metadata(w: Any, cfg: dict[str, Any], head_dim: int) -> None:
         if cfg.get(key):
             add(float(cfg[key]))
     qpas = cfg.get("query_pre_attn_scalar", 256)
-    derived = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else head_dim
+    derived = derived_query_pre_attn_scalar(cfg["num_hidden_layers"], cfg["hidden_size"],
+                                            cfg["num_attention_heads"], head_dim, GEMMA2_27B_LAYERS)
     if qpas != derived:
         w.add_attention_scale(float(qpas) ** -0.5)
 

@@ -164,17 +164,25 @@ def _gemma3_layer_types(meta: Meta, layers: int) -> list[str]:
     return ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
 
 
+GEMMA2_27B_LAYERS, GEMMA3_27B_LAYERS = 46, 62  # llama.cpp tells its 27B models apart by layer count
+
+
+def derived_query_pre_attn_scalar(layers: int, hidden: int, heads: int, head_dim: int, layers_27b: int) -> int:
+    """What llama.cpp scales Gemma 2/3's attention by without an attention.scale key: hidden / heads for
+    the 27B models (`layers_27b` layers), head_dim for the others (gguf_export writes the key elsewhere)."""
+    return hidden // heads if layers == layers_27b else head_dim
+
+
 def query_pre_attn_scalar(meta: Meta, layers_27b: int) -> int | float:
     """Gemma 2/3's attention scale as llama.cpp derives it: the file's attention.scale (1/sqrt(scalar)) where
-    it states one, else hidden / heads for the 27B models (`layers_27b` layers: 46 in Gemma 2, 62 in Gemma 3)
-    and head_dim for the others."""
-    layers, hidden = int(meta.key("block_count")), int(meta.key("embedding_length"))
+    it states one, else derived_query_pre_attn_scalar."""
     scale = meta.key("attention.scale", None)
     if scale:
         qpas = float(np.float32(1.0) / (np.float32(scale) ** 2))
         return int(round(qpas)) if abs(qpas - round(qpas)) < 1e-3 else qpas
-    return hidden // int(meta.key("attention.head_count")) if layers == layers_27b else \
-        int(meta.key("attention.key_length"))
+    return derived_query_pre_attn_scalar(int(meta.key("block_count")), int(meta.key("embedding_length")),
+                                         int(meta.key("attention.head_count")),
+                                         int(meta.key("attention.key_length")), layers_27b)
 
 
 def _gemma2(meta: Meta) -> dict[str, Any]:
@@ -188,7 +196,7 @@ def _gemma2(meta: Meta) -> dict[str, Any]:
         "rope_theta": float(meta.key("rope.freq_base", 10_000.0)),
         "sliding_window": int(meta.key("attention.sliding_window")),
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        "query_pre_attn_scalar": query_pre_attn_scalar(meta, 46),
+        "query_pre_attn_scalar": query_pre_attn_scalar(meta, GEMMA2_27B_LAYERS),
         "final_logit_softcapping": float(softcap) if softcap else None,
         "attn_logit_softcapping": float(attn_softcap) if attn_softcap else None,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -201,7 +209,7 @@ def _gemma2(meta: Meta) -> dict[str, Any]:
 def _gemma3(meta: Meta) -> dict[str, Any]:
     layers = int(meta.key("block_count"))
     head_dim = int(meta.key("attention.key_length"))
-    qpas = query_pre_attn_scalar(meta, 62)
+    qpas = query_pre_attn_scalar(meta, GEMMA3_27B_LAYERS)
     softcap = meta.key("final_logit_softcapping", None)
     attn_softcap = meta.key("attn_logit_softcapping", None)
     window = meta.key("attention.sliding_window")

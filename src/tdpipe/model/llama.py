@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.logits_scale != 1.0:
             logits = logits / self.cfg.logits_scale
         c = self.cfg.final_logit_softcap
-        return logits if c is None else torch.tanh(logits / c) * c
+        return logits if c is None else pa.soft_cap(logits, c)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         qs = q[q0:q1].float().reshape(n, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         scores = torch.matmul(qs, k.unsqueeze(1).transpose(-1, -2)) * scale  # [Hkv, G, n, L]
         if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
+            scores = soft_cap(scores, softcap)
         qpos = torch.arange(seq_len - n, seq_len, device=q.device)
         kpos = torch.arange(b0 * bs, seq_len, device=q.device)
         mask = kpos[None, :] > qpos[:, None]  # [n, L]
@@ -315,8 +315,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             rows = (first + torch.arange(n, device=q.device)).reshape(-1)
             qs, ks, vs = (x[rows].view(len(starts), n, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
         if softcap:
-            mask = _band_mask(n, sliding_window, q.device) if sliding_window else _band_mask(n, n, q.device)
-            o = _capped_attention(qs, ks, vs, mask, scale, softcap)
+            o = _capped_attention(qs, ks, vs, _band_mask(n, sliding_window or n, q.device), scale, softcap)
         elif sliding_window and n >= sliding_window:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=_band_mask(n, sliding_window, q.device),
                                                scale=scale, enable_gqa=gqa)
@@ -324,6 +323,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out[rows] = o.transpose(1, 2).reshape(-1, hq, d)
     return out
+
+
+def soft_cap(x: torch.Tensor, c: float) -> torch.Tensor:
+    """c * tanh(x / c): Gemma 2's soft-cap of attention scores and of logits, as transformers computes it."""
+    return torch.tanh(x / c) * c
 
 
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -336,8 +340,7 @@ def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    w = torch.matmul(q, k.transpose(-1, -2)) * scale
-    w = torch.tanh(w / softcap) * softcap
+    w = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
     return torch.matmul(torch.softmax(w, dim=-1), v).to(dtype)
 

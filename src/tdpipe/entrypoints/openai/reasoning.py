@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-THINK_START, THINK_END, TOOL_START = "<think>", "</think>", "<tool_call>"
+from tdpipe.entrypoints.openai.tool_calls import TOOL_OPEN, partial_suffix
+
+THINK_START, THINK_END = "<think>", "</think>"
 
 
 def _markers(parser: str) -> tuple[str, ...]:
-    return (THINK_START, THINK_END, TOOL_START) if parser == "qwen3" else (THINK_START, THINK_END)
+    return (THINK_START, THINK_END, TOOL_OPEN) if parser == "qwen3" else (THINK_START, THINK_END)
 
 
 def split(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
@@ -51,7 +53,7 @@ class ReasoningStream:
         while True:
             hits = [(i, m) for m in _markers(self.parser) if (i := self.held.find(m)) >= 0]
             if not hits:
-                keep = max(_partial_suffix(self.held, m) for m in _markers(self.parser))
+                keep = max(partial_suffix(self.held, m) for m in _markers(self.parser))
                 cut = len(self.held) - keep
                 reasoning, self.held = reasoning + self.held[:cut], self.held[cut:]
                 return reasoning, ""
@@ -68,14 +70,6 @@ class ReasoningStream:
         """What is still held: reasoning (the answer ended inside it)."""
         held, self.held = self.held, ""
         return held
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 __all__ = ["ReasoningStream", "split"]

@@ -144,14 +144,17 @@ class ChatServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.s = serving
 
-    def shape(self, req: ChatCompletionRequest) -> Shape:
+    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan:
         cfg = self.s.config
-        tools = plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
-                     req.parallel_tool_calls)
+        return plan(req.tools, req.tool_choice, cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                    req.parallel_tool_calls)
+
+    def shape(self, req: ChatCompletionRequest, tools: ToolPlan, sp: Any) -> Shape:
+        """`sp`: the request's sampling parameters with the tools' constraint in (constrain()): an output
+        held to a grammar (a forced call, structured output) has no reasoning before it."""
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        # an output held to a grammar (a forced call, structured output) has no reasoning before it
-        constrained = tools.schema is not None or req.structured()[0] is not None
-        return Shape(tools, cfg.reasoning_parser, thinking and not constrained, req.include_reasoning)
+        return Shape(tools, self.s.config.reasoning_parser, thinking and sp.structured_outputs is None,
+                     req.include_reasoning)
 
     @staticmethod
     def constrain(req: ChatCompletionRequest, sp: Any, tools: ToolPlan) -> Any:
@@ -197,8 +200,9 @@ class ChatServing:
         eng = self.s.engine()
         name, ignored = self.s.common_checks(req, eng)
         max_tokens, max_field = req.output_limit()
-        shape = self.shape(req)
-        sp = self.constrain(req, self.s.sampling_params(req, max_tokens, max_field, eng), shape.tools)
+        tools = self.tool_plan(req)
+        sp = self.constrain(req, self.s.sampling_params(req, max_tokens, max_field, eng), tools)
+        shape = self.shape(req, tools, sp)
         run = await self.s.admitted(eng, 1, lambda: self.prepare(req, eng, name, ignored, sp, max_field,
                                                                  shape.tools), "messages")
         prep = run.prep

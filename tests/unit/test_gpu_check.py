@@ -123,3 +123,21 @@ def test_a_step_runs_in_a_process_of_its_own_within_the_budget(tmp_path):
     assert env["seconds"] > 0 and (tmp_path / "logs" / "environment.log").is_file()
     spent = gc.Runner(gc.TINY, "cpu", isolate=True, budget_s=5, log_dir=None).run("parity")
     assert spent["status"] == "not run" and "budget" in spent["error"]
+
+
+def test_pipeline_depth_reaches_the_throughput_engines(tmp_path, monkeypatch):
+    """--pipeline-depth 2: the throughput steps' engines keep two micro-batches in flight (pp = 1), and the
+    JSON says which depth each ran at."""
+    from tdpipe.cli import main
+
+    monkeypatch.setattr(gc, "MODELS_ROOT", tmp_path / "models")
+    seen = []
+    real = gc.job_engine
+    monkeypatch.setitem(gc.JOBS, "engine", lambda *a, **kw: seen.append(kw.get("depth")) or real(*a, **kw))
+    out = tmp_path / "check.json"
+    main(["gpu-check", "run", "--dry-run", "--in-process", "--steps", "throughput_bundled", "--pipeline-depth", "2",
+          "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert seen == [2] and doc["pipeline_depth"] == 2
+    eng = doc["steps"]["throughput_bundled"]["engine"]
+    assert eng["pipeline_depth"] == 2 and eng["output_tokens"] == eng["expected_output_tokens"]

@@ -188,8 +188,9 @@ def _workload(sizes: Sizes, vocab: int) -> list[Any]:
     return wl.fixed(sizes.num_prompts, sizes.input_len, sizes.output_len, vocab, seed=0)
 
 
-def job_engine(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
-    """The engine on `model` (bf16): the fixed workload after a warm-up, with its trace's decode steps."""
+def job_engine(sizes: Sizes, device: str, model: str, depth: int | None = None) -> dict[str, Any]:
+    """The engine on `model` (bf16): the fixed workload after a warm-up, with its trace's decode steps.
+    `depth`: --pipeline-depth (micro-batches in flight; default the engine's)."""
     from tdpipe import LLM
     from tdpipe.bench.roofline import decode_events
     from tdpipe.bench.throughput import _timed_run
@@ -199,6 +200,8 @@ def job_engine(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
     cfg = json.loads((Path(path) / "config.json").read_text())
     reqs = _workload(sizes, cfg["vocab_size"])
     kw: dict[str, Any] = {"kv_cache_memory": 64 << 20} if device == "cpu" else {}
+    if depth is not None:
+        kw["pipeline_depth"] = depth
     with LLM(path, dtype="bfloat16", device=device, max_num_seqs=sizes.num_prompts, collect_trace=True, **kw) as llm:
         timed = _timed_run(llm, reqs)
         trace = llm.trace()
@@ -218,7 +221,8 @@ def job_engine(sizes: Sizes, device: str, model: str) -> dict[str, Any]:
             "elapsed_s": timed["elapsed"], "output_tokens": produced, "expected_output_tokens": expected,
             "output_tokens_per_s": produced / timed["elapsed"], "errors": errors[:3], "kv_blocks": kv_blocks,
             "decode_steps": timed["stats"]["decode_steps"], "prefill_steps": timed["stats"]["prefill_steps"],
-            "bubble_ratio": timed["summary"]["bubble_ratio"], "steps": steps, "decode_points": points}
+            "bubble_ratio": timed["summary"]["bubble_ratio"], "steps": steps, "pipeline_depth": depth,
+            "decode_points": points}
 
 
 def _timed_steps(trace: dict[str, Any], n: int, elapsed: float) -> dict[str, float]:
@@ -309,9 +313,9 @@ def _text(b: bytes | str | None) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def throughput_step(runner: Runner, model: str) -> dict[str, Any]:
+def throughput_step(runner: Runner, model: str, depth: int | None = None) -> dict[str, Any]:
     """Engine then transformers on the same prompts, each in its own process; the ratio of output tok/s."""
-    engine = runner.run("engine", model=model)
+    engine = runner.run("engine", model=model, **({"depth": depth} if depth is not None else {}))
     hf = runner.run("hf", model=model) if engine["status"] == "passed" else {"status": "not run", "seconds": 0.0,
                                                                             "error": "the engine side failed"}
     step: dict[str, Any] = {"status": "passed" if engine["status"] == hf["status"] == "passed" else
@@ -361,8 +365,9 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_check(out: Path, device: str, sizes: Sizes, isolate: bool = True, budget_s: float = BUDGET_S,
-              steps: list[str] | None = None) -> dict[str, Any]:
-    """Every step in order; the JSON at `out` is rewritten after each. Returns the document."""
+              steps: list[str] | None = None, pipeline_depth: int | None = None) -> dict[str, Any]:
+    """Every step in order; the JSON at `out` is rewritten after each. Returns the document.
+    `pipeline_depth`: the engine's --pipeline-depth in the throughput steps (default: the engine's own)."""
     order = ["environment", "parity", "tests", "throughput_bundled", "throughput_8b"]
     unknown = sorted(set(steps or []) - set(order))
     if unknown:
@@ -372,7 +377,7 @@ def run_check(out: Path, device: str, sizes: Sizes, isolate: bool = True, budget
     t0 = time.perf_counter()
     doc: dict[str, Any] = {"schema": SCHEMA, "started": _now(), "device": device,
                            "mode": "gpu" if sizes is FULL else "dry run (tiny sizes)", "sizes": asdict(sizes),
-                           "environment": {}, "steps": {}}
+                           "pipeline_depth": pipeline_depth, "environment": {}, "steps": {}}
     for name in wanted:
         if name == "environment":
             env = runner.run("environment")
@@ -380,7 +385,7 @@ def run_check(out: Path, device: str, sizes: Sizes, isolate: bool = True, budget
             res = {"status": env["status"], "seconds": env["seconds"], **({"error": env["error"]}
                                                                          if "error" in env else {})}
         elif name.startswith("throughput"):
-            res = throughput_step(runner, "small" if name == "throughput_bundled" else "large")
+            res = throughput_step(runner, "small" if name == "throughput_bundled" else "large", pipeline_depth)
             if name == "throughput_8b":
                 try:
                     res["roofline"] = roofline_of(res, doc["environment"])
@@ -456,6 +461,8 @@ def add_parser(sub: Any) -> Any:
     r.add_argument("--dry-run", action="store_true",
                    help="run the same steps on the CPU at tiny sizes (also: TDPIPE_GPU_CHECK_DEVICE=cpu)")
     r.add_argument("--steps", default=None, metavar="A,B", help="only these steps (default: all)")
+    r.add_argument("--pipeline-depth", type=int, default=None, metavar="N",
+                   help="the engine's --pipeline-depth in the throughput steps (default: the engine's)")
     r.add_argument("--budget-s", type=float, default=BUDGET_S, help="time for the whole check (default %(default)s)")
     r.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # the unit test
     r.set_defaults(fn=cmd_run)
@@ -475,7 +482,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     out = Path(a.json or Path(os.environ.get("OUT") or ".") / "gpu_check.json")
     steps = [s for s in a.steps.split(",") if s] if a.steps else None
     doc = run_check(out, "cpu" if dry else "cuda", TINY if dry else FULL, isolate=not a.in_process,
-                    budget_s=a.budget_s, steps=steps)
+                    budget_s=a.budget_s, steps=steps, pipeline_depth=a.pipeline_depth)
     print(summary(doc))
     print(f"gpu-check: wrote {out}")
     return 0 if doc["passed"] else 1

@@ -266,10 +266,12 @@ def test_step_varying_arguments_compile_generically(ta):
                      "reduce": {"num_parts"}}
 
 
-def test_decode_tiles_follow_the_h100_tuning(ta):
-    """Head dim 128 (Llama-3-8B's) takes the tuned tiles (scripts/gpu_decode_tune.py); the others keep theirs."""
+def test_decode_tiles_follow_the_gpu_tuning(ta):
+    """Head dims 128 (Llama-3-8B's) and 64 (the bundled model's) take the tuned tiles
+    (scripts/gpu_decode_tune.py); the others keep theirs."""
     assert ta.decode_tiles(128, 512) == (16, 1, 1)
-    assert ta.decode_tiles(64, 512) == (64, 4, 3)
+    assert ta.decode_tiles(64, 512) == (32, 1, 1)
+    assert ta.decode_tiles(80, 512) == (64, 4, 3)
     assert ta.decode_tiles(256, 512) == (32, 8, 3)
     assert ta.decode_tiles(64, 24) == (32, 4, 3)
 

@@ -32,9 +32,9 @@ class StepResult:
 
 class Executor:
     num_stages: int = 1
-    # submit() returns before the micro-batch is computed (stage processes): the engine then refills the
-    # pipeline before handing a step's deltas back. An in-process executor computes inside submit(), where
-    # refilling first would only hold the deltas back by one step.
+    # submit() returns before the micro-batch is computed (stage processes, or a GPU's queued work): the engine
+    # then refills the pipeline before handing a step's deltas back. An executor that computes inside submit()
+    # (the CPU's in-process one) is not: refilling first would only hold the deltas back by one step.
     asynchronous: bool = False
 
     def now(self) -> float:

@@ -262,14 +262,18 @@ def _reduce_body(out_ptr, part_m_ptr, part_l_ptr, part_o_ptr, cu_ptr, lens_ptr,
 
 
 def decode_tiles(head_dim: int, partition_size: int) -> tuple[int, int, int]:
-    """(BLOCK_N keys per iteration, warps, pipeline stages) of the decode kernel. Measured on an H100 at
-    batch 256, 129-256-token contexts, a CUDA graph's 8,192-token table (scripts/gpu_decode_tune.py,
-    bench_results/gpu/h100/decode_tune.json): at Llama-3-8B's shape (head dim 128, 4 query heads per KV head)
-    16 keys, one warp and no software pipelining took 131 us against 264 us for 64 keys, 4 warps, 3 stages:
-    the kernel waits on its block-table gathers, and one-warp programs keep more of them in flight per SM.
-    Head dim 64 measured within noise of each other; other head dims keep the earlier tiles."""
+    """(BLOCK_N keys per iteration, warps, pipeline stages) of the decode kernel, measured at batch 256,
+    129-256-token contexts and a CUDA graph's 8,192-token table (scripts/gpu_decode_tune.py). Llama-3-8B's shape
+    (head dim 128, 4 query heads per KV head): 16 keys, one warp, no software pipelining took 131 us against
+    264 us for 64 keys, 4 warps, 3 stages on an H100 (bench_results/gpu/h100/decode_tune.json), 111 against
+    247 us on an H200 timed over graph replays (bench_results/gpu/h200/nov30/decode_tune.json): the kernel waits
+    on its block-table gathers, and one-warp programs keep more of them in flight per SM. The bundled model's
+    (head dim 64, 3 per KV head) on that H200: 32 keys, one warp, one stage 27 us against 57 us. Other head
+    dims keep the earlier tiles."""
     if head_dim == 128:
         return 16, 1, 1
+    if head_dim == 64 and partition_size >= 32:
+        return 32, 1, 1
     return max(16, min(64 if head_dim <= 128 else 32, pow2(partition_size))), _warps(head_dim), 3
 
 

@@ -87,3 +87,20 @@ def test_sampling_on_the_stage_equals_sampling_in_the_engine(decisive):
         runs[where] = greedy
         assert all(len(o.outputs[0].token_ids) == N for o in sampled)  # temperature rows sampled on the device
     assert runs["stage"] == runs["engine"]
+
+
+def test_the_deferred_executor_at_depth_two_keeps_the_tokens(decisive):
+    """pp = 1 on a GPU queues each step's device work (executor/local.py); with --pipeline-depth 2 a second
+    micro-batch is queued behind the first. Greedy and seeded answers, logprobs included, equal depth 1's.
+    Added after the 2026-11-30 H200 run (not yet run on a GPU); the CPU runs the same engine side deferred
+    (tests/unit/test_local_executor.py)."""
+    folder, hf = decisive
+    prompts = _prompts()
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=N, ignore_eos=True, logprobs=1)
+    runs = []
+    for depth in (1, 2):
+        with LLM(folder, dtype="float32", device="cuda", kv_cache_memory=64 << 20, pipeline_depth=depth) as llm:
+            assert llm.engine.executor.asynchronous
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], seeded, use_tqdm=False)
+            runs.append((_generate(llm, prompts), [list(o.outputs[0].token_ids) for o in outs]))
+    assert runs[0] == runs[1] and runs[0][0] == hf_greedy(hf, prompts, N)

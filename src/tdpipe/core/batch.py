@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tdpipe.sequence import Sequence
+from tdpipe.sequence import Sequence, SequenceStatus
 from tdpipe.step_input import StepInput
 
 
@@ -36,8 +36,10 @@ class Batch:
         """Rows that get a token when this batch returns: their new tokens reach the last known token (a
         decode, or the last chunk of a prefill). An earlier prefill chunk samples nothing, and neither does a
         request aborted while the batch was in flight."""
+        finished = SequenceStatus.FINISHED  # num_tokens and is_finished inlined: once per row, twice a step
         return [i for i, (s, n) in enumerate(zip(self.seqs, self.num_new_tokens))
-                if s.num_computed_tokens + n == s.num_tokens and not s.is_finished]
+                if s.num_computed_tokens + n == len(s.prompt_token_ids) + len(s.output_token_ids)
+                and s.status is not finished]
 
     def step_input(self) -> StepInput:
         """The message the executor sends for this batch (tdpipe/step_input.py): the new tokens, the

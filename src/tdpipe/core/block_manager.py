@@ -437,13 +437,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         n = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        st = self._seq_hashes.get(seq.seq_id)
+        if (st is not None and n // self.block_size <= len(st.hashes)
+                and 0 <= n <= len(seq.prompt_token_ids) + len(seq.output_token_ids)):
+            return 0  # no block filled since the last call: most decode steps (the hot path)
         if not 0 <= n <= seq.num_tokens:
             raise ValueError(f"seq {seq.seq_id}: {n} computed tokens out of {seq.num_tokens}")
         full = n // self.block_size
         if full > len(seq.block_table):
             raise RuntimeError(f"seq {seq.seq_id}: {full} full blocks computed but only "
                                f"{len(seq.block_table)} in its block table")
-        st = self._seq_hashes.get(seq.seq_id)
         if st is None:
             st = self._seq_hashes[seq.seq_id] = _SeqHashes(b"")
         k = len(st.hashes)

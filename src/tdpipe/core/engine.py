@@ -101,6 +101,7 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         check_stops(params.stop, params.stop_token_ids)  # what SamplingParams alone cannot bound: stop caps,
         check_floats(params)  # floats in float32, the range the sampler uses them at
+        params.revalidate()  # fields set after the object was built: checked, and their derived state follows
         if params.structured_outputs is not None:
             parse_grammar(params.structured_outputs)  # a schema xgrammar refuses fails here, not in a step
         text = prompt if isinstance(prompt, str) else None

@@ -139,6 +139,16 @@ def check_floats(params: SamplingParams) -> None:
                            f"{params.repetition_penalty!r}", "repetition_penalty")
 
 
+def revalidate(params: SamplingParams) -> None:
+    """SamplingParams.revalidate, its ValueError a RequestError naming the field where the message starts with
+    one (a field changed after the object was built)."""
+    try:
+        params.revalidate()
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise RequestError(str(e), field if field.isidentifier() else None) from None
+
+
 def check_params(params: SamplingParams, limits: RequestLimits) -> None:
     """What SamplingParams cannot know alone: samples per request against max_num_seqs, stop caps, float32."""
     if not isinstance(params, SamplingParams):
@@ -150,6 +160,7 @@ def check_params(params: SamplingParams, limits: RequestLimits) -> None:
                                f"(--max-num-seqs {most})", name)
     check_stops(params.stop, params.stop_token_ids)
     check_bad_words(params.bad_words)
+    revalidate(params)
     check_floats(params)
     check_logit_bias(params, limits.vocab_size)
 

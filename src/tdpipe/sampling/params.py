@@ -208,6 +208,13 @@ class SamplingParams:
         """How many trailing characters the detokenizer must hold back before a stop string can be ruled out."""
         return max((len(s) for s in self.stop), default=0)
 
+    def revalidate(self) -> None:
+        """Check the fields again and derive what is computed from them (the stop-token set, the normalised stop
+        list, ...): a field set on a built object (RL code clones a template and sets fields per request) would
+        otherwise be used unchecked, or not at all (a stop_token_ids set afterwards never stopped anything). The
+        engine calls it for every request it takes."""
+        self.__post_init__()
+
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's): RL code clones a template and changes fields per request."""
         return copy.deepcopy(self)

@@ -40,7 +40,7 @@ class HybridScheduler(Scheduler):
         lens: list[int] = []
 
         # 1. decodes first, one token each, given KV slots (may preempt the newest idle sequences)
-        ready = [s for s in self.running if not s.in_flight and self._is_decoding(s)]
+        ready, partial = self._idle_by_phase()
         for s in self._reserve_decode_slots(ready[: self.decode_limit()]):
             seqs.append(s)
             lens.append(1)
@@ -49,7 +49,6 @@ class HybridScheduler(Scheduler):
 
         # 2. the rest of the budget: chunks of prompts already started (oldest first), then new ones
         blocked = False
-        partial = [s for s in self.running if not s.in_flight and self._is_prefilling(s)]
         for seq in partial:
             if budget <= 0:
                 break
@@ -73,6 +72,22 @@ class HybridScheduler(Scheduler):
         return Batch(self.next_batch_id(), seqs, lens, is_prefill=len(seqs) > num_decodes)
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _idle_by_phase(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences not in flight that decode next, and those still prefilling, in order, in one
+        pass (every step walks every running sequence). A prefilling one preempted while the decodes get their
+        slots is skipped by its status later."""
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:
+            if s.in_flight:
+                continue
+            left = len(s.prompt_token_ids) + len(s.output_token_ids) - 1 - s.num_computed_tokens
+            if left == 0:
+                decoding.append(s)
+            elif left > 0:
+                prefilling.append(s)
+        return decoding, prefilling
+
     @staticmethod
     def _is_decoding(seq: Sequence) -> bool:
         return seq.num_computed_tokens == seq.num_tokens - 1

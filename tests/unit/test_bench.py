@@ -196,6 +196,7 @@ def test_bench_throughput_end_to_end(tmp_path):
               "hf_output_tokens_per_s", "ratio_vs_hf", "peak_gflops", "elapsed_s"):
         assert res[k] > 0, k
     assert res["num_requests"] == 4 and res["total_output_tokens"] == 16 and res["total_input_tokens"] == 32
+    assert len(res["peak_probes_gflops"]) == 2 and res["peak_gflops"] == max(res["peak_probes_gflops"])
 
 
 class ChatTok(FakeTok):

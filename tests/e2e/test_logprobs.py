@@ -96,12 +96,13 @@ def test_no_logits_shipped_when_no_row_needs_them(llm_fp32):
     ex = llm_fp32.engine.executor
     assert isinstance(ex, LocalExecutor)
     seen = []
-    submit = ex.submit
+    collect = ex.collect
 
-    def spy(step):
-        submit(step)
-        seen.append(ex._done[-1].token_ids is not None)
-    ex.submit = spy
+    def spy():
+        result = collect()
+        seen.append(result.token_ids is not None)
+        return result
+    ex.collect = spy
     try:
         llm_fp32.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert seen and all(seen)
@@ -109,4 +110,4 @@ def test_no_logits_shipped_when_no_row_needs_them(llm_fp32):
         llm_fp32.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3, logprobs=0), use_tqdm=False)
         assert seen and not any(seen)
     finally:
-        del ex.submit
+        del ex.collect

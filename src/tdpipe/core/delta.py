@@ -12,7 +12,7 @@ from dataclasses import dataclass
 TokenLogprobs = list[tuple[int, float, int]]
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence per step: built, pickled to the frontend and read on the hot path
 class RequestDelta:
     request_id: str
     new_token_ids: list[int]

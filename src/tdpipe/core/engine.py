@@ -371,11 +371,13 @@ class LLMEngine:
 
     def _delta(self, s: Sequence, tok: int, lp: TokenLogprobs | None) -> RequestDelta:
         p = s.sampling_params
-        d = RequestDelta(s.request_id, [tok], s.is_finished, s.finish_reason,
-                         s.stop_reason if s.is_finished else None, s.num_preemptions, index=s.sample_index)
+        done = s.status is SequenceStatus.FINISHED
+        d = RequestDelta(s.request_id, [tok], done, s.finish_reason, s.stop_reason if done else None,
+                         s.num_preemptions, s.sample_index)
         if p.logprobs is not None:
             d.logprobs = [lp]
-        if p.needs_logprobs:
+            d.cumulative_logprob = s.cumulative_logprob
+        elif p.needs_logprobs:  # best_of ranks its samples by it
             d.cumulative_logprob = s.cumulative_logprob
         if s.sample_index == 0 and len(s.output_token_ids) == 1:  # the request's first token
             d.num_cached_tokens = s.num_cached_tokens

@@ -60,7 +60,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        samples = self.samples  # read for every delta: one sample needs no generator
+        return samples[0].finished if len(samples) == 1 else all(s.finished for s in samples)
 
     def output(self, tokenizer: Any) -> RequestOutput:
         samples = self.samples

@@ -25,8 +25,8 @@ def may_argmax(seq: Any) -> bool:
     nothing that reshapes the distribution (penalties, a grammar, a stop-token ban before min_tokens), no
     logprobs."""
     p = seq.sampling_params
-    return (p.is_greedy and not p.needs_processing and not p.needs_logprobs and p.structured_outputs is None
-            and len(seq.output_token_ids) >= p.min_tokens and not seq.needs_prompt_logits)
+    return (p.argmax_ok and len(seq.output_token_ids) >= p.min_tokens
+            and (p.prompt_logprobs is None or not seq.needs_prompt_logits))
 
 
 @dataclass

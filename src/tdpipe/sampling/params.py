@@ -133,6 +133,13 @@ class SamplingParams:
         _require(self.output_kind != RequestOutputKind.DELTA or self.num_samples == self.n,
                  f"output_kind DELTA cannot go with best_of ({self.best_of}) > n ({self.n}): the best samples are "
                  "known only once all have finished (use CUMULATIVE or FINAL_ONLY)")
+        # what the stage may do with a row, read for every row of every step (attributes, not fields; derived
+        # again by revalidate(), which the engine runs for each request): its argmax, or a plain draw at a
+        # temperature, where nothing reshapes the distribution (sampling/metadata.may_argmax, stage_rows)
+        untouched = not self.needs_processing and not self.needs_logprobs and self.structured_outputs is None
+        self.argmax_ok = self.is_greedy and untouched
+        self.plain_draw = (untouched and self.seed is None and self.top_k == -1 and self.top_p >= 1.0
+                           and self.min_p <= 0.0)
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""

@@ -37,8 +37,8 @@ def stage_temperature(seq: Any) -> float | None:
     if may_argmax(seq):
         return 0.0
     p = seq.sampling_params
-    plain = (p.seed is None and p.structured_outputs is None and p.top_k == -1 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.needs_processing
-             and not p.needs_logprobs and len(seq.output_token_ids) >= p.min_tokens and not seq.needs_prompt_logits
+    plain = (p.plain_draw and len(seq.output_token_ids) >= p.min_tokens
+             and (p.prompt_logprobs is None or not seq.needs_prompt_logits)
              and (seq.group is None or len(seq.group.draws(seq)) == 1))
     return p.temperature if plain else None
 

@@ -9,7 +9,7 @@ import pytest
 
 from fake_engine_client import FakeAsyncLLM
 from tdpipe.entrypoints.openai.api_server import build_app
-from tdpipe.entrypoints.openai.reasoning import ReasoningStream, split
+from tdpipe.entrypoints.openai.reasoning import ReasoningStream, count_tokens, split
 from tdpipe.entrypoints.openai.serve_args import ServerConfig
 
 pytestmark = pytest.mark.anyio
@@ -122,3 +122,41 @@ async def test_a_constrained_answer_has_no_reasoning():
                                        for c in msg["tool_calls"]] == [("w", '{"c": 1}')]
     r = await _post('{"a": 2}', {"response_format": {"type": "json_object"}}, reasoning_parser="qwen3")
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": '{"a": 2}'}
+
+
+class MarkerTok:
+    """Markers as single tokens (as Qwen3's and DeepSeek-R1's tokenizers have them): <think> 1, </think> 2,
+    <tool_call> 3; any other id is a word."""
+
+    def convert_tokens_to_ids(self, t: str) -> int | None:
+        return {"<think>": 1, "</think>": 2, "<tool_call>": 3}.get(t)
+
+
+@pytest.mark.parametrize("parser, ids, thinking, want", [
+    ("qwen3", [1, 10, 11, 12, 2, 13, 14], True, 3),  # <think> a b c </think> d e
+    ("deepseek_r1", [10, 11, 2, 13], True, 2),  # the template wrote <think>
+    ("qwen3", [1, 10, 11], True, 2),  # cut off inside the reasoning: all of it
+    ("qwen3", [1, 10, 3, 11, 2], True, 1),  # qwen3: a <tool_call> ends it
+    ("deepseek_r1", [1, 10, 3, 11, 2], True, 3),  # deepseek_r1: not
+    ("qwen3", [1, 10, 2, 13], False, 0),  # enable_thinking false: no reasoning
+    ("qwen3", [], True, 0),
+])
+def test_reasoning_tokens_counted_by_marker_ids(parser, ids, thinking, want):
+    assert count_tokens(parser, ids, MarkerTok(), thinking) == want
+
+
+async def test_usage_reports_reasoning_tokens_with_a_parser():
+    """usage.completion_tokens_details.reasoning_tokens (vLLM's, with a reasoning parser): whole and in a
+    stream's usage chunk; absent without a parser. The fake tokenizer is byte-level, so the markers span
+    several tokens and the reasoning's text is tokenised again: "\nTwo and two.\n" is 14 bytes."""
+    r = await _post(THOUGHT, {}, reasoning_parser="qwen3")
+    assert r.json()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 14}
+    r = await _post(THOUGHT, {"stream": True, "stream_options": {"include_usage": True}}, reasoning_parser="qwen3")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 14}
+    body = (await _post(THOUGHT, {"include_reasoning": False}, reasoning_parser="qwen3")).json()
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 14}  # counted, not shown (vLLM)
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    body = (await _post("Four.", off, reasoning_parser="qwen3")).json()
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert "completion_tokens_details" not in (await _post(THOUGHT, {})).json()["usage"]

@@ -380,12 +380,14 @@ class UsageInfo(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}, when the server shows it
+    completion_tokens_details: dict[str, int] | None = None  # {"reasoning_tokens": n}, with a reasoning parser
 
     @model_serializer(mode="wrap")
     def _details_if_shown(self, handler: Any) -> dict[str, Any]:
         d = handler(self)
-        if d.get("prompt_tokens_details") is None:
-            d.pop("prompt_tokens_details", None)
+        for k in ("prompt_tokens_details", "completion_tokens_details"):
+            if d.get(k) is None:
+                d.pop(k, None)
         return d
 
 

@@ -12,6 +12,7 @@ A request's `include_reasoning: false` (vLLM's field) drops the reasoning from t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tdpipe.entrypoints.openai.tool_calls import TOOL_OPEN, partial_suffix
 
@@ -72,4 +73,36 @@ class ReasoningStream:
         return held
 
 
-__all__ = ["ReasoningStream", "split"]
+def count_tokens(parser: str, token_ids: list[int], tokenizer: object, thinking: bool = True) -> int:
+    """The answer's reasoning tokens (usage.completion_tokens_details.reasoning_tokens, as vLLM reports with
+    a reasoning parser): those before the first end marker, the opening <think> not counted; all of them when
+    the answer ended inside its reasoning. By token id where the markers are single tokens (Qwen3's and
+    DeepSeek-R1's tokenizers), else the reasoning text tokenised again."""
+    if not thinking or not token_ids:
+        return 0
+    ids = [_single_id(tokenizer, m) for m in _markers(parser)]
+    start, ends = ids[0], set(ids[1:])
+    if None in ends:  # a marker spans several tokens: the reasoning's text tokenised again
+        tok: Any = tokenizer
+        reasoning, _ = split(parser, tok.decode(token_ids, skip_special_tokens=False))
+        return len(tok.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    count = 0
+    for t in token_ids:
+        if t in ends:
+            break
+        count += t != start
+    return count
+
+
+def _single_id(tokenizer: object, marker: str) -> int | None:
+    """The marker's token id where the tokenizer has it as one token, else None."""
+    try:
+        tid = tokenizer.convert_tokens_to_ids(marker)  # type: ignore[attr-defined]
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return None
+    if not isinstance(tid, int) or tid < 0 or tid == getattr(tokenizer, "unk_token_id", None):
+        return None
+    return tid
+
+
+__all__ = ["ReasoningStream", "count_tokens", "split"]

@@ -212,12 +212,16 @@ class OpenAIServing:
             return None
         return task.result()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+              reasoning_tokens: int | None = None) -> UsageInfo:
         """`cached_tokens`: of the prompt tokens, those the prefix cache held (shown with
-        --enable-prompt-tokens-details)."""
+        --enable-prompt-tokens-details); `reasoning_tokens`: of the completion tokens, the reasoning's (shown
+        where a reasoning parser reads the answers, as vLLM does)."""
         details = {"cached_tokens": cached_tokens} if self.config.enable_prompt_tokens_details else None
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details,
+                         completion_tokens_details=(None if reasoning_tokens is None
+                                                    else {"reasoning_tokens": reasoning_tokens}))
 
 
 class Run:

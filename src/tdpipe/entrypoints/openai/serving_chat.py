@@ -19,7 +19,7 @@ from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
 from tdpipe.entrypoints.openai.serving import (Item, OpenAIServing, Prepared, Run, SSEResponse, StreamCursor,
                                                sse, sse_events)
 from tdpipe.entrypoints.conversation import template_conversation
-from tdpipe.entrypoints.openai.reasoning import ReasoningStream, split
+from tdpipe.entrypoints.openai.reasoning import ReasoningStream, count_tokens, split
 from tdpipe.entrypoints.openai.tool_calls import HermesStream, ToolPlan, parse_forced, parse_hermes, plan
 from tdpipe.sampling.structured import StructuredOutputsParams
 from tdpipe.tokenizer import NoChatTemplate, chat_prompt
@@ -63,6 +63,13 @@ def message_of(shape: Shape, text: str, finish_reason: str | None) -> tuple[Chat
         message.content = None  # the answer ended inside its reasoning
     message.reasoning = reasoning if shape.include_reasoning else None
     return message, finish
+
+
+def reasoning_tokens(shape: Shape, token_ids: list[Any], tokenizer: Any) -> int | None:
+    """usage's reasoning_tokens over the choices' tokens: None (not shown) without a reasoning parser."""
+    if shape.reasoning is None:
+        return None
+    return sum(count_tokens(shape.reasoning, list(t), tokenizer, shape.thinking) for t in token_ids)
 
 
 def answer(tools: ToolPlan, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
@@ -231,7 +238,7 @@ class ChatServing:
                 choice.prompt_token_ids, choice.token_ids = it.prompt_ids, list(c.token_ids)
             choices.append(choice)
         usage = self.s.usage(len(it.prompt_ids), sum(len(c.token_ids) for c in last.outputs),
-                             last.num_cached_tokens)
+                             last.num_cached_tokens, reasoning_tokens(shape, [c.token_ids for c in last.outputs], tok))
         return ChatCompletionResponse(id=prep.request_id, created=prep.created, model=prep.model,
                                       choices=choices, usage=usage).model_dump()
 
@@ -243,12 +250,13 @@ class ChatServing:
         prompt_tokens = len(it.prompt_ids)
         tok = self.s.get_engine().tokenizer
         cached = 0  # the prompt tokens the prefix cache held (the outputs say so from the first token)
+        ids: list[list[int]] = [[] for _ in range(n)]  # each choice's tokens so far (its reasoning is counted)
 
         def chunk(choices: list[ChatStreamChoice], usage: bool) -> ChatCompletionChunk:
             c = ChatCompletionChunk(id=prep.request_id, created=prep.created, model=prep.model,
                                     choices=choices)
             if usage:
-                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens), cached)
+                c.usage = self.s.usage(prompt_tokens, sum(cur.tokens), cached, reasoning_tokens(shape, ids, tok))
             return c
 
         # the role first, as OpenAI does: a client sees each answer begin before its first token
@@ -261,6 +269,7 @@ class ChatServing:
         async for _, out in run.outputs():
             cached = out.num_cached_tokens
             for c in out.outputs:
+                ids[c.index] = c.token_ids
                 step = cur.advance(c.index, c)
                 if step is None:
                     continue

@@ -101,13 +101,15 @@ def test_greedy_parity_tp2_gemma2_capped_and_sliding(families):
     assert _run(folder, prompts, tensor_parallel_size=2) == ref
 
 
-def test_greedy_parity_gemma2_through_a_gguf_file(families, tmp_path):
-    """Gemma 2 written as llama.cpp's converter writes it (norms as 1 + w, the caps and the window in the
-    metadata), read back by tdpipe's GGUF loader: transformers' greedy tokens, at pp = 1 and 2."""
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_greedy_parity_gemma_through_a_gguf_file(families, tmp_path, family):
+    """Gemma (1) and Gemma 2 written as llama.cpp's converter writes them (norms as 1 + w; Gemma 2's caps and
+    window in the metadata), read back by tdpipe's GGUF loader (Gemma 1's vocabulary through transformers'
+    Gemma 2 reader, which refuses the architecture itself): transformers' greedy tokens, at pp = 1 and 2."""
     from tdpipe.model.gguf_export import write_gguf
 
-    folder, prompts, ref = families("gemma2")
-    path = str(write_gguf(folder, tmp_path / "gemma2.gguf", dtype="f32"))
+    folder, prompts, ref = families(family)
+    path = str(write_gguf(folder, tmp_path / f"{family}.gguf", dtype="f32"))
     assert _run(path, prompts) == ref
     assert _run(path, prompts, pipeline_parallel_size=2) == ref
 

@@ -26,6 +26,9 @@ CONFIGS = {
                 "tie_word_embeddings": False, **_SHAPE},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 47,
              "tie_word_embeddings": False, **{**_SHAPE, "num_key_value_heads": 4}},
+    # Gemma (1): norms stored as 1 + w, Llama's layout otherwise
+    "gemma": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "head_dim": 32,
+              "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, **_SHAPE},
     # norms stored as 1 + w, the caps and the window as llama.cpp writes them, a scale it would not derive
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 32, "sliding_window": 24,
                "query_pre_attn_scalar": 24, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
@@ -53,6 +56,7 @@ def test_export_round_trips_through_tdpipes_gguf_loader(family: str, tmp_path: P
         assert got.get(k) == cfg.get(k), k
     if family == "gemma2":
         assert got["layer_types"] == ["sliding_attention", "full_attention"]
+    if family.startswith("gemma"):
         norm = next(t for t in r.tensors if t.name == "blk.0.attn_norm.weight")
         assert float(norm.data[0]) == 1.0  # random_model's Gemma norms are 0: llama.cpp's 1 + w
     want = load_file(str(folder / "model.safetensors"))

@@ -1,9 +1,9 @@
-"""GGUF conversion per architecture (llama, Mistral-as-llama, qwen2, qwen3, phi3, gemma2, gemma3).
+"""GGUF conversion per architecture (llama, Mistral-as-llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3).
 
 Each test writes a tiny GGUF the way llama.cpp's converter does (its tensor names, its q/k row permutation
 for Llama, its 1 + w Gemma norms, Phi-3's fused tensors and LongRoPE factor tensors) from a random
 transformers model, converts it, and checks three oracles: transformers' own GGUF loader
-(load_gguf_checkpoint) gives the same tensors, the tensors are the original model's, and the original
+(load_gguf_checkpoint; it does not read Gemma 1) gives the same tensors, the tensors are the original model's, and the original
 model's logits come back from the converted config + tensors. Small enough to run in seconds.
 """
 
@@ -175,6 +175,10 @@ def _cases() -> dict[str, _Case]:
                                            eos_token_id=2,
                                            architectures=["Phi3ForCausalLM"], **_common()),
                       "llama", longrope, chat_template=_PHI3_CHAT),
+        # Gemma (1): Llama's layout, Gemma's 1 + w norms, tied embeddings (transformers' GGUF loader does not
+        # read this architecture: the original model is the oracle)
+        "gemma": _Case("gemma", T.GemmaConfig(vocab_size=n_sp, head_dim=32, architectures=["GemmaForCausalLM"],
+                                              **_common()), "gemma", norm_plus_one=True),
         # what llama.cpp's converter writes for Gemma 2: the window and both caps; the layers alternate
         "gemma2": _Case("gemma2", T.Gemma2Config(vocab_size=n_sp, head_dim=32, query_pre_attn_scalar=32,
                                                  sliding_window=8, attn_logit_softcapping=50.0,
@@ -271,7 +275,11 @@ def test_family_converts_like_transformers(family: str, written: dict) -> None:
     cfg, it = gguf_to_hf(path)
     ours = dict(it)
     assert cfg["architectures"] == [case.expect_arch]
-    # 1. transformers' GGUF loader on the same file: the same tensors, bit for bit
+    # 1. transformers' GGUF loader on the same file: the same tensors, bit for bit (where it reads the file)
+    if case.arch not in ggp.GGUF_SUPPORTED_ARCHITECTURES:
+        assert case.arch == "gemma"
+        _compare_with_original(ours, original, case, cfg)
+        return
     as_llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]} if family == "mistral" else {}
     plain = {k: v for k, v in cfg.items() if k != "torch_dtype"}
     conf = transformers.AutoConfig.for_model(**(plain | as_llama))
@@ -283,6 +291,10 @@ def test_family_converts_like_transformers(family: str, written: dict) -> None:
     for name, w in ours.items():
         assert w.dtype == torch.float32
         torch.testing.assert_close(w, ref[name].float(), rtol=0, atol=0, msg=name)
+    _compare_with_original(ours, original, case, cfg)
+
+
+def _compare_with_original(ours: dict, original: torch.nn.Module, case: _Case, cfg: dict) -> None:
     # 2. the original model's tensors (Gemma's w + 1 - 1 rounds in float32)
     sd = original.state_dict()
     for name, w in ours.items():

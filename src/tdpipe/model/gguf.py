@@ -170,15 +170,42 @@ def _stop_ids(reader: GGUFReader, cfg: dict, tok: Any) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
+# Architectures transformers' GGUF loader refuses whose vocabulary it builds under another name: Gemma (1) has
+# Gemma 2's SentencePiece vocabulary and special tokens
+TOKENIZER_ARCH_ALIAS = {"gemma": "gemma2"}
+
+
+class _AliasedReader:
+    """A GGUF reader that reports another general.architecture (TOKENIZER_ARCH_ALIAS), for the tokenizer only."""
+
+    def __init__(self, reader: Any, arch: str) -> None:
+        from gguf import GGUFValueType
+        from gguf.gguf_reader import ReaderField
+
+        self._reader = reader
+        name = "general.architecture"
+        self.fields = dict(reader.fields)
+        self.fields[name] = ReaderField(0, name, [np.frombuffer(arch.encode(), dtype=np.uint8)], [0],
+                                        [GGUFValueType.STRING])
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._reader, attr)
+
+
 def _write_tokenizer(gguf_path: Path, out: Path, cfg: dict, reader: GGUFReader | None = None) -> Any:
     """Let transformers rebuild the fast tokenizer from the GGUF vocab (every family's: SentencePiece for
     Llama / Gemma / Phi-3, byte-level BPE for Qwen), pin eos/bos, save it; returns it. `reader`: the file
-    already open, which transformers then reuses instead of parsing the metadata again (gguf-py takes about
-    8 s over Gemma 3's 262,144-string vocabulary here with its own reader, 2 s with model/gguf_reader.py's)."""
+    already open (else opened here), which transformers then reuses instead of parsing the metadata again (gguf-py
+    takes about 8 s over Gemma 3's 262,144-string vocabulary here with its own reader, 2 s with
+    model/gguf_reader.py's)."""
     import gguf as gguf_py
     from transformers import AutoTokenizer  # heavy import, only needed here
 
     opened = gguf_py.GGUFReader
+    reader = reader if reader is not None else open_gguf(gguf_path)
+    arch = _field(reader, "general.architecture")
+    if arch in TOKENIZER_ARCH_ALIAS:  # a vocabulary transformers reads under another architecture's name
+        reader = _AliasedReader(reader, TOKENIZER_ARCH_ALIAS[arch])
     if reader is not None:  # transformers imports GGUFReader from gguf inside load_gguf_checkpoint
         def reuse(path: Any, *args: Any, **kwargs: Any) -> GGUFReader:
             same = os.path.abspath(str(path)) == os.path.abspath(str(gguf_path))

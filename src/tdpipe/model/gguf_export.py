@@ -28,7 +28,8 @@ from tdpipe.model.gguf_families import (FAMILIES, GEMMA2_27B_LAYERS, GLOBAL_NAME
 
 # HF architecture -> what llama.cpp writes in general.architecture (Mistral is written as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
+             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "GemmaForCausalLM": "gemma",
+             "Gemma2ForCausalLM": "gemma2"}
 DTYPES = ("bf16", "f16", "f32")  # tensor types written (norms and 1-D tensors always F32, as llama.cpp does)
 
 

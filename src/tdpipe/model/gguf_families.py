@@ -185,6 +185,19 @@ def query_pre_attn_scalar(meta: Meta, layers_27b: int) -> int | float:
                                          int(meta.key("attention.key_length")), layers_27b)
 
 
+def _gemma(meta: Meta) -> dict[str, Any]:
+    """Gemma (1): Llama's layer with Gemma's norms (stored as 1 + w), GELU-tanh, the embedding scaled by
+    sqrt(hidden) (HF's class does it) and rope base 10 000 unless the file says otherwise."""
+    return {
+        "head_dim": int(meta.key("attention.key_length")),
+        "rope_theta": float(meta.key("rope.freq_base", 10_000.0)),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "pad_token_id": _pad_id(meta),
+    }
+
+
 def _gemma2(meta: Meta) -> dict[str, Any]:
     """llama.cpp's converter writes the caps and the window; the layers alternate, the first one sliding,
     and rope turns with base 10 000 unless the file says otherwise (as llama.cpp reads it)."""
@@ -260,6 +273,7 @@ FAMILIES: dict[str, Family] = {
                     "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
                     "ffn_up": "mlp.gate_up_proj",  # gate and up fused, gate first: HF's layout
                     "ffn_down": "mlp.down_proj"}, _phi3, partial_rotary=True),
+    "gemma": Family("GemmaForCausalLM", "gemma", _DECODER_NAMES, _gemma, norm_offset=1.0),
     "gemma2": Family("Gemma2ForCausalLM", "gemma2", _SANDWICH_NAMES, _gemma2, norm_offset=1.0),
     "gemma3": Family("Gemma3ForCausalLM", "gemma3_text", _SANDWICH_NAMES | _QK_NORM_NAMES, _gemma3, norm_offset=1.0),
 }

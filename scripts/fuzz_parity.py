@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=16)
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
-    # GGUF export writes llama, mistral, qwen2, qwen3, phi3, gemma and gemma2 (unscaled rope only)
-    families = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2") if a.mode == "gguf" else FAMILIES
+    # GGUF export writes llama, mistral, qwen2, qwen3, phi3, gemma, gemma2 and granite (unscaled rope only)
+    families = (("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "granite") if a.mode == "gguf"
+                else FAMILIES)
     failed = 0
     for i in range(a.count):
         fam, model_cls, cfg_cls, cfg = draw_config(rng, families)

@@ -101,11 +101,12 @@ def test_greedy_parity_tp2_gemma2_capped_and_sliding(families):
     assert _run(folder, prompts, tensor_parallel_size=2) == ref
 
 
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
-def test_greedy_parity_gemma_through_a_gguf_file(families, tmp_path, family):
-    """Gemma (1) and Gemma 2 written as llama.cpp's converter writes them (norms as 1 + w; Gemma 2's caps and
-    window in the metadata), read back by tdpipe's GGUF loader (Gemma 1's vocabulary through transformers'
-    Gemma 2 reader, which refuses the architecture itself): transformers' greedy tokens, at pp = 1 and 2."""
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "granite"])
+def test_greedy_parity_through_a_gguf_file(families, tmp_path, family):
+    """Gemma (1), Gemma 2 and Granite written as llama.cpp's converter writes them (Gemma's norms as 1 + w,
+    Gemma 2's caps and window, Granite's q/k rows permuted and its multipliers as *_scale keys), read back by
+    tdpipe's GGUF loader (transformers' config reader refuses Gemma 1 and Granite: it is shown Gemma 2 and
+    Llama, its vocabulary builder reads the files as they are): transformers' greedy tokens, pp = 1 and 2."""
     from tdpipe.model.gguf_export import write_gguf
 
     folder, prompts, ref = families(family)

@@ -26,6 +26,10 @@ CONFIGS = {
                 "tie_word_embeddings": False, **_SHAPE},
     "phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 47,
              "tie_word_embeddings": False, **{**_SHAPE, "num_key_value_heads": 4}},
+    # Granite's four multipliers, none of them 1, as llama.cpp's *_scale keys
+    "granite": {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "embedding_multiplier": 3.0,
+                "attention_multiplier": 0.2, "residual_multiplier": 0.3, "logits_scaling": 4.0,
+                "tie_word_embeddings": False, **_SHAPE},
     # Gemma (1): norms stored as 1 + w, Llama's layout otherwise
     "gemma": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "head_dim": 32,
               "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, **_SHAPE},
@@ -52,7 +56,8 @@ def test_export_round_trips_through_tdpipes_gguf_loader(family: str, tmp_path: P
               "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
         assert got[k] == cfg[k], k
     assert got.get("sliding_window") == cfg.get("sliding_window")
-    for k in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+    for k in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "embedding_multiplier",
+              "attention_multiplier", "residual_multiplier", "logits_scaling"):
         assert got.get(k) == cfg.get(k), k
     if family == "gemma2":
         assert got["layer_types"] == ["sliding_attention", "full_attention"]

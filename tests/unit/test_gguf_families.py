@@ -1,9 +1,10 @@
-"""GGUF conversion per architecture (llama, Mistral-as-llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3).
+"""GGUF conversion per architecture (llama, Mistral-as-llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3,
+granite).
 
 Each test writes a tiny GGUF the way llama.cpp's converter does (its tensor names, its q/k row permutation
 for Llama, its 1 + w Gemma norms, Phi-3's fused tensors and LongRoPE factor tensors) from a random
 transformers model, converts it, and checks three oracles: transformers' own GGUF loader
-(load_gguf_checkpoint; it does not read Gemma 1) gives the same tensors, the tensors are the original model's, and the original
+(load_gguf_checkpoint; it reads neither Gemma 1 nor Granite) gives the same tensors, the tensors are the original model's, and the original
 model's logits come back from the converted config + tensors. Small enough to run in seconds.
 """
 
@@ -179,6 +180,13 @@ def _cases() -> dict[str, _Case]:
         # read this architecture: the original model is the oracle)
         "gemma": _Case("gemma", T.GemmaConfig(vocab_size=n_sp, head_dim=32, architectures=["GemmaForCausalLM"],
                                               **_common()), "gemma", norm_plus_one=True),
+        # Granite: Llama's layout (q/k permuted) and the four multipliers as llama.cpp's *_scale keys
+        "granite": _Case("granite", T.GraniteConfig(vocab_size=n_bpe, embedding_multiplier=3.0,
+                                                    attention_multiplier=0.2, residual_multiplier=0.3,
+                                                    logits_scaling=4.0, tie_word_embeddings=True,
+                                                    architectures=["GraniteForCausalLM"], **_common()),
+                         "gpt2", lambda w: (w.add_attention_scale(0.2), w.add_embedding_scale(3.0),
+                                            w.add_residual_scale(0.3), w.add_logit_scale(4.0)), permute=True),
         # what llama.cpp's converter writes for Gemma 2: the window and both caps; the layers alternate
         "gemma2": _Case("gemma2", T.Gemma2Config(vocab_size=n_sp, head_dim=32, query_pre_attn_scalar=32,
                                                  sliding_window=8, attn_logit_softcapping=50.0,
@@ -277,7 +285,7 @@ def test_family_converts_like_transformers(family: str, written: dict) -> None:
     assert cfg["architectures"] == [case.expect_arch]
     # 1. transformers' GGUF loader on the same file: the same tensors, bit for bit (where it reads the file)
     if case.arch not in ggp.GGUF_SUPPORTED_ARCHITECTURES:
-        assert case.arch == "gemma"
+        assert case.arch in ("gemma", "granite")
         _compare_with_original(ours, original, case, cfg)
         return
     as_llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]} if family == "mistral" else {}

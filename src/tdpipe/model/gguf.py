@@ -170,9 +170,10 @@ def _stop_ids(reader: GGUFReader, cfg: dict, tok: Any) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-# Architectures transformers' GGUF loader refuses whose vocabulary it builds under another name: Gemma (1) has
-# Gemma 2's SentencePiece vocabulary and special tokens
-TOKENIZER_ARCH_ALIAS = {"gemma": "gemma2"}
+# Architectures whose configs transformers' GGUF loader refuses, though it builds their vocabularies (by the
+# file's own architecture and tokenizer type): its config step is shown a family it reads. Gemma (1) as Gemma 2,
+# Granite (byte-level BPE) as Llama
+TOKENIZER_ARCH_ALIAS = {"gemma": "gemma2", "granite": "llama"}
 
 
 class _AliasedReader:

@@ -29,7 +29,7 @@ from tdpipe.model.gguf_families import (FAMILIES, GEMMA2_27B_LAYERS, GLOBAL_NAME
 # HF architecture -> what llama.cpp writes in general.architecture (Mistral is written as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "GemmaForCausalLM": "gemma",
-             "Gemma2ForCausalLM": "gemma2"}
+             "Gemma2ForCausalLM": "gemma2", "GraniteForCausalLM": "granite"}
 DTYPES = ("bf16", "f16", "f32")  # tensor types written (norms and 1-D tensors always F32, as llama.cpp does)
 
 
@@ -85,6 +85,12 @@ def _metadata(w: Any, cfg: dict[str, Any], family: Family, name: str) -> None:
         w.add_sliding_window(int(cfg["sliding_window"]))
     if family.model_type == "gemma2":
         _gemma2_metadata(w, cfg, head_dim)
+    if family.model_type == "granite":  # llama.cpp's converter: each multiplier that the config sets
+        for key, add in (("attention_multiplier", w.add_attention_scale), ("embedding_multiplier",
+                         w.add_embedding_scale), ("residual_multiplier", w.add_residual_scale),
+                         ("logits_scaling", w.add_logit_scale)):
+            if cfg.get(key):
+                add(float(cfg[key]))
 
 
 def _gemma2_metadata(w: Any, cfg: dict[str, Any], head_dim: int) -> None:

@@ -128,6 +128,19 @@ def _mistral(meta: Meta) -> dict[str, Any]:
     return {**_llama(meta), "sliding_window": int(window) if window else None}
 
 
+def _granite(meta: Meta) -> dict[str, Any]:
+    """Granite: Llama's layer (q/k rows permuted as Llama's) and its four multipliers, which llama.cpp's
+    converter writes as *_scale keys only where the config set them; an absent one is the config's default,
+    1.0 (the value the model was trained with)."""
+    def scale(key: str) -> float:  # float32 in the file: its shortest decimal is the config's value (0.2)
+        value = meta.key(key, None)
+        return float(str(np.float32(value))) if value else 1.0
+
+    return {**_llama(meta), "embedding_multiplier": scale("embedding_scale"),
+            "attention_multiplier": scale("attention.scale"), "residual_multiplier": scale("residual_scale"),
+            "logits_scaling": scale("logit_scale"), "pad_token_id": _pad_id(meta)}
+
+
 def _qwen3(meta: Meta) -> dict[str, Any]:
     return {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": int(meta.key("block_count")), "pad_token_id": _pad_id(meta)}
@@ -267,6 +280,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("MistralForCausalLM", "mistral", _DECODER_NAMES, _mistral, permute_qk=True,
                       rope_freqs=True),
     "qwen2": Family("Qwen2ForCausalLM", "qwen2", _DECODER_NAMES, lambda meta: {}),
+    "granite": Family("GraniteForCausalLM", "granite", _DECODER_NAMES, _granite, permute_qk=True),
     "qwen3": Family("Qwen3ForCausalLM", "qwen3", _DECODER_NAMES | _QK_NORM_NAMES, _qwen3),
     "phi3": Family("Phi3ForCausalLM", "phi3",
                    {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",

@@ -26,6 +26,8 @@ class SeparateScheduler(Scheduler):
         """A prompt joined the prefill batch being formed."""
 
     def _schedule_prefill(self) -> Batch | None:
+        if not self.waiting:  # most steps of a long run: no walk of the running set for its count
+            return None
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         seqs, lens = [], []

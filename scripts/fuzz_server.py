@@ -49,6 +49,8 @@ for k, vals in {
     "user": [123],
     "min_tokens": [-1, 5, 10**9],
     "ignore_eos": ["x"],
+    "use_beam_search": [True, "yes", 1],
+    "length_penalty": [0.5, -3, 1e309, "x", None],
     "skip_special_tokens": [3],
     "include_stop_str_in_output": [1],
     "prompt_logprobs": [0, 5, -1, 21, 10**6],
@@ -162,6 +164,12 @@ combos = [
  (CH, {"messages": msgs, "max_tokens": 3, "bad_words": ["Hello"], "n": 2, "temperature": 1, "seed": 1}),
  (CH, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "max_tokens": 2,
        "continue_final_message": True, "echo": True, "stream": True, "truncate_prompt_tokens": 3}),
+ (C, {"prompt": "a", "max_tokens": 3, "n": 3, "use_beam_search": True, "stream": True, "echo": True}),
+ (C, {"prompt": ["a", "b"], "max_tokens": 2, "n": 2, "use_beam_search": True, "length_penalty": 0}),
+ (CH, {"messages": msgs, "max_tokens": 3, "n": 2, "use_beam_search": True, "logprobs": True}),
+ (CH, {"messages": msgs, "max_tokens": 3, "n": 10, "use_beam_search": True, "stream": True,
+       "stream_options": {"include_usage": True}}),
+ (C, {"prompt": "a", "max_tokens": 2, "use_beam_search": True, "min_tokens": 2, "ignore_eos": True}),
 ]
 for path, body in combos:
     cases.append((path, body, None))

@@ -79,6 +79,7 @@ class FakeAsyncLLM:
         self.vocab_size = len(self.tokenizer)
         self.ready = True
         self.default_sampling: dict = {}  # a model whose generation_config.json sets no sampling defaults
+        self.eos_token_ids = frozenset({EOS})
         self.dead_reason: str | None = None
         self.delay = delay
         self.gate: asyncio.Event | None = None

@@ -174,6 +174,25 @@ def test_stop_strings_max_tokens_and_seeds(client):
     assert texts[0] != texts[2]
 
 
+def test_beam_search_on_the_real_model(client):
+    """use_beam_search through the openai client: one beam is the greedy answer; three beams are three
+    different answers of max_tokens each (ignore_eos); chat's too."""
+    model = client.models.list().data[0].id
+    greedy = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    one = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, n=1,
+                                    extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert one.choices[0].text == greedy
+    three = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, n=3,
+                                      extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                  "return_token_ids": True})
+    texts = [c.text for c in three.choices]
+    assert len(texts) == 3 and len(set(texts)) == 3 and three.usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                          max_tokens=6, n=2, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)
+
+
 def test_models_metrics_and_api_key(server, client):
     from openai import AuthenticationError, OpenAI
 

@@ -41,6 +41,7 @@ class FakeReplica:
         self.k, self.config, self.tokenizer, self.model_name = k, EngineConfig(), None, "m"
         self.max_model_len, self.max_num_seqs, self.vocab_size = 100, 4, 1000
         self.default_sampling = {"temperature": 0.5}
+        self.eos_token_ids = frozenset({2})
         self.ready, self.dead_reason, self.death_detail, self.failed_on_death, self.log_death = True, None, None, 0, True
         self.got: list[str] = []
         self.release = asyncio.Event()

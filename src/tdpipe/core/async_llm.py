@@ -49,6 +49,7 @@ class AsyncLLM:
         self.cpus = cpus
         self.tokenizer: Any = None
         self.default_sampling: dict[str, Any] = {}
+        self.eos_token_ids: frozenset[int] = frozenset()
         self.model_name = ""
         self.max_model_len = 0
         self.max_num_seqs = 0
@@ -128,6 +129,7 @@ class AsyncLLM:
         self.model_name = os.path.basename(os.path.normpath(info.model_path))
         self.max_model_len, self.max_num_seqs, self.vocab_size = info.max_model_len, info.max_num_seqs, info.vocab_size
         self.default_sampling = info.default_sampling
+        self.eos_token_ids = frozenset(info.eos_token_ids)
         self._stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0, "num_blocks": info.num_blocks,
                        "num_free_blocks": info.num_blocks, "num_preemptions": 0, "prompt_tokens": 0,
                        "generation_tokens": 0, "stage_busy": [0.0] * info.pp}

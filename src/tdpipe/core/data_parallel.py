@@ -69,6 +69,7 @@ class DataParallelClient:
         self.config = first.config
         self.tokenizer, self.model_name = first.tokenizer, first.model_name
         self.default_sampling = first.default_sampling
+        self.eos_token_ids = first.eos_token_ids
         self.max_model_len, self.max_num_seqs, self.vocab_size = first.max_model_len, first.max_num_seqs, \
             first.vocab_size
         self.load = [0] * len(replicas)  # outstanding prompt + max_tokens per replica

@@ -47,6 +47,7 @@ class EngineClient(Protocol):
     vocab_size: int
     ready: bool  # False while starting and after the core died or was shut down
     default_sampling: dict[str, Any]  # the model's defaults for omitted sampling fields (sampling/defaults.py)
+    eos_token_ids: frozenset[int]  # the ids that end an answer (the model's EOS and generation_config's)
     dead_reason: str | None  # why the core is gone (client-safe text); None while it runs
 
     def generate(self, prompt: EngineRequest | str | list[int], params: SamplingParams | None = None,

@@ -17,7 +17,7 @@ import pickle
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("tdpipe")
@@ -55,6 +55,7 @@ class CoreInfo:
     num_blocks: int
     pp: int
     default_sampling: dict[str, Any]  # the model's sampling defaults (sampling/defaults.py)
+    eos_token_ids: list[int] = field(default_factory=list)  # the ids that end an answer (beam search reads them)
 
 
 def engine_stats(engine: Any, busy: list[float]) -> dict[str, Any]:
@@ -125,7 +126,7 @@ def run_engine_core(config: Any, in_addr: str, out_addr: str, parent_pid: int) -
         sched = engine.scheduler.config
         send(READY, CoreInfo(engine.model_path, sched.max_model_len, sched.max_num_seqs,
                              engine.model_config.vocab_size, engine.block_manager.num_blocks, engine.pp,
-                             engine.default_sampling))
+                             engine.default_sampling, sorted(engine.eos_token_ids)))
         _loop(engine, pull, send, parent_pid, stop)
     except Exception as e:  # noqa: BLE001 - one line to the frontend; every open request gets it
         reason = " ".join(str(e).split()) or type(e).__name__

@@ -10,7 +10,7 @@ ignore_eos) is finished; the search stops after max_tokens steps or when no beam
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from tdpipe.outputs import Logprob
@@ -70,6 +70,64 @@ class BeamSearchOutput:
 
 # one engine step: token-id prompts in, each one's {token id: Logprob} of its next position out
 StepFn = Callable[[list[list[int]]], list[dict[int, Logprob]]]
+AsyncStepFn = Callable[[list[list[int]]], Awaitable[list[dict[int, Logprob]]]]
+
+
+class BeamSearch:
+    """The search as a state the caller drives: `pending()` the token lists of the live beams (one engine
+    step each), `advance()` with their next-position logprobs, until `pending()` is empty; then `outputs()`.
+    The offline driver (beam_search) and the server's (beam_search_async) differ only in how a step runs."""
+
+    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int],
+                 max_len: int) -> None:
+        self.params, self.eos, self.max_len = params, eos_token_ids, max_len
+        self.live = [[BeamSearchSequence(list(p))] for p in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+        self._flat: list[tuple[int, BeamSearchSequence]] = []
+
+    def _score(self, b: BeamSearchSequence) -> float:
+        return b.score(self.eos, self.params.length_penalty)
+
+    def pending(self) -> list[list[int]]:
+        """The next step's prompts (every live beam's tokens); [] once the search is over."""
+        self._flat = [] if self.steps >= self.params.max_tokens else \
+            [(i, b) for i, beams in enumerate(self.live) for b in beams]
+        return [b.tokens for _, b in self._flat]
+
+    def advance(self, nexts: list[dict[int, Logprob]]) -> None:
+        """Each pending beam's candidates: keep the beam_width best per prompt, retire finished ones."""
+        self.steps += 1
+        grown: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        for (i, beam), entry in zip(self._flat, nexts, strict=True):
+            for tok, lp in entry.items():
+                child = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entry],
+                                           beam.cum_logprob + lp.logprob)
+                if tok in self.eos and not self.params.ignore_eos:
+                    child.finish_reason, child.stop_reason = "stop", tok
+                    self.done[i].append(child)
+                else:
+                    grown[i].append(child)
+        for i, children in enumerate(grown):
+            children.sort(key=self._score, reverse=True)
+            self.live[i] = children[:self.params.beam_width]
+            for b in self.live[i]:
+                if len(b.tokens) >= self.max_len:
+                    b.finish_reason = "length"
+            self.done[i] += [b for b in self.live[i] if b.finish_reason]
+            self.live[i] = [b for b in self.live[i] if not b.finish_reason]
+
+    def outputs(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+        outs = []
+        for i in range(len(self.live)):
+            for b in self.live[i]:
+                b.finish_reason = "length"
+            ranked = sorted(self.done[i] + self.live[i], key=self._score, reverse=True)[:self.params.beam_width]
+            if decode is not None:
+                for b in ranked:
+                    b.text = decode(b.tokens)
+            outs.append(BeamSearchOutput(ranked))
+        return outs
 
 
 def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, step: StepFn,
@@ -77,43 +135,21 @@ def beam_search(prompts: Sequence[list[int]], params: BeamSearchParams, step: St
                 decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
     """The beam search over token-id prompts. `max_len`: a beam stops (finish_reason "length") when its
     tokens reach the model's max_model_len."""
-    w = params.beam_width
-    live = [[BeamSearchSequence(list(p))] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        flat = [(i, b) for i, beams in enumerate(live) for b in beams]
-        if not flat:
-            break
-        nexts = step([b.tokens for _, b in flat])
-        grown: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), entry in zip(flat, nexts):
-            for tok, lp in entry.items():
-                child = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [entry],
-                                           beam.cum_logprob + lp.logprob)
-                if tok in eos_token_ids and not params.ignore_eos:
-                    child.finish_reason, child.stop_reason = "stop", tok
-                    done[i].append(child)
-                else:
-                    grown[i].append(child)
-        for i, children in enumerate(grown):
-            children.sort(key=lambda b: b.score(eos_token_ids, params.length_penalty), reverse=True)
-            live[i] = children[:w]
-            for b in live[i]:
-                if len(b.tokens) >= max_len:
-                    b.finish_reason = "length"
-            done[i] += [b for b in live[i] if b.finish_reason]
-            live[i] = [b for b in live[i] if not b.finish_reason]
-    outs = []
-    for i in range(len(prompts)):
-        for b in live[i]:
-            b.finish_reason = "length"
-        ranked = sorted(done[i] + live[i], key=lambda b: b.score(eos_token_ids, params.length_penalty),
-                        reverse=True)[:w]
-        if decode is not None:
-            for b in ranked:
-                b.text = decode(b.tokens)
-        outs.append(BeamSearchOutput(ranked))
-    return outs
+    search = BeamSearch(prompts, params, eos_token_ids, max_len)
+    while batch := search.pending():
+        search.advance(step(batch))
+    return search.outputs(decode)
 
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_search"]
+async def beam_search_async(prompts: Sequence[list[int]], params: BeamSearchParams, step: AsyncStepFn,
+                            eos_token_ids: frozenset[int], max_len: int,
+                            decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+    """beam_search with a step that awaits the engine (the server's engine client)."""
+    search = BeamSearch(prompts, params, eos_token_ids, max_len)
+    while batch := search.pending():
+        search.advance(await step(batch))
+    return search.outputs(decode)
+
+
+__all__ = ["BeamSearch", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "beam_search",
+           "beam_search_async"]

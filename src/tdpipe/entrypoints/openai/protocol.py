@@ -45,8 +45,6 @@ def _is(*ok: Any) -> Callable[[Any], bool]:
 # field -> "this value changes nothing": any other value is a 400 (it would silently change results)
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "suffix": _none_or_empty,
-    "use_beam_search": _is(None, False),
-    "length_penalty": _is(None, 1, 1.0),
     "logits_processors": _none_or_empty,
     "functions": _none_or_empty,  # the legacy names of tools and tool_choice
     "function_call": _is(None, "none", "auto"),
@@ -98,6 +96,8 @@ class _GenerationRequest(_Request):
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the answer may hold
     bad_words: list[str] | None = None  # vLLM's: words the answer must not contain
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: all that fit)
+    use_beam_search: bool = False  # vLLM's: n beams, the n best returned (entrypoints/openai/beam.py)
+    length_penalty: float = 1.0  # vLLM's: beams ranked by cumulative logprob / length ** length_penalty
     # structured output: OpenAI's response_format, vLLM's structured_outputs, and vLLM's older guided_* names
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

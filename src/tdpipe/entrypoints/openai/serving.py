@@ -27,6 +27,7 @@ from tdpipe.core.engine_client import EngineClient
 from tdpipe.core.validation import (EngineRequest, RequestError, RequestLimits, check_grammar, check_params,
                                     check_stops, validate_prompt)
 from tdpipe.entrypoints.openai.admission import Admission, Ticket
+from tdpipe.entrypoints.openai.beam import beam_outputs
 from tdpipe.entrypoints.openai.errors import (EngineDeadError, OpenAIError, bad_request, engine_dead,
                                               error_json, from_request_error, from_sampling_error)
 from tdpipe.entrypoints.openai.metrics import RequestTimer, ServerMetrics
@@ -35,6 +36,7 @@ from tdpipe.entrypoints.openai.protocol import UsageInfo, _GenerationRequest, _R
 from tdpipe.entrypoints.openai.serve_args import ServerConfig
 from tdpipe.entrypoints.openai.tokenizer_thread import off_loop
 from tdpipe.outputs import RequestOutput
+from tdpipe.sampling.beam_search import BeamSearchParams
 from tdpipe.sampling.params import SamplingParams
 
 log = logging.getLogger("tdpipe.serve")
@@ -49,6 +51,7 @@ class Item:
     index: int
     request: EngineRequest
     prompt_text: str | None = None  # what echo puts first: the prompt (completions), the last message (chat)
+    beam: BeamSearchParams | None = None  # use_beam_search: the search runs instead of the request
 
     @property
     def request_id(self) -> str:
@@ -252,7 +255,11 @@ class Run:
     async def _one(self, it: Item, ticket: Ticket) -> AsyncIterator[tuple[int, RequestOutput]]:
         timer: RequestTimer = self.serving.metrics.timer()
         try:
-            async with contextlib.aclosing(self.eng.generate(it.request)) as gen:
+            r = it.request
+            source = (self.eng.generate(r) if it.beam is None else
+                      beam_outputs(self.eng, r.request_id, r.prompt, r.prompt_token_ids, it.beam,
+                                   r.params.max_tokens or it.beam.max_tokens, r.params.skip_special_tokens))
+            async with contextlib.aclosing(source) as gen:
                 async for out in gen:
                     ticket.started()
                     timer.tokens_seen(sum(len(c.token_ids) for c in out.outputs))

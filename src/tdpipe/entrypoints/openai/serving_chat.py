@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from tdpipe.core.engine_client import EngineClient
 from tdpipe.core.validation import RequestError, check_grammar
+from tdpipe.entrypoints.openai.beam import beam_params
 from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.logprobs import chat_logprobs
 from tdpipe.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -198,7 +199,8 @@ class ChatServing:
         rid = self.s.new_id("chatcmpl")
         er = self.s.validated(rid, ids, sp, eng, "messages", max_field)
         so = req.stream_options
-        return Prepared(rid, name, [Item(0, er, req.echoed(conv, add_generation_prompt))], req.stream,
+        item = Item(0, er, req.echoed(conv, add_generation_prompt), beam_params(req, er.params))
+        return Prepared(rid, name, [item], req.stream,
                         include_usage=bool(so and so.include_usage),
                         continuous_usage=bool(so and so.continuous_usage_stats),
                         return_token_ids=req.return_token_ids, ignored=ignored)

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tdpipe.core.engine_client import EngineClient
+from tdpipe.entrypoints.openai.beam import beam_params
 from tdpipe.entrypoints.openai.errors import bad_request
 from tdpipe.entrypoints.openai.logprobs import completion_logprobs
 from tdpipe.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk, CompletionRequest,
@@ -36,7 +37,7 @@ class CompletionServing:
                 ids, text = p, None
             er = self.s.validated(rid if len(prompts) == 1 else f"{rid}-{i}", ids, sp, eng, "prompt",
                                   "max_tokens", text)
-            items.append(Item(i, er, text))
+            items.append(Item(i, er, text, beam_params(req, er.params)))
         if req.echo:
             for it in items:
                 if it.prompt_text is None:

@@ -106,12 +106,13 @@ class LocalExecutor(Executor):
         return host + anchor.elapsed_time(ev) / 1e3  # type: ignore[attr-defined]
 
     def collect(self) -> StepResult:
-        q = self._queued.popleft()
+        q = self._queued[0]
         if q.done is not None:
-            q.done.synchronize()  # type: ignore[attr-defined]
+            q.done.synchronize()  # type: ignore[attr-defined]  (interrupted here, the step stays queued)
             start, end = self._device_time(q.began), self._device_time(q.done)
         else:
             start, end = q.t1, q.t2
+        self._queued.popleft()
         token_ids, out = q.finish()
         step = q.step
         prefill, decode = step.shape()

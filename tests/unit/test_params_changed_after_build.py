@@ -60,3 +60,23 @@ def test_a_bad_value_set_after_build_is_refused_naming_it():
         validate_request("bad", [3, 4], p, limits)
     assert e.value.param == "n"
     eng.shutdown()
+
+
+def test_unchanged_params_are_not_checked_again():
+    """revalidate() runs the checks only after a field was set: a 5,000-id allowed_token_ids list shared by
+    many requests is checked once, not once per request."""
+    p = SamplingParams(allowed_token_ids=list(range(5000)))
+    calls = []
+    check = SamplingParams.__post_init__
+    try:
+        SamplingParams.__post_init__ = lambda self: (calls.append(1), check(self))[1]
+        p.revalidate()
+        p.revalidate()
+        assert calls == []
+        p.allowed_token_ids = [7, 3]
+        p.revalidate()
+        assert calls == [1] and p.allowed_token_ids == [3, 7]
+        p.revalidate()
+        assert calls == [1]
+    finally:
+        SamplingParams.__post_init__ = check

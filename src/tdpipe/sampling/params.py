@@ -2,9 +2,10 @@
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 from numbers import Integral, Real
+from typing import Any
 
 from tdpipe.sampling.structured import StructuredOutputsParams
 
@@ -140,6 +141,7 @@ class SamplingParams:
         self.argmax_ok = self.is_greedy and untouched
         self.plain_draw = (untouched and self.seed is None and self.top_k == -1 and self.top_p >= 1.0
                            and self.min_p <= 0.0)
+        object.__setattr__(self, "_checked", True)  # last: the normalisations above set fields
 
     def _check_int(self, name: str, ok, allowed: str, optional: bool = False) -> None:
         """Integral (numpy ints too, never bool or float) and `ok`; stored as a plain int."""
@@ -215,13 +217,23 @@ class SamplingParams:
         """How many trailing characters the detokenizer must hold back before a stop string can be ruled out."""
         return max((len(s) for s in self.stop), default=0)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _FIELDS:  # a field set: checked and derived again before the next request uses it
+            object.__setattr__(self, "_checked", False)
+
     def revalidate(self) -> None:
         """Check the fields again and derive what is computed from them (the stop-token set, the normalised stop
-        list, ...): a field set on a built object (RL code clones a template and sets fields per request) would
-        otherwise be used unchecked, or not at all (a stop_token_ids set afterwards never stopped anything). The
-        engine calls it for every request it takes."""
-        self.__post_init__()
+        list, ...) if one was set since: a field set on a built object (RL code clones a template and sets
+        fields per request) would otherwise be used unchecked, or not at all (a stop_token_ids set afterwards
+        never stopped anything). The engine calls it for every request it takes; unchanged params cost nothing
+        (a 5,000-id allowed_token_ids list takes ms to check). Set fields, do not change their lists in place."""
+        if not self.__dict__.get("_checked"):
+            self.__post_init__()
 
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's): RL code clones a template and changes fields per request."""
         return copy.deepcopy(self)
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))  # assignments that call for revalidate()

@@ -4,8 +4,9 @@ granite).
 Each test writes a tiny GGUF the way llama.cpp's converter does (its tensor names, its q/k row permutation
 for Llama, its 1 + w Gemma norms, Phi-3's fused tensors and LongRoPE factor tensors) from a random
 transformers model, converts it, and checks three oracles: transformers' own GGUF loader
-(load_gguf_checkpoint; it reads neither Gemma 1 nor Granite) gives the same tensors, the tensors are the original model's, and the original
-model's logits come back from the converted config + tensors. Small enough to run in seconds.
+(load_gguf_checkpoint; it reads neither Gemma 1 nor Granite) gives the same tensors, the tensors are the
+original model's, and the original model's logits come back from the converted config + tensors. Small enough
+to run in seconds.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ engine after the pp = 2 one in the same process once measured 284 output tok/s w
 gave 398.
 
 MFU = model FLOPs / (elapsed_s * peak FLOP/s), where peak is torch's measured square-matmul rate on the
-same threads and dtype (see tdpipe.bench.peak; probed before and after the timed run, the higher taken) and model FLOPs count only the useful work of the workload
-(recomputation after preemption is not credited):
+same threads and dtype (see tdpipe.bench.peak; probed before and after the timed run, the higher taken) and
+model FLOPs count only the useful work of the workload (recomputation after preemption is not credited):
   - every processed token (the whole prompt, then each fed-back output token: input_len + output_len - 1
     per request) costs ModelConfig.params_per_token_flops() (2 x decoder weights);
   - attention scores + weighted sum: 4 * context * num_heads * head_dim * num_layers per processed token,

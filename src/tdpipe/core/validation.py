@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -139,14 +140,19 @@ def check_floats(params: SamplingParams) -> None:
                            f"{params.repetition_penalty!r}", "repetition_penalty")
 
 
+def field_of(message: str) -> str | None:
+    """The field a SamplingParams message names first ('temperature must be >= 0, got -1.0')."""
+    m = re.match(r"(\w+)", message)
+    return m.group(1) if m else None
+
+
 def revalidate(params: SamplingParams) -> None:
-    """SamplingParams.revalidate, its ValueError a RequestError naming the field where the message starts with
-    one (a field changed after the object was built)."""
+    """SamplingParams.revalidate, its ValueError a RequestError naming the field (a field changed after the
+    object was built)."""
     try:
         params.revalidate()
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        raise RequestError(str(e), field if field.isidentifier() else None) from None
+        raise RequestError(str(e), field_of(str(e))) from None
 
 
 def check_params(params: SamplingParams, limits: RequestLimits) -> None:

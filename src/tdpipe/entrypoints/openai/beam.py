@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from typing import Any, AsyncIterator
 
 from tdpipe.core.engine_client import EngineClient
+from tdpipe.core.validation import EngineRequest
 from tdpipe.entrypoints.openai.errors import OpenAIError, bad_request
 from tdpipe.outputs import CompletionOutput, Logprob, RequestOutput
 from tdpipe.sampling.beam_search import BeamSearchParams, beam_search_async
@@ -21,8 +23,8 @@ _REFUSED = ("best_of", "logprobs", "top_logprobs", "prompt_logprobs", "stop", "r
 
 
 def beam_params(req: Any, sp: SamplingParams) -> BeamSearchParams | None:
-    """The request's beam search (None without use_beam_search): beam width n, its max_tokens, ignore_eos,
-    length_penalty, temperature (0 unless sent)."""
+    """The request's beam search (None without use_beam_search): beam width n, max_tokens (`sp` is the
+    validated request's: resolved to what fits), ignore_eos, length_penalty, temperature (0 unless sent)."""
     if not req.use_beam_search:
         return None
     for name in _REFUSED:
@@ -32,17 +34,17 @@ def beam_params(req: Any, sp: SamplingParams) -> BeamSearchParams | None:
     if 2 * sp.n > MAX_LOGPROBS:
         raise bad_request(f"use_beam_search: n is the beam width, at most {MAX_LOGPROBS // 2} (each step asks "
                           f"for the 2 x n most likely tokens), got {sp.n}", "n", "invalid_value")
-    return BeamSearchParams(beam_width=sp.n, max_tokens=sp.max_tokens or 16, ignore_eos=sp.ignore_eos,
+    return BeamSearchParams(beam_width=sp.n, max_tokens=sp.max_tokens, ignore_eos=sp.ignore_eos,
                             temperature=req.temperature if req.temperature is not None else 0.0,
                             length_penalty=float(req.length_penalty),
                             include_stop_str_in_output=sp.include_stop_str_in_output)
 
 
-async def beam_outputs(eng: EngineClient, request_id: str, prompt: str | None, prompt_ids: list[int],
-                       params: BeamSearchParams, max_tokens: int,
-                       skip_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-    """The search over the engine client; one RequestOutput (finished) with a choice per beam, best first.
-    Leaving early (a client gone) cancels the step's requests, which aborts them in the engine."""
+async def beam_outputs(eng: EngineClient, r: EngineRequest, params: BeamSearchParams) -> AsyncIterator[RequestOutput]:
+    """The search for the validated request `r` over the engine client; one RequestOutput (finished) with a
+    choice per beam, best first. Leaving early (a client gone) cancels the step's requests, which aborts them
+    in the engine."""
+    request_id, prompt_ids = r.request_id, r.prompt_token_ids
     step_params = params.step_params()
 
     async def one(tokens: list[int], k: int) -> dict[int, Logprob]:
@@ -55,23 +57,21 @@ async def beam_outputs(eng: EngineClient, request_id: str, prompt: str | None, p
             raise OpenAIError(503, "a beam search step ended without an answer", code="request_aborted")
         return c.logprobs[0]
 
-    counter = iter(range(1 << 62))
+    counter = itertools.count()
 
     async def step(batch: list[list[int]]) -> list[dict[int, Logprob]]:
         return list(await asyncio.gather(*(one(t, next(counter)) for t in batch)))
 
-    limit = len(prompt_ids) + max_tokens  # beams stop at max_tokens new tokens or the model's length
-    [found] = await beam_search_async([prompt_ids], params, step, eng.eos_token_ids,
-                                      min(eng.max_model_len, limit))
+    [found] = await beam_search_async([prompt_ids], params, step, eng.eos_token_ids, eng.max_model_len)
     n0, tok = len(prompt_ids), eng.tokenizer
     outs = []
     for j, b in enumerate(found.sequences):
         ids = b.tokens[n0:]
         if b.finish_reason == "stop" and not params.include_stop_str_in_output:
             ids = ids[:-1]  # the EOS that ended it (vLLM's output)
-        text = tok.decode(ids, skip_special_tokens=skip_special_tokens) if tok is not None else ""
+        text = tok.decode(ids, skip_special_tokens=r.params.skip_special_tokens) if tok is not None else ""
         outs.append(CompletionOutput(j, text, ids, b.finish_reason, b.stop_reason, b.cum_logprob))
-    yield RequestOutput(request_id, prompt, prompt_ids, outs, finished=True)
+    yield RequestOutput(request_id, r.prompt, prompt_ids, outs, finished=True)
 
 
 __all__ = ["beam_outputs", "beam_params"]

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tdpipe.core.engine_client import EngineDeadError
-from tdpipe.core.validation import RequestError
+from tdpipe.core.validation import RequestError, field_of
 
 __all__ = ["EngineDeadError", "OpenAIError", "bad_request", "engine_dead", "error_body", "error_json",
            "from_request_error", "from_sampling_error", "from_validation_error"]
@@ -98,8 +98,7 @@ def from_sampling_error(e: ValueError, rename: dict[str, str] | None = None) -> 
     its message starts with, under the name the request used (`rename`: max_tokens ->
     max_completion_tokens)."""
     msg = str(e)
-    m = re.match(r"(\w+)", msg)
-    param = m.group(1) if m else None
+    param = field_of(msg)
     rename = rename or {}
     if param in rename:
         msg = rename[param] + msg[len(param):]

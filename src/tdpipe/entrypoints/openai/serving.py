@@ -255,10 +255,8 @@ class Run:
     async def _one(self, it: Item, ticket: Ticket) -> AsyncIterator[tuple[int, RequestOutput]]:
         timer: RequestTimer = self.serving.metrics.timer()
         try:
-            r = it.request
-            source = (self.eng.generate(r) if it.beam is None else
-                      beam_outputs(self.eng, r.request_id, r.prompt, r.prompt_token_ids, it.beam,
-                                   r.params.max_tokens or it.beam.max_tokens, r.params.skip_special_tokens))
+            source = (self.eng.generate(it.request) if it.beam is None else
+                      beam_outputs(self.eng, it.request, it.beam))
             async with contextlib.aclosing(source) as gen:
                 async for out in gen:
                     ticket.started()
